@@ -1,0 +1,238 @@
+"""Frames: the unit of storage, checksumming, encryption and partial reads (DESIGN invariants 5-7).
+
+Byte layout of one frame (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic  b"CKF1"
+    4       2     header_len  (= 48 + codec_len)
+    6       2     codec_len   (bytes of the codec chain string)
+    8       8     frame_index (position of the frame in its object, 0-based)
+    16      8     raw_len     (bytes after decoding)
+    24      8     stored_len  (payload bytes that follow the header)
+    32      8     payload_xxh3 (XXH3-64 of the payload as stored)
+    40      n     codec chain, ASCII, e.g. "zstd/1|aesgcm/1" ("" = raw)
+    40+n    8     header_xxh3 (XXH3-64 of bytes [0, 40+n))
+    48+n    m     payload (m = stored_len)
+
+An object is a plain concatenation of frames, so a scrub can walk it without any index and without
+the key; a reader that has the index (DCP ``storage_data``) fetches only the frames it needs and
+checks each against the index entry (offset, length, raw length, checksum, index), which also
+detects frames swapped between objects when the data is not encrypted. With encryption, the AEAD
+associated data is ``FORMAT | version | attempt | object | frame_index | raw_len | chain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Iterator
+
+import xxhash
+
+from ..errors import IntegrityError, KeyMismatchError, UnsupportedFormatError
+from . import stages
+from .crypto import FORMAT, FrameCipher
+
+MAGIC = b"CKF1"
+_FIXED = struct.Struct("<4sHHQQQQ")
+FIXED_LEN = _FIXED.size  # 40
+_Q = struct.Struct("<Q")
+MAX_CODEC_LEN = 1024
+
+
+def xxh3(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def xxh3_stream():
+    """A streaming XXH3-64 hasher (``update(bytes)``, ``intdigest()``)."""
+    return xxhash.xxh3_64()
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameRef:
+    """Where one frame lives in its object and what it must hash to.
+
+    ``offset``/``length`` in bytes within the object (header included); ``raw_len`` decoded bytes;
+    ``xxh3`` XXH3-64 of the stored payload; ``index`` the frame's position in the object.
+    """
+
+    offset: int
+    length: int
+    raw_len: int
+    xxh3: int
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameHeader:
+    index: int
+    raw_len: int
+    stored_len: int
+    payload_xxh3: int
+    chain: str
+    header_len: int
+
+
+def aad(version: str, attempt: str, obj: str, index: int, raw_len: int, chain: str) -> bytes:
+    return b"|".join(
+        [FORMAT, version.encode(), attempt.encode(), obj.encode(), b"%d" % index, b"%d" % raw_len, chain.encode()]
+    )
+
+
+def build_header(index: int, raw_len: int, payload, chain: str) -> tuple[bytes, int]:
+    cb = chain.encode("ascii")
+    h = xxh3(payload)
+    head = _FIXED.pack(MAGIC, FIXED_LEN + len(cb) + 8, len(cb), index, raw_len, len(payload), h) + cb
+    return head + _Q.pack(xxh3(head)), h
+
+
+def parse_header(buf, what: str) -> FrameHeader:
+    """Parse and verify a header at the start of ``buf`` (which may hold more bytes)."""
+    if len(buf) < FIXED_LEN + 8:
+        raise IntegrityError(f"{what}: truncated frame header", object=what)
+    magic, header_len, codec_len, index, raw_len, stored_len, ph = _FIXED.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise IntegrityError(f"{what}: bad frame magic {bytes(magic)!r}", object=what)
+    if codec_len > MAX_CODEC_LEN or header_len != FIXED_LEN + codec_len + 8 or len(buf) < header_len:
+        raise IntegrityError(f"{what}: corrupt frame header (lengths)", object=what)
+    (hh,) = _Q.unpack_from(buf, FIXED_LEN + codec_len)
+    if xxh3(memoryview(buf)[: FIXED_LEN + codec_len]) != hh:
+        raise IntegrityError(f"{what}: frame header checksum mismatch", object=what)
+    try:
+        chain = bytes(buf[FIXED_LEN : FIXED_LEN + codec_len]).decode("ascii")
+    except UnicodeDecodeError:
+        raise IntegrityError(f"{what}: frame header codec is not ASCII", object=what) from None
+    return FrameHeader(index, raw_len, stored_len, ph, chain, header_len)
+
+
+class FrameCodec:
+    """Encodes and decodes frames of one attempt of one version.
+
+    ``cipher`` is None for unencrypted versions. ``level`` is the zstd level (1 = fastest; the
+    default because save time is training time lost). ``compress``: ``"auto"`` tries zstd (or the
+    byte-grouping float codec for float dtypes) and keeps it only when it saves ≥ 3 %.
+    """
+
+    def __init__(self, version: str, attempt: str, cipher: FrameCipher | None, *, compress: str = "auto", level: int = 1):
+        self.version = version
+        self.attempt = attempt
+        self.cipher = cipher
+        self.compress = compress
+        self.level = level
+
+    # -- encode ---------------------------------------------------------------------------------
+    def encode(self, obj: str, index: int, raw, float_width: int = 0) -> tuple[bytes, object, int]:
+        """Encode one frame. Returns ``(header, payload, payload_xxh3)``; write header then payload.
+
+        ``raw``: a bytes-like of the item's bytes (C order); ``float_width``: element size in bytes
+        when the data are IEEE floats (enables byte-grouping), else 0.
+        """
+        raw = memoryview(raw).cast("B")
+        raw_len = len(raw)
+        payload: object = raw
+        chain: list[str] = []
+        if self.compress != "none" and raw_len >= 64:
+            payload, chain = _compress(raw, self.level, float_width)
+        cs = "|".join(chain)
+        if self.cipher is not None:
+            payload = self.cipher.encrypt(payload, aad(self.version, self.attempt, obj, index, raw_len, cs))
+            cs = f"{cs}|aesgcm/1" if cs else "aesgcm/1"
+        head, h = build_header(index, raw_len, payload, cs)
+        return head, payload, h
+
+    # -- decode ---------------------------------------------------------------------------------
+    def decode(self, obj: str, buf, ref: FrameRef | None) -> bytes:
+        """Verify and decode one frame held whole in ``buf``; returns the raw bytes.
+
+        Checks, in order: header checksum, agreement with ``ref`` (index, raw length, payload
+        checksum, total length), payload checksum, AEAD tag, decoded length. Any failure raises
+        :class:`IntegrityError` naming ``obj``.
+        """
+        what = obj
+        hd = parse_header(buf, what)
+        total = hd.header_len + hd.stored_len
+        if ref is not None and (
+            hd.index != ref.index or hd.raw_len != ref.raw_len or hd.payload_xxh3 != ref.xxh3 or total != ref.length
+        ):
+            raise IntegrityError(
+                f"{what}: frame at offset {ref.offset} is not the frame the index names "
+                f"(index {hd.index} vs {ref.index}, checksum {hd.payload_xxh3:016x} vs {ref.xxh3:016x})",
+                object=what,
+            )
+        if len(buf) != total:
+            raise IntegrityError(f"{what}: frame length {len(buf)} != {total}", object=what)
+        payload = memoryview(buf)[hd.header_len :]
+        if xxh3(payload) != hd.payload_xxh3:
+            raise IntegrityError(f"{what}: frame {hd.index} payload checksum mismatch", object=what)
+        if hd.raw_len > stages.MAX_FRAME_RAW:
+            raise IntegrityError(f"{what}: frame raw length {hd.raw_len} too large", object=what)
+        parsed = stages.parse_chain(hd.chain)
+        data = payload
+        if parsed and parsed[-1][0] == "aesgcm/1":
+            if self.cipher is None:
+                raise KeyMismatchError(
+                    f"{what} is encrypted but no key was given; supply key=, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
+                )
+            data = self.cipher.decrypt(
+                data, aad(self.version, self.attempt, obj, hd.index, hd.raw_len, hd.chain.rpartition("|")[0] if "|" in hd.chain else ""), what
+            )
+            parsed = parsed[:-1]
+        elif self.cipher is not None:
+            raise IntegrityError(f"{what}: frame {hd.index} is not encrypted in an encrypted version", object=what)
+        if any(n == "aesgcm/1" for n, _ in parsed):
+            raise UnsupportedFormatError(f"{what}: aesgcm/1 must be the last stage of a chain")
+        for name, param in reversed(parsed):
+            try:
+                data = stages.decode_stage(name, param, data, hd.raw_len)
+            except IntegrityError as e:
+                raise IntegrityError(f"{what}: frame {hd.index}: {e}", object=what) from None
+            except (ValueError, TypeError, OverflowError, MemoryError) as e:
+                raise IntegrityError(f"{what}: frame {hd.index} does not decode: {e}", object=what) from None
+        if len(data) != hd.raw_len:
+            raise IntegrityError(f"{what}: frame {hd.index} decoded to {len(data)} bytes, expected {hd.raw_len}", object=what)
+        return data
+
+
+def _compress(raw: memoryview, level: int, float_width: int):
+    n = len(raw)
+    if float_width in (2, 4) and n >= 4096 and n % float_width == 0 and "bytegroup/1" in stages._DECODERS:
+        from . import bytegroup
+
+        out = bytegroup.encode(raw, float_width, level)
+        if out is not None and len(out) < n * 0.97:
+            return out, [f"bytegroup/1:{float_width}"]
+        return raw, []
+    # sample first: skip zstd quickly on incompressible data
+    if n > (1 << 20):
+        sample = raw[: 128 << 10]
+        if len(stages.zstd_compress(sample, level)) > len(sample) * 0.95:
+            return raw, []
+    c = stages.zstd_compress(raw, level)
+    if len(c) < n * 0.97:
+        return c, ["zstd/1"]
+    return raw, []
+
+
+def iter_frames(read, size: int, what: str) -> Iterator[tuple[int, FrameHeader, int]]:
+    """Walk an object of ``size`` bytes without an index, verifying every header and payload.
+
+    ``read(offset, n) -> bytes``. Yields ``(offset, header, payload_xxh3_ok)``; raises
+    :class:`IntegrityError` at the first bad frame. Used by scrub (no key needed).
+    """
+    off = 0
+    expected_index = 0
+    while off < size:
+        head = read(off, min(FIXED_LEN + 8 + MAX_CODEC_LEN, size - off))
+        hd = parse_header(head, f"{what}@{off}")
+        if hd.index != expected_index:
+            raise IntegrityError(f"{what}: frame at offset {off} has index {hd.index}, expected {expected_index}", object=what)
+        end = off + hd.header_len + hd.stored_len
+        if end > size:
+            raise IntegrityError(f"{what}: frame {hd.index} runs past the end of the object (truncated)", object=what)
+        payload = read(off + hd.header_len, hd.stored_len)
+        if xxh3(payload) != hd.payload_xxh3:
+            raise IntegrityError(f"{what}: frame {hd.index} payload checksum mismatch", object=what)
+        yield off, hd, hd.payload_xxh3
+        off = end
+        expected_index += 1

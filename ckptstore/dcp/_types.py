@@ -1,0 +1,78 @@
+"""Plain, picklable records that travel in DCP plans and ``Metadata.storage_data``.
+
+They are registered with ``torch.serialization.add_safe_globals`` so that a restricted
+(``weights_only``) unpickler of newer torch releases can read DCP metadata written by ckptstore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..codec.frame import FrameRef
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPlanData:
+    """Set in ``prepare_local_plan``: the rank that owns the plan (kept by the global plan)."""
+
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanData:
+    """Set by the coordinator in ``prepare_global_plan`` for every rank's plan."""
+
+    rank: int
+    attempt: str
+    wrapped_key: str | None
+    key_id: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemLocation:
+    """``WriteResult.storage_data`` / ``Metadata.storage_data[index]`` for one write item.
+
+    ``object``: object name in the version (``attempts/<a>/r00001.ckd``); ``frames``: the item's
+    frames in order (their ``raw_len`` add up to ``nbytes``); ``dtype``: e.g. ``"bfloat16"`` for
+    tensors, None for bytes; ``shape``: the stored chunk's shape (C-contiguous), None for bytes.
+    """
+
+    object: str
+    frames: tuple
+    nbytes: int
+    dtype: str | None
+    shape: tuple | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectReport:
+    """Rank → coordinator: one object that rank wrote (carried as a sentinel WriteResult)."""
+
+    name: str
+    size: int
+    digest: str
+    frames: int
+    rank: int
+    nbytes: int
+    codecs: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaDigest:
+    """Rank → coordinator: XXH3 of a non-sharded item this rank holds (to detect divergent copies)."""
+
+    fqn: str
+    rank: int
+    digest: int
+
+
+def _register() -> None:
+    try:
+        import torch.serialization as ts
+
+        ts.add_safe_globals([FrameRef, ItemLocation, LocalPlanData, PlanData, ObjectReport, ReplicaDigest])
+    except Exception:  # pragma: no cover - older torch
+        pass
+
+
+_register()

@@ -1,0 +1,447 @@
+"""``ckptstore.StorageReader``: a DCP StorageReader that verifies every byte it returns.
+
+Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.StorageReader``):
+
+0. (all ranks) ``reset(checkpoint_id)`` when a ``checkpoint_id`` is passed.
+1. (all ranks) ``read_metadata()`` — resolves the version (``checkpoint_id``, else ``version=``,
+   else the newest committed one), picks the tier (local when committed there, else remote),
+   verifies the manifest (format, XXH3 seal, and with a key its HMAC), then reads the DCP metadata
+   object, verifies every frame (checksum, AEAD tag) and only then unpickles it with an allow-list
+   unpickler. Sets ``storage_meta.load_id``.
+2. (all ranks) ``set_up_storage_reader(metadata, is_coordinator, rank=, use_collectives=)``.
+3. (all ranks) ``prepare_local_plan`` — unchanged.
+4. (coordinator) ``prepare_global_plan`` — refuses (``StateDictKeysError``) when the checkpoint
+   holds keys no rank asked for, unless ``allow_partial_load=True``: nothing is dropped silently.
+5. (all ranks) ``read_data`` — fetches only the frames each read item overlaps (ranged, coalesced,
+   in parallel), verifies each against the index and its checksum/tag, decodes, narrows by
+   ``storage_offsets``/``lengths`` and copies into the destination; bytes items go through
+   ``planner.load_bytes`` from position 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import io
+import os
+import pickle
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
+from torch.futures import Future
+
+from .._names import check_object_name, check_version
+from ..codec import FrameCodec, FrameRef
+from ..codec.crypto import FrameCipher, resolve_key, unwrap_key
+from ..codec.frame import xxh3_stream
+from ..codec.stages import env_threads
+from ..errors import (
+    CkptStoreError,
+    DtypeMismatchError,
+    IntegrityError,
+    KeyMismatchError,
+    ObjectNotFoundError,
+    StateDictKeysError,
+    VersionNotFoundError,
+)
+from ..manifest import layout
+from ..manifest.schema import Manifest, ObjectEntry
+from ..store import Store
+from ._types import ItemLocation
+
+_BATCH_BYTES = 64 << 20
+
+
+class StorageReader(_DCPStorageReader):
+    """Read DCP checkpoints from a ckptstore.
+
+    Args:
+        root: local directory of the store (may be empty or absent when reading from S3 only).
+        remote: ``"s3://bucket/prefix"`` or None.
+        key: master key (32 bytes or key provider); default ``CKPTSTORE_KEY``/``CKPTSTORE_KEY_FILE``.
+        version: version to load when no ``checkpoint_id`` is given; default the newest committed.
+        allow_cast: load into destination tensors of another dtype (default: raise
+            :class:`DtypeMismatchError`).
+        allow_partial_load: allow the checkpoint to hold keys the destination state dict lacks.
+        allow_unencrypted: accept an unencrypted version although a key is configured.
+        threads: decode threads (default ``CKPTSTORE_THREADS`` or ``min(8, cpus)``).
+
+    Raises (through DCP's ``CheckpointException``): :class:`VersionNotFoundError`,
+    :class:`IntegrityError` / :class:`ManifestError`, :class:`KeyMismatchError`,
+    :class:`DtypeMismatchError`, :class:`StateDictKeysError`, :class:`DamagedVersionError`.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike | None,
+        *,
+        remote: str | None = None,
+        key: Any = None,
+        version: str | None = None,
+        allow_cast: bool = False,
+        allow_partial_load: bool = False,
+        allow_unencrypted: bool = False,
+        threads: int | None = None,
+        endpoint_url: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.root = None if root is None else os.path.abspath(os.fspath(root))
+        self.remote_url = remote
+        self.endpoint_url = endpoint_url
+        self._master = resolve_key(key)
+        self.version = check_version(version) if version is not None else None
+        self.allow_cast = allow_cast
+        self.allow_partial_load = allow_partial_load
+        self.allow_unencrypted = allow_unencrypted
+        self.threads = threads or env_threads()
+        self._store = Store(self.root, remote=remote, endpoint_url=endpoint_url)
+        self._reset_state()
+
+    def __getstate__(self):
+        s = self.__dict__.copy()
+        s["_pool"] = None
+        return s
+
+    def _reset_state(self) -> None:
+        self.load_id = uuid.uuid4().hex
+        self.storage_data: dict = {}
+        self.manifest: Manifest | None = None
+        self.tier = None
+        self.codec: FrameCodec | None = None
+        self._objects: dict[str, ObjectEntry] = {}
+        self._metadata: Metadata | None = None
+        self.rank = 0
+        self.is_coordinator = True
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            check_version(checkpoint_id if isinstance(checkpoint_id, str) else None)
+            return True
+        except Exception:
+            return False
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._reset_state()
+        if checkpoint_id is not None:
+            self.version = check_version(os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.version
+
+    # -- metadata --------------------------------------------------------------------------
+    def _resolve_version(self) -> str:
+        if self.version is not None:
+            return self.version
+        rec = self._store.latest()
+        if rec is None:
+            raise VersionNotFoundError(
+                f"no committed version in {self._store._where()}; nothing to load (save one first, "
+                "or check root/remote)"
+            )
+        return rec.version
+
+    def _open_version(self, version: str) -> None:
+        """Pick the tier, verify the manifest and set up the frame codec."""
+        last: Exception | None = None
+        for name, tier in self._store.tiers.items():
+            try:
+                parsed = self._store.manifest(version, name)
+            except VersionNotFoundError as e:
+                last = e
+                continue
+            self._store.check_not_damaged(version, tier)
+            m = parsed.manifest
+            cipher = None
+            if m.encrypted:
+                if self._master is None:
+                    raise KeyMismatchError(
+                        f"version {version!r} is encrypted (key id {m.encryption['key_id']}) but no key was given; "
+                        "pass key=, or set CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
+                    )
+                data_key = unwrap_key(self._master, m.encryption["wrapped_key"], version, m.attempt, m.encryption["key_id"])
+                parsed.verify_mac(data_key)
+                cipher = FrameCipher(data_key)
+            elif self._master is not None and not self.allow_unencrypted:
+                raise KeyMismatchError(
+                    f"version {version!r} is not encrypted, but a key was given; a store that should be encrypted "
+                    "may have been tampered with. Pass allow_unencrypted=True (or drop the key) to load it"
+                )
+            self.manifest = m
+            self.tier = tier
+            self.codec = FrameCodec(version, m.attempt, cipher)
+            self._objects = {o.name: o for o in m.all_objects()}
+            return
+        raise last or VersionNotFoundError(f"version {version!r} not found")
+
+    def _alt_tiers(self):
+        """Other tiers holding the same attempt (fallback when a frame fails in the first)."""
+        for name, tier in self._store.tiers.items():
+            if tier is self.tier:
+                continue
+            try:
+                p = self._store.manifest(self.version, name)
+            except CkptStoreError:
+                continue
+            if p.manifest.attempt == self.manifest.attempt:
+                yield tier
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # DCP retries with rank= when the first call fails; ckptstore has one global metadata per
+        # version, so that retry repeats the same verified read (and raises the same typed error).
+        if self._metadata is not None:
+            return self._metadata
+        self.version = self._resolve_version()
+        self._open_version(self.version)
+        entry = self.manifest.metadata_object
+        blob = self._read_whole_object(entry)
+        md = _restricted_loads(blob, entry.name)
+        if not isinstance(md, Metadata):
+            raise IntegrityError(f"{entry.name} does not hold DCP Metadata", object=entry.name)
+        self._validate_storage_data(md)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        self._metadata = md
+        return md
+
+    def _read_whole_object(self, entry: ObjectEntry) -> bytes:
+        tiers = [self.tier, *self._alt_tiers()]
+        last: Exception | None = None
+        for tier in tiers:
+            try:
+                data = tier.get(layout.object_key(self.version, entry.name))
+                return self._decode_whole(entry, data)
+            except (IntegrityError, ObjectNotFoundError) as e:
+                last = e
+        if isinstance(last, ObjectNotFoundError):
+            raise IntegrityError(f"{entry.name} of version {self.version!r} is missing: {last}", object=entry.name)
+        raise last
+
+    def _decode_whole(self, entry: ObjectEntry, data: bytes) -> bytes:
+        from ..codec.frame import parse_header
+
+        if len(data) != entry.size:
+            raise IntegrityError(f"{entry.name}: size {len(data)} != {entry.size} in the manifest", object=entry.name)
+        out = []
+        off = 0
+        digest = xxh3_stream()
+        i = 0
+        while off < len(data):
+            hd = parse_header(memoryview(data)[off:], entry.name)
+            end = off + hd.header_len + hd.stored_len
+            if end > len(data):
+                raise IntegrityError(f"{entry.name}: frame {i} truncated", object=entry.name)
+            digest.update(memoryview(data)[off : off + hd.header_len])
+            if hd.index != i:
+                raise IntegrityError(f"{entry.name}: frame {hd.index} found where frame {i} belongs", object=entry.name)
+            out.append(self.codec.decode(entry.name, memoryview(data)[off:end], None))
+            off = end
+            i += 1
+        if i != entry.frames or f"{digest.intdigest():016x}" != entry.digest:
+            raise IntegrityError(f"{entry.name}: frames do not match the manifest (count or header digest)", object=entry.name)
+        blob = b"".join(out)
+        if len(blob) != entry.nbytes:
+            raise IntegrityError(f"{entry.name}: decoded size mismatch", object=entry.name)
+        return blob
+
+    def _validate_storage_data(self, md: Metadata) -> None:
+        sd = md.storage_data
+        if not isinstance(sd, dict):
+            raise IntegrityError("DCP metadata has no ckptstore storage_data")
+        for idx, loc in sd.items():
+            if not isinstance(loc, ItemLocation):
+                raise IntegrityError(f"storage_data[{idx}] is not an ItemLocation")
+            check_object_name(loc.object)
+            ent = self._objects.get(loc.object)
+            if ent is None:
+                raise IntegrityError(f"item {idx.fqn!r} names object {loc.object!r}, which the manifest does not list")
+            total = 0
+            for f in loc.frames:
+                if not isinstance(f, FrameRef) or f.offset < 0 or f.length <= 0 or f.offset + f.length > ent.size:
+                    raise IntegrityError(f"item {idx.fqn!r} has a frame outside {loc.object!r}", object=loc.object)
+                total += f.raw_len
+            if total != loc.nbytes:
+                raise IntegrityError(f"item {idx.fqn!r}: frames hold {total} bytes, index says {loc.nbytes}")
+            if loc.dtype is not None and not isinstance(getattr(torch, loc.dtype, None), torch.dtype):
+                raise IntegrityError(f"item {idx.fqn!r} has unknown dtype {loc.dtype!r}")
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self._metadata = metadata
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", 0) or 0
+        if self.codec is None:  # metadata handed in from elsewhere: open our version now
+            self.version = self._resolve_version()
+            self._open_version(self.version)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if self.allow_partial_load or self._metadata is None:
+            return plans
+        requested = {ri.storage_index.fqn for p in plans for ri in p.items}
+        stored = set()
+        for fqn, md in self._metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata) or all(s > 0 for s in md.size):
+                stored.add(fqn)
+        unread = sorted(stored - requested)
+        if unread:
+            shown = ", ".join(repr(k) for k in unread[:20]) + (" ..." if len(unread) > 20 else "")
+            raise StateDictKeysError(
+                f"version {self.version!r} holds {len(unread)} key(s) that no rank's state dict asks for: {shown}. "
+                "They would be dropped silently (e.g. per-rank entries saved on more ranks than are loading). "
+                "Load them explicitly, or pass allow_partial_load=True to StorageReader"
+            )
+        return plans
+
+    # -- data --------------------------------------------------------------------------------
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-dec")
+        try:
+            jobs = []
+            for ri in plan.items:
+                loc: ItemLocation = self.storage_data[ri.storage_index]
+                jobs.append((ri, loc, self._needed(ri, loc)))
+            batch: list = []
+            size = 0
+            for job in jobs:
+                batch.append(job)
+                size += sum(f.raw_len for f in job[2][0])
+                if size >= _BATCH_BYTES:
+                    self._run_batch(batch, planner, pool)
+                    batch, size = [], 0
+            if batch:
+                self._run_batch(batch, planner, pool)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _needed(self, ri, loc: ItemLocation):
+        """Frames of ``loc`` that overlap the read item, and the byte offset of the first one."""
+        if ri.type == LoadItemType.BYTE_IO or loc.shape is None:
+            return list(loc.frames), 0, 0, loc.nbytes
+        itemsize = getattr(torch, loc.dtype).itemsize
+        shape = loc.shape
+        if any(n == 0 for n in ri.lengths) or loc.nbytes == 0:
+            return [], 0, 0, 0
+        strides = _contig_strides(shape)
+        first = sum(o * s for o, s in zip(ri.storage_offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(ri.storage_offsets, ri.lengths, strides))
+        b0, b1 = first * itemsize, (last + 1) * itemsize
+        sel = []
+        pos = 0
+        start = None
+        for f in loc.frames:
+            end = pos + f.raw_len
+            if end > b0 and pos < b1:
+                if start is None:
+                    start = pos
+                sel.append(f)
+            pos = end
+        return sel, start or 0, b0, b1
+
+    def _run_batch(self, batch, planner, pool) -> None:
+        by_obj: dict[str, set] = collections.defaultdict(set)
+        for _ri, loc, (frames, *_rest) in batch:
+            by_obj[loc.object].update(frames)
+        tasks = []
+        for obj, frames in by_obj.items():
+            fl = sorted(frames, key=lambda f: f.offset)
+            group: list = []
+            gsize = 0
+            for f in fl:
+                group.append(f)
+                gsize += f.length
+                if gsize >= (16 << 20):
+                    tasks.append(pool.submit(self._fetch_decode, obj, group))
+                    group, gsize = [], 0
+            if group:
+                tasks.append(pool.submit(self._fetch_decode, obj, group))
+        decoded: dict = {}
+        for t in tasks:
+            decoded.update(t.result())
+        for ri, loc, (frames, start, b0, b1) in batch:
+            self._deliver(ri, loc, frames, start, b0, b1, decoded, planner)
+
+    def _fetch_decode(self, obj: str, frames: list) -> dict:
+        tiers = [self.tier, *self._alt_tiers()]
+        last: Exception | None = None
+        for tier in tiers:
+            try:
+                bufs = tier.get_ranges(layout.object_key(self.version, obj), [(f.offset, f.offset + f.length) for f in frames])
+                return {(obj, f.offset): self.codec.decode(obj, b, f) for f, b in zip(frames, bufs)}
+            except (IntegrityError, ObjectNotFoundError) as e:
+                last = e
+        if isinstance(last, ObjectNotFoundError):
+            raise IntegrityError(f"object {obj!r} of version {self.version!r} is missing from every tier", object=obj)
+        raise last
+
+    def _deliver(self, ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner) -> None:
+        parts = [decoded[(loc.object, f.offset)] for f in frames]
+        if ri.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(ri, io.BytesIO(b"".join(parts)))
+            return
+        dtype = getattr(torch, loc.dtype)
+        target = planner.resolve_tensor(ri).detach()
+        if target.dtype != dtype and not self.allow_cast:
+            raise DtypeMismatchError(
+                f"{ri.dest_index.fqn!r} is stored as {dtype} but the destination tensor is {target.dtype}; "
+                "load into a tensor of the stored dtype, or pass allow_cast=True to StorageReader"
+            )
+        if target.numel() == 0 or not frames:
+            planner.commit_tensor(ri, target)
+            return
+        total = sum(len(p) for p in parts)
+        buf = bytearray(total)
+        pos = 0
+        for p in parts:
+            buf[pos : pos + len(p)] = p
+            pos += len(p)
+        flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+        itemsize = dtype.itemsize
+        src = flat.as_strided(tuple(ri.lengths), _contig_strides(loc.shape), (b0 - start) // itemsize)
+        if tuple(target.shape) != tuple(src.shape):
+            raise IntegrityError(f"{ri.dest_index.fqn!r}: stored slice {tuple(src.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(src)
+        planner.commit_tensor(ri, target)
+
+
+def _contig_strides(shape) -> tuple:
+    strides = []
+    acc = 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only the classes DCP metadata is made of (plus torch dtypes/Size and our records)."""
+
+    _MODULES = ("torch.distributed.checkpoint.", "ckptstore.dcp._types", "ckptstore.codec.frame")
+    _BUILTINS = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._BUILTINS or module.startswith(self._MODULES):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)):
+            return getattr(torch, name)
+        if module in ("torch._utils",) and name in ("_rebuild_tensor_v2",):
+            raise pickle.UnpicklingError("tensors are not expected in DCP metadata")
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not allowed")
+
+
+def _restricted_loads(blob: bytes, what: str):
+    try:
+        return _MetadataUnpickler(io.BytesIO(blob)).load()
+    except Exception as e:
+        raise IntegrityError(f"{what}: DCP metadata does not unpickle with the allow-list: {e}", object=what) from None

@@ -1,0 +1,145 @@
+"""Exception hierarchy of ckptstore.
+
+Every exception a user can cause is a subclass of :class:`CkptStoreError`, carries a message that
+says what happened and what to do, and an ``exit_code`` that the CLI returns unchanged (borg's
+convention: the exception class, not the message text, decides the exit status).
+
+Exit codes (documented in README.md):
+
+====  =========================================================
+0     success / clean
+1     any other ckptstore error
+2     usage error (bad flags; raised by the CLI library)
+3     version not found
+4     integrity error (stored bytes fail their checksum / tag)
+5     key error (missing, wrong, or unexpected key)
+6     version already exists
+7     storage error (disk full, S3 refusal, permission denied)
+8     unsupported format or codec version
+10    scrub: damage found (not repaired)
+11    scrub: damage found and every damaged object repaired
+12    scrub: some objects could not be checked
+====  =========================================================
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CkptStoreError",
+    "IntegrityError",
+    "ManifestError",
+    "VersionNotFoundError",
+    "VersionExistsError",
+    "DamagedVersionError",
+    "KeyMismatchError",
+    "InvalidNameError",
+    "UnsupportedFormatError",
+    "ObjectNotFoundError",
+    "ObjectExistsError",
+    "StorageError",
+    "TransientStorageError",
+    "StorageFullError",
+    "DtypeMismatchError",
+    "StateDictKeysError",
+]
+
+
+class CkptStoreError(Exception):
+    """Base class of every ckptstore error. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class IntegrityError(CkptStoreError):
+    """Stored bytes do not match their checksum or authentication tag.
+
+    ``object`` names the stored object (relative to the tier root) when known.
+    """
+
+    exit_code = 4
+
+    def __init__(self, message: str, *, object: str | None = None):
+        super().__init__(message)
+        self.object = object
+
+
+class ManifestError(IntegrityError):
+    """A manifest is malformed, fails its checksum/authentication, or names invalid objects."""
+
+
+class DamagedVersionError(CkptStoreError):
+    """The version was marked damaged by ``ckptstore scrub``; it is skipped by ``latest()``."""
+
+    exit_code = 4
+
+
+class VersionNotFoundError(CkptStoreError, FileNotFoundError):
+    """No committed version with that name exists in the tier(s) looked at."""
+
+    exit_code = 3
+
+
+class VersionExistsError(CkptStoreError, FileExistsError):
+    """A committed version with that name already exists (pass ``overwrite=True`` to replace it)."""
+
+    exit_code = 6
+
+
+class KeyMismatchError(CkptStoreError):
+    """The master key is missing, wrong, or given for a version that is not encrypted."""
+
+    exit_code = 5
+
+
+class InvalidNameError(CkptStoreError, ValueError):
+    """A version name, object name or remote URL is not acceptable."""
+
+    exit_code = 2
+
+
+class UnsupportedFormatError(CkptStoreError):
+    """The stored format version or a codec descriptor is not known to this release."""
+
+    exit_code = 8
+
+
+class ObjectNotFoundError(CkptStoreError, FileNotFoundError):
+    """A stored object does not exist in a tier (raised by tiers; translated once at the boundary)."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, object: str | None = None):
+        super().__init__(message)
+        self.object = object
+
+
+class ObjectExistsError(CkptStoreError, FileExistsError):
+    """A put-if-absent found the object already present."""
+
+    exit_code = 6
+
+
+class StorageError(CkptStoreError):
+    """The storage refused an operation permanently (permission denied, bad bucket, I/O error)."""
+
+    exit_code = 7
+
+
+class TransientStorageError(StorageError):
+    """The storage failed in a way that may succeed if retried (throttling, connection reset)."""
+
+
+class StorageFullError(StorageError, OSError):
+    """The local tier ran out of space (ENOSPC/EDQUOT). Free space or run ``ckptstore gc``."""
+
+
+class DtypeMismatchError(CkptStoreError, TypeError):
+    """A stored tensor's dtype differs from the destination's and casting was not allowed."""
+
+    exit_code = 1
+
+
+class StateDictKeysError(CkptStoreError, ValueError):
+    """The state dict being loaded and the checkpoint disagree on their keys."""
+
+    exit_code = 1

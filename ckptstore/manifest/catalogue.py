@@ -1,0 +1,159 @@
+"""The catalogue: which versions are committed in which tier (DESIGN invariant 1).
+
+A version is listed for a tier if and only if ``versions/<v>/manifest.json`` is present there and
+parses with a valid checksum. Nothing is inferred from directory or object names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import logging
+import os
+from typing import Iterable
+
+from .._names import decode_version
+from ..errors import (
+    CkptStoreError,
+    ManifestError,
+    ObjectNotFoundError,
+    UnsupportedFormatError,
+    VersionNotFoundError,
+)
+from ..tiers.base import Tier
+from . import layout
+from .schema import Manifest, ParsedManifest, parse
+
+log = logging.getLogger("ckptstore")
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionRecord:
+    """A committed version as ``Store.versions()`` lists it.
+
+    ``created``: commit time (UTC, timezone-aware). ``nbytes``: logical bytes (decoded tensors and
+    blobs). ``stored_bytes``: bytes stored in one tier. ``tiers``: the tiers where it is committed.
+    """
+
+    version: str
+    created: _dt.datetime
+    step: int | None
+    world_size: int
+    nbytes: int
+    stored_bytes: int
+    tiers: frozenset
+    pinned: bool
+    damaged: bool
+    attempt: str
+    encrypted: bool
+    key_id: str | None
+    user: dict
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["created"] = self.created.isoformat().replace("+00:00", "Z")
+        d["tiers"] = sorted(self.tiers)
+        return d
+
+
+@dataclasses.dataclass
+class TierEntry:
+    manifest: Manifest
+    parsed: ParsedManifest
+    pinned: bool
+    damaged: bool
+
+
+def manifest_keys(tier: Tier) -> list[str]:
+    """Keys of every ``manifest.json`` in the tier (one directory listing locally)."""
+    root = tier.local_path(layout.VERSIONS)
+    if root is not None:
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            return []
+        return [f"{layout.VERSIONS}/{n}/{layout.MANIFEST}" for n in names if os.path.exists(os.path.join(root, n, layout.MANIFEST))]
+    return [i.key for i in tier.list(layout.VERSIONS + "/") if i.key.endswith("/" + layout.MANIFEST) and i.key.count("/") == 2]
+
+
+def read_manifest(tier: Tier, version: str) -> ParsedManifest:
+    try:
+        data = tier.get(layout.manifest_key(version))
+    except ObjectNotFoundError:
+        raise VersionNotFoundError(
+            f"version {version!r} is not committed in the {tier.name} tier ({tier.url}); "
+            "run 'ckptstore list' to see the versions there"
+        ) from None
+    return parse(data, expect_version=version)
+
+
+def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
+    out: dict[str, TierEntry] = {}
+    keys = manifest_keys(tier)
+    if not keys:
+        return out
+    listing = None
+    if tier.local_path(layout.VERSIONS) is None:
+        listing = {i.key for i in tier.list(layout.VERSIONS + "/") if i.key.endswith(("/" + layout.PINNED, "/" + layout.DAMAGED))}
+    for key in keys:
+        enc = key.split("/")[1]
+        try:
+            version = decode_version(enc)
+            parsed = parse(tier.get(key), expect_version=version)
+        except ObjectNotFoundError:
+            continue  # un-committed while we listed
+        except (ManifestError, UnsupportedFormatError, CkptStoreError) as e:
+            log.warning("ignoring invalid manifest %s in %s tier: %s", key, tier.name, e)
+            if problems is not None:
+                problems.append((tier.name, key, str(e)))
+            continue
+        d = f"{layout.VERSIONS}/{enc}/"
+        if listing is None:
+            pinned = tier.exists(d + layout.PINNED)
+            damaged = tier.exists(d + layout.DAMAGED)
+        else:
+            pinned = d + layout.PINNED in listing
+            damaged = d + layout.DAMAGED in listing
+        out[version] = TierEntry(parsed.manifest, parsed, pinned, damaged)
+    return out
+
+
+def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
+    """Combine the tiers' entries into records, oldest → newest by commit time then name."""
+    names: set[str] = set()
+    for entries in per_tier.values():
+        names.update(entries)
+    recs = []
+    for v in names:
+        holders = {t: e[v] for t, e in per_tier.items() if v in e}
+        # the newest commit wins when tiers disagree (an overwrite not yet staged everywhere)
+        best = max(holders.values(), key=lambda e: (e.manifest.created, e.manifest.attempt))
+        m = best.manifest
+        tiers = frozenset(t for t, e in holders.items() if e.manifest.attempt == m.attempt)
+        recs.append(
+            VersionRecord(
+                version=v,
+                created=m.created_dt,
+                step=m.step,
+                world_size=m.world_size,
+                nbytes=m.nbytes,
+                stored_bytes=m.stored_bytes,
+                tiers=tiers,
+                pinned=any(e.pinned for e in holders.values()),
+                damaged=any(e.damaged for e in holders.values() if e.manifest.attempt == m.attempt),
+                attempt=m.attempt,
+                encrypted=m.encrypted,
+                key_id=(m.encryption or {}).get("key_id"),
+                user=m.user,
+            )
+        )
+    recs.sort(key=lambda r: (r.created, r.version))
+    return recs
+
+
+def damage_note(tier: Tier, version: str) -> str:
+    try:
+        return json.loads(tier.get(layout.damaged_key(version))).get("reason", "")
+    except Exception:
+        return ""

@@ -1,0 +1,253 @@
+"""The manifest: the one commit point of a version (DESIGN invariants 1, 3, 4).
+
+File format (``versions/<encoded version>/manifest.json``), three lines::
+
+    CKPTSTORE-MANIFEST 1
+    {"format": "ckptstore/1", "version": ..., ...}        <- the body, canonical JSON, UTF-8
+    {"xxh3": "<16 hex>", "hmac_sha256": "<64 hex>"}        <- the seal over the body's exact bytes
+
+``xxh3`` (XXH3-64 of the body bytes) is always present and detects accidental damage without a key.
+``hmac_sha256`` is present when the version is encrypted: HMAC-SHA256 under a key derived from the
+version's data key, which only a holder of the master key can unwrap; so an encrypted manifest
+cannot be forged or edited without the master key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hmac
+import json
+from typing import Any
+
+from .._names import check_attempt, check_object_name, check_version
+from ..codec import xxh3
+from ..codec.crypto import manifest_mac
+from ..errors import ManifestError, UnsupportedFormatError
+
+FORMAT = "ckptstore/1"
+MAGIC = b"CKPTSTORE-MANIFEST 1"
+MAX_MANIFEST_BYTES = 512 << 20
+MAX_OBJECTS = 10_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectEntry:
+    """One stored object of a version.
+
+    ``name`` relative to the version directory (``attempts/<attempt>/<file>``); ``size`` bytes;
+    ``digest`` XXH3-64 (hex) of the concatenation of the object's frame headers — each header
+    carries its payload's checksum, so this seals every byte; ``frames`` count; ``rank`` that wrote
+    it (None for the DCP metadata object); ``nbytes`` logical (decoded) bytes.
+    """
+
+    name: str
+    size: int
+    digest: str
+    frames: int
+    rank: int | None
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> "ObjectEntry":
+        if not isinstance(d, dict):
+            raise ManifestError("manifest object entry is not an object")
+        try:
+            e = cls(
+                name=check_object_name(d["name"]),
+                size=_int(d["size"], "size"),
+                digest=_hex(d["digest"], 16, "digest"),
+                frames=_int(d["frames"], "frames"),
+                rank=None if d.get("rank") is None else _int(d["rank"], "rank"),
+                nbytes=_int(d["nbytes"], "nbytes"),
+            )
+        except KeyError as k:
+            raise ManifestError(f"manifest object entry lacks field {k}") from None
+        except ManifestError:
+            raise
+        except Exception as ex:  # InvalidNameError etc.
+            raise ManifestError(f"manifest object entry is invalid: {ex}") from None
+        return e
+
+
+def _int(v: Any, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > (1 << 62):
+        raise ManifestError(f"manifest field {what!r} must be a non-negative integer, got {v!r}")
+    return v
+
+
+def _hex(v: Any, n: int, what: str) -> str:
+    if not isinstance(v, str) or len(v) != n or any(c not in "0123456789abcdef" for c in v):
+        raise ManifestError(f"manifest field {what!r} must be {n} lowercase hex digits")
+    return v
+
+
+def utcnow() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclasses.dataclass
+class Manifest:
+    """The body of a manifest. See docs/FORMAT.md for the schema and an example."""
+
+    version: str
+    attempt: str
+    created: str  # ISO 8601 UTC, e.g. "2026-11-29T08:00:00.000000Z"
+    world_size: int
+    objects: list[ObjectEntry]
+    metadata_object: ObjectEntry
+    nbytes: int = 0
+    stored_bytes: int = 0
+    step: int | None = None
+    user: dict = dataclasses.field(default_factory=dict)
+    encryption: dict | None = None  # {"alg","key_id","wrapped_key"}
+    codecs: list[str] = dataclasses.field(default_factory=list)
+    format: str = FORMAT
+    writer: str = ""
+
+    @property
+    def encrypted(self) -> bool:
+        return self.encryption is not None
+
+    @property
+    def created_dt(self) -> _dt.datetime:
+        return _dt.datetime.fromisoformat(self.created.replace("Z", "+00:00"))
+
+    def all_objects(self) -> list[ObjectEntry]:
+        return [self.metadata_object, *self.objects]
+
+    def body_json(self) -> dict:
+        return {
+            "format": self.format,
+            "version": self.version,
+            "attempt": self.attempt,
+            "created": self.created,
+            "world_size": self.world_size,
+            "step": self.step,
+            "nbytes": self.nbytes,
+            "stored_bytes": self.stored_bytes,
+            "encryption": self.encryption,
+            "codecs": sorted(self.codecs),
+            "writer": self.writer,
+            "user": self.user,
+            "metadata_object": self.metadata_object.to_json(),
+            "objects": [o.to_json() for o in self.objects],
+        }
+
+    def to_bytes(self, data_key: bytes | None) -> bytes:
+        """Serialise and seal. ``data_key`` is required iff the version is encrypted."""
+        body = json.dumps(self.body_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        seal = {"xxh3": f"{xxh3(body):016x}"}
+        if self.encryption is not None:
+            if data_key is None:
+                raise ValueError("an encrypted manifest needs its data key to be sealed")
+            seal["hmac_sha256"] = manifest_mac(data_key, body)
+        return b"\n".join([MAGIC, body, json.dumps(seal, sort_keys=True).encode()]) + b"\n"
+
+
+@dataclasses.dataclass
+class ParsedManifest:
+    manifest: Manifest
+    body: bytes
+    mac: str | None
+
+    def verify_mac(self, data_key: bytes) -> None:
+        if self.mac is None or not hmac.compare_digest(self.mac, manifest_mac(data_key, self.body)):
+            raise ManifestError(
+                f"manifest of version {self.manifest.version!r} fails its HMAC: it was altered or sealed with another key"
+            )
+
+
+def parse(data: bytes, *, expect_version: str | None = None) -> ParsedManifest:
+    """Parse and check a manifest file (structure, XXH3 seal, field types, object names).
+
+    Does not check the HMAC (that needs the data key, see :meth:`ParsedManifest.verify_mac`).
+    Raises :class:`ManifestError` (an :class:`IntegrityError`) or :class:`UnsupportedFormatError`.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    parts = data.split(b"\n")
+    if len(parts) != 4 or parts[3] != b"" or parts[0] != MAGIC:
+        if parts and parts[0].startswith(b"CKPTSTORE-MANIFEST ") and parts[0] != MAGIC:
+            raise UnsupportedFormatError(f"manifest format {parts[0][19:50]!r} is newer than this ckptstore; upgrade")
+        raise ManifestError("not a ckptstore manifest (bad header or line structure)")
+    body, seal_raw = parts[1], parts[2]
+    try:
+        seal = json.loads(seal_raw)
+        if not isinstance(seal, dict):
+            raise ValueError
+    except ValueError:
+        raise ManifestError("manifest seal line is not a JSON object") from None
+    if seal.get("xxh3") != f"{xxh3(body):016x}":
+        raise ManifestError("manifest checksum mismatch: the manifest is damaged or was edited")
+    try:
+        d = json.loads(body)
+    except ValueError:
+        raise ManifestError("manifest body is not valid JSON") from None
+    if not isinstance(d, dict):
+        raise ManifestError("manifest body is not a JSON object")
+    if d.get("format") != FORMAT:
+        raise UnsupportedFormatError(f"manifest format {d.get('format')!r} is not {FORMAT!r}; upgrade ckptstore")
+    try:
+        objs = d["objects"]
+        if not isinstance(objs, list) or len(objs) > MAX_OBJECTS:
+            raise ManifestError("manifest 'objects' must be a list")
+        enc = d.get("encryption")
+        if enc is not None:
+            if not isinstance(enc, dict) or enc.get("alg") != "AES-256-GCM":
+                raise UnsupportedFormatError(f"unknown encryption {enc!r}")
+            _hex(enc.get("key_id"), 16, "encryption.key_id")
+            if not isinstance(enc.get("wrapped_key"), str) or len(enc["wrapped_key"]) > 200:
+                raise ManifestError("manifest encryption.wrapped_key must be a string")
+        user = d.get("user", {})
+        if not isinstance(user, dict):
+            raise ManifestError("manifest 'user' must be an object")
+        step = d.get("step")
+        if step is not None:
+            step = _int(step, "step")
+        codecs = d.get("codecs", [])
+        if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
+            raise ManifestError("manifest 'codecs' must be a list of strings")
+        created = d["created"]
+        if not isinstance(created, str):
+            raise ManifestError("manifest 'created' must be a string")
+        try:
+            _dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
+        except ValueError:
+            raise ManifestError(f"manifest 'created' is not an ISO 8601 time: {created!r}") from None
+        writer = d.get("writer", "")
+        if not isinstance(writer, str):
+            raise ManifestError("manifest 'writer' must be a string")
+        m = Manifest(
+            version=check_version(d["version"]),
+            attempt=check_attempt(d["attempt"]),
+            created=created,
+            world_size=_int(d["world_size"], "world_size"),
+            objects=[ObjectEntry.from_json(o) for o in objs],
+            metadata_object=ObjectEntry.from_json(d["metadata_object"]),
+            nbytes=_int(d.get("nbytes", 0), "nbytes"),
+            stored_bytes=_int(d.get("stored_bytes", 0), "stored_bytes"),
+            step=step,
+            user=user,
+            encryption=enc,
+            codecs=codecs,
+            writer=writer,
+        )
+    except KeyError as k:
+        raise ManifestError(f"manifest lacks field {k}") from None
+    except (ManifestError, UnsupportedFormatError):
+        raise
+    except Exception as e:  # InvalidNameError and friends
+        raise ManifestError(f"manifest is invalid: {e}") from None
+    for o in m.all_objects():
+        if o.name.split("/")[1] != m.attempt:
+            raise ManifestError(f"manifest names object {o.name!r} outside its attempt {m.attempt!r}")
+    if expect_version is not None and m.version != expect_version:
+        raise ManifestError(f"manifest at version {expect_version!r} describes version {m.version!r}")
+    mac = seal.get("hmac_sha256")
+    if m.encrypted and not isinstance(mac, str):
+        raise ManifestError("encrypted manifest lacks its HMAC seal")
+    return ParsedManifest(m, body, mac)

@@ -1,0 +1,108 @@
+"""``ckptstore.Store``: the catalogue of committed versions across the local and remote tiers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .errors import DamagedVersionError, VersionNotFoundError
+from .manifest import catalogue, layout
+from .manifest.catalogue import VersionRecord
+from .manifest.schema import Manifest, ParsedManifest
+from .tiers import LocalTier, Tier, make_remote
+
+
+class Store:
+    """The versions committed under a local ``root`` and, optionally, a ``remote`` S3 prefix.
+
+    ``root``: local directory (created on first write). ``remote``: ``"s3://bucket/prefix"`` or
+    None; endpoint/credentials from the boto3 chain or ``endpoint_url``. ``key``: master key
+    (32 bytes or a key provider) — only needed to read encrypted data, not to list.
+    """
+
+    def __init__(self, root: str | os.PathLike | None, *, remote: str | None = None, key=None, endpoint_url: str | None = None):
+        self.root = None if root is None else os.path.abspath(os.fspath(root))
+        self.local: Tier | None = None if root is None else LocalTier(self.root)
+        self.remote: Tier | None = make_remote(remote, endpoint_url=endpoint_url)
+        self.key = key
+        self.problems: list = []
+
+    @property
+    def tiers(self) -> dict[str, Tier]:
+        t = {}
+        if self.local is not None:
+            t["local"] = self.local
+        if self.remote is not None:
+            t["remote"] = self.remote
+        return t
+
+    def tier(self, name: str) -> Tier:
+        t = self.tiers.get(name)
+        if t is None:
+            raise VersionNotFoundError(f"this store has no {name} tier")
+        return t
+
+    def _scan(self) -> dict[str, dict[str, catalogue.TierEntry]]:
+        self.problems = []
+        return {name: catalogue.scan(t, self.problems) for name, t in self.tiers.items()}
+
+    def versions(self, *, include_damaged: bool = True) -> list[VersionRecord]:
+        """Committed versions, oldest → newest (by commit time, then name).
+
+        Each record has ``version``, ``created`` (UTC), ``step``, ``world_size``, ``nbytes``
+        (logical bytes), ``stored_bytes``, ``tiers`` (subset of {"local","remote"}), ``pinned``,
+        ``damaged``.
+        """
+        recs = catalogue.merge(self._scan())
+        if not include_damaged:
+            recs = [r for r in recs if not r.damaged]
+        return recs
+
+    def latest(self) -> VersionRecord | None:
+        """The newest committed version not marked damaged, or None when there is none."""
+        recs = self.versions(include_damaged=False)
+        return recs[-1] if recs else None
+
+    def get(self, version: str) -> VersionRecord:
+        for r in self.versions():
+            if r.version == version:
+                return r
+        raise VersionNotFoundError(
+            f"version {version!r} is not committed in {self._where()}; run 'ckptstore list' to see what is"
+        )
+
+    def _where(self) -> str:
+        return " or ".join(f"{n} tier {t.url}" for n, t in self.tiers.items()) or "no tier"
+
+    def manifest(self, version: str, tier: str | None = None) -> ParsedManifest:
+        """The parsed manifest of ``version`` from ``tier`` (default: local if committed there, else remote)."""
+        names = [tier] if tier else list(self.tiers)
+        last: Exception | None = None
+        for n in names:
+            try:
+                return catalogue.read_manifest(self.tier(n), version)
+            except VersionNotFoundError as e:
+                last = e
+        raise last or VersionNotFoundError(f"version {version!r} not found")
+
+    def check_not_damaged(self, version: str, tier: Tier) -> None:
+        if tier.exists(layout.damaged_key(version)):
+            raise DamagedVersionError(
+                f"version {version!r} is marked damaged in the {tier.name} tier "
+                f"({catalogue.damage_note(tier, version)}); load another version or run 'ckptstore scrub --repair'"
+            )
+
+    # -- pins --------------------------------------------------------------------------------
+    def pin(self, version: str, note: str = "") -> None:
+        """Pin ``version`` in every tier where it is committed: retention never deletes it."""
+        rec = self.get(version)
+        for n in rec.tiers:
+            self.tier(n).put(layout.pin_key(version), json.dumps({"note": note}).encode())
+
+    def unpin(self, version: str) -> None:
+        for t in self.tiers.values():
+            t.delete(layout.pin_key(version))
+
+    def close(self) -> None:
+        for t in self.tiers.values():
+            t.close()

@@ -1,0 +1,279 @@
+"""The local tier: a directory on fast local disk.
+
+Durability: every object is fsync'd, and so is every directory an entry was added to or removed
+from. Put-if-absent links a fully written, fsync'd temporary file into place with ``os.link``
+(which fails with EEXIST instead of replacing, unlike ``rename``), then removes the temporary
+name. ``put`` (replace) uses ``os.replace``. Temporary files are named ``.tmp-*`` and are garbage
+for ``ckptstore gc`` once older than the grace period.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from typing import Iterator, Sequence
+
+from .. import _faults
+from .._names import check_key
+from ..errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    StorageFullError,
+)
+from .base import ObjectInfo, ObjectWriter, Tier
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+TMP_PREFIX = ".tmp-"
+
+
+def _oserror(e: OSError, what: str, key: str) -> Exception:
+    if e.errno in _FULL:
+        return StorageFullError(
+            f"local disk full while {what} {key!r} ({e.strerror}); free space or run 'ckptstore gc'"
+        )
+    if isinstance(e, FileNotFoundError):
+        return ObjectNotFoundError(f"object {key!r} not found in local tier", object=key)
+    return StorageError(f"local tier: {what} {key!r} failed: {e}")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(ObjectWriter):
+    def __init__(self, tier: "LocalTier", key: str):
+        self._tier = tier
+        self._key = key
+        self._path = tier._path(key)
+        self._dir = os.path.dirname(self._path)
+        try:
+            tier._makedirs(self._dir)
+            self._f = open(self._path, "xb")
+        except FileExistsError:
+            raise ObjectExistsError(f"object {key!r} already exists in local tier") from None
+        except OSError as e:
+            raise _oserror(e, "creating", key) from e
+        self._done = False
+
+    def write(self, data) -> None:
+        try:
+            self._f.write(data)
+        except OSError as e:
+            raise _oserror(e, "writing", self._key) from e
+
+    def commit(self) -> None:
+        if self._done:
+            return
+        try:
+            self._f.flush()
+            _faults.point("local.fsync")
+            os.fsync(self._f.fileno())
+            self._f.close()
+            fsync_dir(self._dir)
+        except OSError as e:
+            raise _oserror(e, "syncing", self._key) from e
+        self._done = True
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._f.close()
+        except OSError:
+            pass
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass
+
+
+class LocalTier(Tier):
+    """A tier in directory ``root`` (created on first write)."""
+
+    name = "local"
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self._made: set[str] = set()
+
+    def __reduce__(self):
+        return (LocalTier, (self.root,))
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def local_path(self, key: str) -> str:
+        return self._path(key)
+
+    def _makedirs(self, d: str) -> None:
+        if d in self._made:
+            return
+        # create missing parents one by one so each new entry's parent can be fsync'd
+        missing = []
+        p = d
+        while not os.path.isdir(p):
+            missing.append(p)
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+        for m in reversed(missing):
+            try:
+                os.mkdir(m)
+            except FileExistsError:
+                pass
+            fsync_dir(os.path.dirname(m))
+        self._made.add(d)
+
+    def get(self, key, start=None, end=None) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if start is None and end is None:
+                    return f.read()
+                start = start or 0
+                if end is None:
+                    return os.pread(f.fileno(), os.fstat(f.fileno()).st_size - start, start)
+                return _pread_all(f.fileno(), end - start, start)
+        except OSError as e:
+            raise _oserror(e, "reading", key) from e
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise _oserror(e, "reading", key) from e
+        try:
+            return [_pread_all(fd, e - s, s) for s, e in ranges]
+        finally:
+            os.close(fd)
+
+    def _write_tmp(self, key: str, data) -> tuple[str, str]:
+        path = self._path(key)
+        d = os.path.dirname(path)
+        self._makedirs(d)
+        tmp = os.path.join(d, f"{TMP_PREFIX}{secrets.token_hex(8)}")
+        try:
+            with open(tmp, "xb") as f:
+                _faults.point("local.tmp_write")
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _oserror(e, "writing", key) from e
+        return path, tmp
+
+    def put(self, key, data) -> None:
+        path, tmp = self._write_tmp(key, data)
+        try:
+            _faults.point("local.replace")
+            os.replace(tmp, path)
+            fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise _oserror(e, "replacing", key) from e
+
+    def put_if_absent(self, key, data) -> None:
+        path, tmp = self._write_tmp(key, data)
+        try:
+            _faults.point("local.link")
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ObjectExistsError(f"object {key!r} already exists in local tier") from None
+        except OSError as e:
+            raise _oserror(e, "linking", key) from e
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        fsync_dir(os.path.dirname(path))
+
+    def open_writer(self, key) -> ObjectWriter:
+        return _LocalWriter(self, key)
+
+    def stat(self, key) -> ObjectInfo:
+        try:
+            st = os.stat(self._path(key))
+        except OSError as e:
+            raise _oserror(e, "stat of", key) from e
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # walk only the directory that can hold the prefix
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = os.path.join(self.root, *base.split("/")) if base else self.root
+        if not os.path.isdir(top):
+            return
+        for dirpath, dirnames, filenames in os.walk(top):
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            for fn in filenames:
+                key = rel + fn
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, fn))
+                except FileNotFoundError:
+                    continue
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def delete(self, key) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise _oserror(e, "deleting", key) from e
+        d = os.path.dirname(path)
+        fsync_dir(d)
+        # prune now-empty directories up to the root (best effort)
+        while d != self.root and d.startswith(self.root):
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+            self._made.discard(d)
+            d = os.path.dirname(d)
+
+    def put_file(self, key, path, size=None) -> None:
+        with open(path, "rb") as src:
+            w = self.open_writer(key)
+            try:
+                while True:
+                    buf = src.read(8 << 20)
+                    if not buf:
+                        break
+                    w.write(buf)
+                w.commit()
+            except BaseException:
+                w.abort()
+                raise
+
+
+def _pread_all(fd: int, n: int, off: int) -> bytes:
+    data = os.pread(fd, n, off)
+    if len(data) == n:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        chunk = os.pread(fd, n - got, off + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
