@@ -1,9 +1,15 @@
 """Named fault points for crash-consistency tests.
 
-Arm with the environment variable ``CKPTSTORE_FAULT`` = ``POINT[:N][@RANK]`` (read once at import):
-the process SIGKILLs itself the N-th time (default 1st) it passes ``POINT`` — only on rank RANK
-when given (rank from ``RANK`` env). ``POINT`` may end in ``*`` to match a prefix.
-Unarmed, :func:`point` is a single global lookup and return.
+Arm with the environment variable ``CKPTSTORE_FAULT`` = ``POINT[:N][@RANK]``, read once, at the
+first fault point the process passes: the process SIGKILLs itself the N-th time (default 1st) it
+passes ``POINT`` — only on rank RANK when given (rank from the ``RANK`` env). ``POINT`` may end in
+``*`` to match a prefix. Unarmed, :func:`point` costs one global lookup and a comparison.
+
+Points: ``write.frame`` (each frame appended to a shard), ``write.commit`` (before a shard's fsync),
+``local.fsync``, ``write.metadata`` (DCP metadata object), ``local.tmp_write`` (manifest temp file),
+``commit.manifest`` (before the manifest link/conditional PUT), ``commit.after_manifest``,
+``local.link``, ``local.replace``, ``s3.part``, ``s3.complete``, ``s3.put_if_absent``,
+``remote.manifest``, ``gc.uncommit``, ``gc.delete``, ``scrub.repair``.
 """
 
 from __future__ import annotations
@@ -11,21 +17,31 @@ from __future__ import annotations
 import os
 import signal
 
-_SPEC = os.environ.get("CKPTSTORE_FAULT") or None
-_armed = None
+_UNREAD = object()
+_armed = _UNREAD
 _count = 0
 
-if _SPEC:
-    spec, _, rank = _SPEC.partition("@")
+
+def _read():
+    spec = os.environ.get("CKPTSTORE_FAULT")
+    if not spec:
+        return None
+    spec, _, rank = spec.partition("@")
     name, _, n = spec.partition(":")
-    if not rank or rank == os.environ.get("RANK", "0"):
-        _armed = (name, int(n or 1))
+    if rank and rank != os.environ.get("RANK", "0"):
+        return None
+    return (name, int(n or 1))
 
 
 def point(name: str) -> None:
     """Pass a named fault point; kills the process here when armed for it."""
+    global _armed
     if _armed is None:
         return
+    if _armed is _UNREAD:
+        _armed = _read()
+        if _armed is None:
+            return
     _hit(name)
 
 

@@ -114,6 +114,7 @@ class StorageReader(_DCPStorageReader):
         self.codec: FrameCodec | None = None
         self._objects: dict[str, ObjectEntry] = {}
         self._metadata: Metadata | None = None
+        self._deferred: Exception | None = None
         self.rank = 0
         self.is_coordinator = True
 
@@ -192,8 +193,23 @@ class StorageReader(_DCPStorageReader):
                 yield tier
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # DCP retries with rank= when the first call fails; ckptstore has one global metadata per
-        # version, so that retry repeats the same verified read (and raises the same typed error).
+        """Verify and return the DCP metadata of the version (see the module docstring).
+
+        torch ≤ 2.13's loader turns any exception from ``read_metadata()`` into a bare
+        ``AssertionError`` and then retries with ``rank=``. So that callers see the typed error, the
+        retry returns an empty placeholder and ``set_up_storage_reader`` raises the original error.
+        """
+        try:
+            return self._read_metadata()
+        except CkptStoreError as e:
+            if kwargs.get("rank") is None:
+                raise
+            self._deferred = e
+            md = Metadata(state_dict_metadata={}, storage_data={})
+            md.storage_meta = StorageMeta(load_id=self.load_id)
+            return md
+
+    def _read_metadata(self) -> Metadata:
         if self._metadata is not None:
             return self._metadata
         self.version = self._resolve_version()
@@ -272,6 +288,8 @@ class StorageReader(_DCPStorageReader):
                 raise IntegrityError(f"item {idx.fqn!r} has unknown dtype {loc.dtype!r}")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._deferred is not None:
+            raise self._deferred
         self.storage_data = metadata.storage_data
         self._metadata = metadata
         self.is_coordinator = is_coordinator

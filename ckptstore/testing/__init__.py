@@ -1,0 +1,1 @@
+"""Test helpers shipped with ckptstore: multi-process runner, tier conformance, SeaweedFS server."""

@@ -1,0 +1,145 @@
+"""Per-rank bodies for the multi-process DCP tests (module-level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import ckptstore
+
+
+def full_state(seed: int = 0) -> dict:
+    """A state with big and small tensors of several dtypes and non-tensor values."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(37, 19, generator=g),
+        "big": torch.randn(1 << 18, generator=g).to(torch.bfloat16),  # spans several frames at 64 KiB frames
+        "i32": torch.tensor([16777217, -5, 2**31 - 1], dtype=torch.int32),
+        "meta": {"epoch": 20, "args": {"lr": 3e-4, "name": "run/ü", "tags": ["a", "b"], "note": None}},
+    }
+
+
+def save_sharded(rank, world, root, version, seed, key=None, frame_size=65536):
+    """DTensor sharded on dim 0 + plain replicated tensors + non-tensor state."""
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_state(seed)
+    sd = {
+        "dt": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "dbig": distribute_tensor(full["big"], mesh, [Shard(0)]),
+        "i32": full["i32"],
+        "meta": full["meta"],
+    }
+    w = ckptstore.StorageWriter(root, key=key, step=seed, frame_size=frame_size)
+    dcp.save(sd, checkpoint_id=version, storage_writer=w)
+    return True
+
+
+def load_sharded(rank, world, root, version, seed, key=None):
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_state(seed)
+    sd = {
+        "dt": distribute_tensor(torch.zeros_like(full["w"]), mesh, [Shard(0)]),
+        "dbig": distribute_tensor(torch.zeros_like(full["big"]), mesh, [Shard(0)]),
+        "i32": torch.zeros(3, dtype=torch.int32),
+        "meta": {"epoch": 0, "args": {"lr": 0.0, "name": "", "tags": [], "note": 1}},
+    }
+    dcp.load(sd, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root, key=key))
+    ok = {
+        "dt": torch.equal(sd["dt"].full_tensor(), full["w"]),
+        "dbig": torch.equal(sd["dbig"].full_tensor().view(torch.int16), full["big"].view(torch.int16)),
+        "local_shape": tuple(sd["dt"].to_local().shape),
+        "i32": sd["i32"].tolist(),
+        "meta": sd["meta"],
+    }
+    return ok
+
+
+def async_mutate(rank, world, root, version, kind):
+    mesh = init_device_mesh("cpu", (world,))
+    base = torch.arange(64, dtype=torch.float32).reshape(16, 4) + 1
+    sd = {"dt": distribute_tensor(base.clone(), mesh, [Shard(0)]), "plain": torch.ones(5) * 3, "step": torch.tensor(7.0)}
+    w = ckptstore.StorageWriter(root)
+    t = AsyncCheckpointerType.PROCESS if kind == "process" else AsyncCheckpointerType.THREAD
+    fut = dcp.async_save(sd, checkpoint_id=version, storage_writer=w, async_checkpointer_type=t)
+    # training continues and mutates every tensor in place right away
+    sd["dt"].to_local().mul_(-100)
+    sd["plain"].fill_(-1)
+    sd["step"].fill_(99)
+    fut.result()
+    tgt = {"dt": distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)]), "plain": torch.zeros(5), "step": torch.tensor(0.0)}
+    dcp.load(tgt, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root))
+    return {
+        "dt": torch.equal(tgt["dt"].full_tensor(), base),
+        "plain": tgt["plain"].tolist(),
+        "step": tgt["step"].item(),
+    }
+
+
+def uneven_save(rank, world, root, version):
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {
+        "v6": distribute_tensor(torch.arange(6, dtype=torch.float32) + 0.5, mesh, [Shard(0)]),
+        "e_bf16": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "e_i8": torch.zeros(0, dtype=torch.int8),
+    }
+    local = tuple(sd["v6"].to_local().shape)
+    dcp.save(sd, checkpoint_id=version, storage_writer=ckptstore.StorageWriter(root))
+    return local
+
+
+def uneven_load(rank, world, root, version):
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {
+        "v6": distribute_tensor(torch.zeros(6), mesh, [Shard(0)]),
+        "e_bf16": torch.ones(0, 4, dtype=torch.bfloat16),
+        "e_i8": torch.ones(0, dtype=torch.int8),
+    }
+    dcp.load(sd, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root))
+    return {
+        "v6": sd["v6"].full_tensor().tolist(),
+        "local": tuple(sd["v6"].to_local().shape),
+        "e": (tuple(sd["e_bf16"].shape), sd["e_bf16"].dtype == torch.bfloat16, tuple(sd["e_i8"].shape)),
+    }
+
+
+def divergent_plain(rank, world, root, version):
+    sd = {"same": torch.ones(4), "rng_like": torch.full((4,), float(rank))}
+    try:
+        dcp.save(sd, checkpoint_id=version, storage_writer=ckptstore.StorageWriter(root))
+    except BaseException as e:  # CheckpointException is a BaseException
+        return str(e)
+    return None
+
+
+def per_rank_save(rank, world, root, version):
+    sd = {f"dataloader.dp_rank_{rank}": {"cursor": 100 + rank}, "w": torch.ones(3)}
+    dcp.save(sd, checkpoint_id=version, storage_writer=ckptstore.StorageWriter(root))
+    return True
+
+
+def per_rank_load(rank, world, root, version, allow):
+    sd = {f"dataloader.dp_rank_{rank}": {"cursor": -1}, "w": torch.zeros(3)}
+    try:
+        dcp.load(sd, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root, allow_partial_load=allow))
+    except BaseException as e:
+        return ("error", str(e))
+    return ("ok", sd[f"dataloader.dp_rank_{rank}"])
+
+
+def killed_save(rank, world, root, version):
+    """Ranks die at the fault point armed through CKPTSTORE_FAULT (see ckptstore/_faults.py)."""
+    sd = {f"x.rank{rank}": torch.full((1000,), float(rank)), f"y.rank{rank}": torch.arange(10) * rank}
+    dcp.save(sd, checkpoint_id=version, storage_writer=ckptstore.StorageWriter(root, frame_size=4096))
+    return True
+
+
+def plain_save(rank, world, root, version, value):
+    sd = {f"x.rank{rank}": torch.full((1000,), float(value + rank))}
+    dcp.save(sd, checkpoint_id=version, storage_writer=ckptstore.StorageWriter(root, frame_size=4096))
+    return True

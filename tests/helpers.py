@@ -1,0 +1,45 @@
+"""Small helpers shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptstore
+
+
+def failures(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside a DCP CheckpointException (or the exception itself)."""
+    if isinstance(exc, CheckpointException):
+        return [e for e, _tb in exc.failures.values()]
+    return [exc]
+
+
+def save(sd, root, version, **kw):
+    dcp.save(sd, checkpoint_id=version, storage_writer=ckptstore.StorageWriter(root, **kw))
+
+
+def load(sd, root, version=None, **kw):
+    reader = ckptstore.StorageReader(root, version=version, **kw)
+    if version is None:
+        dcp.load(sd, storage_reader=reader)
+    else:
+        dcp.load(sd, checkpoint_id=version, storage_reader=reader)
+    return sd
+
+
+def load_error(sd, root, version=None, **kw) -> BaseException:
+    try:
+        load(sd, root, version, **kw)
+    except BaseException as e:  # noqa: BLE001 — CheckpointException is a BaseException
+        return e
+    raise AssertionError("load succeeded but was expected to fail")
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy()) == bytes(b.contiguous().reshape(-1).view(torch.uint8).numpy())
