@@ -97,6 +97,7 @@ class StorageWriter(_DCPStorageWriter):
         durability: ``"local"`` (the save completes at the local commit; upload continues) or
             ``"remote"`` (the save completes at the remote commit). Only with ``remote``.
         endpoint_url: S3 endpoint, overriding the boto3 chain.
+        upload_timeout: seconds ``close()``/exit and the remote commit wait for uploads (default 1 h).
         allow_divergent_replicas: when two ranks hold different values under one non-sharded key,
             save rank 0's copy (DCP's behaviour) instead of raising :class:`StateDictKeysError`.
 
@@ -122,6 +123,7 @@ class StorageWriter(_DCPStorageWriter):
         durability: str = "local",
         endpoint_url: str | None = None,
         allow_divergent_replicas: bool = False,
+        upload_timeout: float = 3600.0,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -144,6 +146,9 @@ class StorageWriter(_DCPStorageWriter):
         self.level = level
         self.durability = durability
         self.allow_divergent_replicas = allow_divergent_replicas
+        self.upload_timeout = upload_timeout
+        if durability == "remote" and not remote:
+            raise ValueError("durability='remote' needs remote='s3://...'")
         self.options = kwargs
         self.version = check_version(version) if version is not None else None
         self._tier = LocalTier(self.root)
@@ -439,12 +444,35 @@ class StorageWriter(_DCPStorageWriter):
             raise
         return ObjectEntry(name, off, f"{digest.intdigest():016x}", n, None, len(blob)), tuple(codecs)
 
-    # -- hooks filled in by the remote tier and retention --------------------------------------
+    # -- remote tier ---------------------------------------------------------------------------
+    @property
+    def uploader(self):
+        if self._uploader is None and self._remote is not None:
+            from .upload import Uploader
+
+            self._uploader = Uploader(self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout)
+        return self._uploader
+
     def _upload_rank_object(self, rep: ObjectReport) -> None:
-        pass
+        entry = ObjectEntry(rep.name, rep.size, rep.digest, rep.frames, rep.rank, rep.nbytes)
+        fut = self.uploader.upload_object(self.version, entry, rep.rank)
+        if self.durability == "remote":
+            fut.result()
 
     def _commit_remote(self, m: Manifest, body: bytes) -> None:
-        pass
+        fut = self.uploader.commit(m, body, self.overwrite)
+        if self.durability == "remote":
+            fut.result()
+
+    def wait_uploads(self, timeout: float | None = None) -> None:
+        """Block until this writer's pending uploads and remote commits finish.
+
+        Raises :class:`ckptstore.dcp.upload.UploadError` (a :class:`StorageError`) listing what
+        did not complete within ``timeout`` seconds or failed.
+        """
+        from .upload import check_uploads
+
+        check_uploads(self._uploader, timeout)
 
     def _after_commit(self, m: Manifest) -> None:
         pass
@@ -463,8 +491,15 @@ class StorageWriter(_DCPStorageWriter):
     def synchronize_staging(self) -> None:
         pass
 
-    def close(self) -> None:
-        """Wait for pending uploads (remote tier) and release resources."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for pending uploads (bounded by ``timeout`` or ``upload_timeout`` seconds) and
+        release resources; raises ``UploadError`` naming what was not uploaded."""
+        if self._uploader is not None:
+            try:
+                self.wait_uploads(self.upload_timeout if timeout is None else timeout)
+            finally:
+                self._uploader.shutdown()
+                self._uploader = None
 
 
 def _chain_of(head: bytes) -> str:

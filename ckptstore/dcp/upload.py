@@ -1,0 +1,203 @@
+"""Background staging of committed local objects to the remote tier, and the remote commit.
+
+Per rank (in ``write_data``, after the rank's local object is durable): upload the object (multipart,
+part size derived from its size, parts in parallel — see ``tiers/s3.py``), check the remote size,
+then write the *rank marker* ``attempts/<attempt>/uploaded.rNNNNN.json`` = ``{"size", "digest"}``.
+The digest is recomputed from the local file's frame headers just before the upload, so what is
+uploaded is what the manifest describes.
+
+Coordinator (in ``finish``, after the local commit): upload the DCP metadata object, wait until a
+marker exists for every rank object named by the manifest (polling the remote listing — rank
+completion travels through the store itself, never through collectives on the training process
+group), check every marker's size and digest against the manifest, then commit the remote
+``manifest.json`` with ``If-None-Match: "*"`` (put-if-absent).
+
+``durability="local"``: all of this runs on background threads; ``StorageWriter.close()`` (and
+interpreter exit) waits for it, bounded by ``upload_timeout`` seconds, and reports what was not
+uploaded. ``durability="remote"``: ``write_data`` waits for the rank's upload and ``finish`` for the
+remote commit, so the DCP future resolves only once the version is committed remotely, and any
+upload failure reaches the caller as a ``CheckpointException`` naming the rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import time
+import weakref
+
+from .. import _faults
+from ..codec.frame import FIXED_LEN, iter_frames, xxh3_stream
+from ..errors import CkptStoreError, IntegrityError, ObjectExistsError, StorageError, VersionExistsError
+from ..manifest import layout
+from ..manifest.schema import Manifest, ObjectEntry
+from ..tiers.base import Tier
+
+log = logging.getLogger("ckptstore")
+
+_live: "weakref.WeakSet[Uploader]" = weakref.WeakSet()
+
+
+def marker_name(attempt: str, rank: int) -> str:
+    return f"attempts/{attempt}/uploaded.r{rank:05d}.json"
+
+
+class UploadError(StorageError):
+    """Staging a version to the remote tier failed; the remote commit did not happen."""
+
+
+def local_digest(local: Tier, key: str, size: int) -> tuple[str, int]:
+    """Recompute (digest, frames) of a local object by walking its frames (checks payloads too)."""
+    path = local.local_path(key)
+    d = xxh3_stream()
+    n = 0
+    with open(path, "rb") as f:
+        import os
+
+        def read(off, length):
+            return os.pread(f.fileno(), length, off)
+
+        for off, hd, _ in iter_frames(read, size, key):
+            d.update(read(off, hd.header_len))
+            n += 1
+    return f"{d.intdigest():016x}", n
+
+
+class Uploader:
+    def __init__(self, local: Tier, remote: Tier, threads: int = 4, timeout: float = 3600.0):
+        self.local = local
+        self.remote = remote
+        self.timeout = timeout
+        self._pool = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptstore-up")
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, cf.Future]] = []
+        self.errors: list[str] = []
+        _live.add(self)
+
+    # -- rank side -------------------------------------------------------------------------
+    def upload_object(self, version: str, entry: ObjectEntry, rank: int) -> cf.Future:
+        def job():
+            key = layout.object_key(version, entry.name)
+            digest, frames = local_digest(self.local, key, entry.size)
+            if digest != entry.digest or frames != entry.frames:
+                raise IntegrityError(f"local object {key} changed after it was written; not uploading it", object=key)
+            self.remote.put_file(key, self.local.local_path(key), entry.size)
+            got = self.remote.stat(key).size
+            if got != entry.size:
+                raise UploadError(f"remote object {key} has {got} bytes after upload, expected {entry.size}")
+            attempt = entry.name.split("/")[1]
+            marker = {"size": entry.size, "digest": entry.digest, "frames": entry.frames, "rank": rank}
+            self.remote.put(layout.object_key(version, marker_name(attempt, rank)), json.dumps(marker).encode())
+            return key
+
+        return self._submit(f"{version}/{entry.name}", job)
+
+    # -- coordinator side ----------------------------------------------------------------------
+    def commit(self, m: Manifest, body: bytes, overwrite: bool) -> cf.Future:
+        return self._submit(f"{m.version} (remote commit)", lambda: self._commit(m, body, overwrite))
+
+    def _commit(self, m: Manifest, body: bytes, overwrite: bool) -> str:
+        v = m.version
+        meta = m.metadata_object
+        mkey = layout.object_key(v, meta.name)
+        self.remote.put_file(mkey, self.local.local_path(mkey), meta.size)
+        if self.remote.stat(mkey).size != meta.size:
+            raise UploadError(f"remote metadata object {mkey} has the wrong size after upload")
+        want = {o.rank: o for o in m.objects}
+        prefix = layout.object_key(v, f"attempts/{m.attempt}/uploaded.")
+        deadline = time.monotonic() + self.timeout
+        delay = 0.05
+        seen: dict[int, dict] = {}
+        while True:
+            for info in self.remote.list(prefix):
+                r = int(info.key.rsplit(".r", 1)[1].split(".")[0])
+                if r in want and r not in seen:
+                    seen[r] = json.loads(self.remote.get(info.key))
+            if set(seen) >= set(want):
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(want) - set(seen))
+                raise UploadError(
+                    f"version {v!r}: ranks {missing} did not finish uploading within {self.timeout:.0f} s; "
+                    "the remote commit was not made (the local version is intact)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        for r, o in want.items():
+            mk = seen[r]
+            if mk.get("size") != o.size or mk.get("digest") != o.digest:
+                raise UploadError(f"version {v!r}: rank {r}'s uploaded object does not match the manifest")
+        key = layout.manifest_key(v)
+        _faults.point("remote.manifest")
+        try:
+            if overwrite:
+                self.remote.put(key, body)
+            else:
+                self.remote.put_if_absent(key, body)
+        except ObjectExistsError:
+            raise VersionExistsError(
+                f"version {v!r} already exists in the remote tier {self.remote.url}; the remote copy was not replaced"
+            ) from None
+        log.info("ckptstore: version %s committed in %s", v, self.remote.url)
+        return key
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _submit(self, what: str, fn) -> cf.Future:
+        fut = self._pool.submit(fn)
+        with self._lock:
+            self._pending = [(w, f) for w, f in self._pending if not f.done() or f.exception() is not None]
+            self._pending.append((what, fut))
+
+        def done(f, what=what):
+            e = f.exception()
+            if e is not None:
+                msg = f"{what}: {type(e).__name__}: {e}"
+                with self._lock:
+                    self.errors.append(msg)
+                log.error("ckptstore upload failed: %s", msg)
+
+        fut.add_done_callback(done)
+        return fut
+
+    def wait(self, timeout: float | None = None) -> list[str]:
+        """Wait for every pending upload/commit; return descriptions of what did not complete."""
+        with self._lock:
+            pending = list(self._pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        not_done = []
+        for what, f in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                f.result(timeout=left)
+            except cf.TimeoutError:
+                not_done.append(f"{what}: still running after {timeout:.0f} s")
+            except BaseException as e:  # noqa: BLE001
+                not_done.append(f"{what}: {type(e).__name__}: {e}")
+        with self._lock:
+            self._pending = [(w, f) for w, f in self._pending if not f.done()]
+        return not_done
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=False)
+
+
+@atexit.register
+def _wait_at_exit() -> None:  # pragma: no cover - exercised by subprocess tests
+    for up in list(_live):
+        left = up.wait(timeout=up.timeout)
+        for line in left:
+            print(f"ckptstore: NOT uploaded before exit: {line}", flush=True)
+
+
+def check_uploads(up: "Uploader | None", timeout: float | None) -> None:
+    if up is None:
+        return
+    left = up.wait(timeout)
+    if left:
+        raise UploadError("uploads to the remote tier did not complete:\n  " + "\n  ".join(left))
+
+
+_ = (FIXED_LEN, CkptStoreError)
