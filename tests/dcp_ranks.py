@@ -143,3 +143,40 @@ def plain_save(rank, world, root, version, value):
     sd = {f"x.rank{rank}": torch.full((1000,), float(value + rank))}
     dcp.save(sd, checkpoint_id=version, storage_writer=ckptstore.StorageWriter(root, frame_size=4096))
     return True
+
+
+# ---- S3 -------------------------------------------------------------------------------------
+def s3_save(rank, world, root, remote, version, seed, durability="remote", key=None):
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_state(seed)
+    sd = {
+        "dt": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "dbig": distribute_tensor(full["big"], mesh, [Shard(0)]),
+        "i32": full["i32"],
+        "meta": full["meta"],
+    }
+    w = ckptstore.StorageWriter(root, remote=remote, durability=durability, key=key, step=seed, frame_size=65536, upload_timeout=60)
+    try:
+        dcp.save(sd, checkpoint_id=version, storage_writer=w)
+        w.close()
+    except BaseException as e:  # CheckpointException is a BaseException
+        return ("error", str(e))
+    return ("ok", None)
+
+
+def s3_load(rank, world, root, remote, version, seed, key=None):
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_state(seed)
+    sd = {
+        "dt": distribute_tensor(torch.zeros_like(full["w"]), mesh, [Shard(0)]),
+        "dbig": distribute_tensor(torch.zeros_like(full["big"]), mesh, [Shard(0)]),
+        "i32": torch.zeros(3, dtype=torch.int32),
+        "meta": {"epoch": 0, "args": {"lr": 0.0, "name": "", "tags": ["", ""], "note": 1}},
+    }
+    dcp.load(sd, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root, remote=remote, key=key))
+    return (
+        torch.equal(sd["dt"].full_tensor(), full["w"])
+        and torch.equal(sd["dbig"].full_tensor().view(torch.int16), full["big"].view(torch.int16))
+        and sd["i32"].tolist() == full["i32"].tolist()
+        and sd["meta"] == full["meta"]
+    )

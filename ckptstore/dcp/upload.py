@@ -75,16 +75,23 @@ class Uploader:
         self._lock = threading.Lock()
         self._pending: list[tuple[str, cf.Future]] = []
         self.errors: list[str] = []
+        self._failed_keys: set[str] = set()
         _live.add(self)
 
     # -- rank side -------------------------------------------------------------------------
     def upload_object(self, version: str, entry: ObjectEntry, rank: int) -> cf.Future:
         def job():
+            _faults.point("upload.object")
             key = layout.object_key(version, entry.name)
             digest, frames = local_digest(self.local, key, entry.size)
             if digest != entry.digest or frames != entry.frames:
                 raise IntegrityError(f"local object {key} changed after it was written; not uploading it", object=key)
-            self.remote.put_file(key, self.local.local_path(key), entry.size)
+            try:
+                self.remote.put_file(key, self.local.local_path(key), entry.size)
+            except BaseException:
+                with self._lock:
+                    self._failed_keys.add(key)
+                raise
             got = self.remote.stat(key).size
             if got != entry.size:
                 raise UploadError(f"remote object {key} has {got} bytes after upload, expected {entry.size}")
@@ -103,7 +110,12 @@ class Uploader:
         v = m.version
         meta = m.metadata_object
         mkey = layout.object_key(v, meta.name)
-        self.remote.put_file(mkey, self.local.local_path(mkey), meta.size)
+        try:
+            self.remote.put_file(mkey, self.local.local_path(mkey), meta.size)
+        except BaseException:
+            with self._lock:
+                self._failed_keys.add(mkey)
+            raise
         if self.remote.stat(mkey).size != meta.size:
             raise UploadError(f"remote metadata object {mkey} has the wrong size after upload")
         want = {o.rank: o for o in m.objects}
@@ -178,7 +190,35 @@ class Uploader:
                 not_done.append(f"{what}: {type(e).__name__}: {e}")
         with self._lock:
             self._pending = [(w, f) for w, f in self._pending if not f.done()]
+        not_done.extend(self._abort_failed(deadline))
         return not_done
+
+    def _abort_failed(self, deadline: float | None) -> list[str]:
+        """Abort multipart uploads left behind by failed uploads (the tier aborts on failure, but
+        the abort itself can fail while S3 is unreachable): retried here until ``deadline``."""
+        lister = getattr(self.remote, "list_multipart_uploads", None)
+        if lister is None:
+            return []
+        with self._lock:
+            keys = sorted(self._failed_keys)
+        left = []
+        for key in keys:
+            delay = 0.2
+            while True:
+                try:
+                    for mp in list(lister(key)):
+                        if mp.key == key:
+                            self.remote.abort_multipart_upload(mp.key, mp.upload_id)
+                    with self._lock:
+                        self._failed_keys.discard(key)
+                    break
+                except CkptStoreError as e:
+                    if deadline is None or time.monotonic() + delay > deadline:
+                        left.append(f"{key}: incomplete multipart upload not aborted ({e}); 'ckptstore gc' aborts it later")
+                        break
+                    time.sleep(delay)
+                    delay = min(2 * delay, 5.0)
+        return left
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=False)
@@ -200,4 +240,4 @@ def check_uploads(up: "Uploader | None", timeout: float | None) -> None:
         raise UploadError("uploads to the remote tier did not complete:\n  " + "\n  ".join(left))
 
 
-_ = (FIXED_LEN, CkptStoreError)
+_ = FIXED_LEN

@@ -49,11 +49,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
             pass
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None, timeout: float = 240) -> list:
+def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | list | None = None, timeout: float = 240) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, dict(env or {}), q), daemon=False) for r in range(world_size)]
+    envs = env if isinstance(env, list) else [dict(env or {})] * world_size
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, envs[r], q), daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:
