@@ -1,0 +1,278 @@
+"""Conformance tests every :class:`~ckptstore.tiers.base.Tier` must pass (zarr's ``StoreTests``).
+
+Subclass :class:`TierConformanceTests` in a test module, name the subclass ``Test…`` and implement
+:meth:`~TierConformanceTests.make_tier`; pytest then runs every ``test_*`` method against it::
+
+    class TestLocalTier(TierConformanceTests):
+        def make_tier(self):
+            return LocalTier(self.tmp_path / "root")
+
+    @pytest.mark.s3
+    class TestS3Tier(TierConformanceTests):
+        list_count = 1100                      # more than one S3 listing page
+        def make_tier(self):
+            return S3Tier(self.request.getfixturevalue("s3_url"))
+
+``make_tier`` may use ``self.tmp_path`` and ``self.request`` (pytest's ``request``, e.g.
+``self.request.getfixturevalue(...)``). Each test gets a fresh, empty tier. Class attributes tune
+the cost: ``list_count`` (keys in the pagination test), ``writer_size`` (bytes streamed through
+``open_writer``; make it larger than the tier's part size to cover multipart), ``big_size``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import random
+import threading
+
+import pytest
+
+from ..errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError
+from ..tiers.base import Tier
+
+__all__ = ["TierConformanceTests"]
+
+
+def _data(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+class TierConformanceTests:
+    """Base class of tier test suites; see the module docstring."""
+
+    #: keys written by the listing/pagination test (S3: > 1000 to cross a page boundary)
+    list_count: int = 40
+    #: bytes streamed through ``open_writer`` in the streaming test
+    writer_size: int = 3 << 20
+    #: object size for the ranged-read tests (S3: larger than the coalescing gap)
+    big_size: int = 3 << 20
+
+    request: pytest.FixtureRequest
+    tmp_path: os.PathLike
+
+    def make_tier(self) -> Tier:
+        """Return a new, empty tier for one test."""
+        raise NotImplementedError
+
+    @pytest.fixture(autouse=True)
+    def _conformance_setup(self, request, tmp_path):
+        self.request = request
+        self.tmp_path = tmp_path
+
+    @pytest.fixture
+    def tier(self):
+        t = self.make_tier()
+        try:
+            yield t
+        finally:
+            t.close()
+
+    # --- put / get ---
+
+    @pytest.mark.parametrize("size", [0, 1, 1000, (1 << 20) + 7])
+    def test_put_get_roundtrip(self, tier, size):
+        data = _data(size, size)
+        tier.put("obj/a", data)
+        assert tier.get("obj/a") == data
+        assert tier.stat("obj/a").size == size
+
+    def test_put_accepts_buffers(self, tier):
+        data = _data(5000)
+        tier.put("buf/ba", bytearray(data))
+        tier.put("buf/mv", memoryview(data)[100:])
+        tier.put_if_absent("buf/pia", memoryview(bytearray(data)))
+        assert tier.get("buf/ba") == data
+        assert tier.get("buf/mv") == data[100:]
+        assert tier.get("buf/pia") == data
+
+    def test_put_replaces(self, tier):
+        tier.put("r/x", b"first version, longer")
+        tier.put("r/x", b"second")
+        assert tier.get("r/x") == b"second"
+        assert tier.stat("r/x").size == 6
+        assert [i.key for i in tier.list("r/")] == ["r/x"]
+
+    def test_ranged_get(self, tier):
+        data = _data(10_000, 1)
+        tier.put("rg/o", data)
+        assert tier.get("rg/o", 0, 10) == data[:10]
+        assert tier.get("rg/o", 123, 4567) == data[123:4567]
+        assert tier.get("rg/o", 9_990, 10_000) == data[9_990:]
+        assert tier.get("rg/o", 5000) == data[5000:]
+        assert tier.get("rg/o", None, 77) == data[:77]
+        assert tier.get("rg/o", 0, None) == data
+        assert tier.get("rg/o", 40, 40) == b""
+        assert tier.get("rg/o", 9_000, 20_000) == data[9_000:]  # past the end: short, like pread
+
+    def test_get_ranges_in_callers_order(self, tier):
+        size = self.big_size
+        data = _data(size, 2)
+        tier.put("gr/o", data)
+        rng = random.Random(3)
+        ranges = [(0, 10), (10, 20), (5, 15), (size - 100, size), (size // 2, size // 2 + 4096)]
+        ranges += [(size // 3, size // 3), (7, 8), (0, 10)]  # empty and duplicate ranges
+        for _ in range(20):
+            s = rng.randrange(size)
+            ranges.append((s, min(size, s + rng.randrange(1, 300_000))))
+        rng.shuffle(ranges)
+        got = tier.get_ranges("gr/o", ranges)
+        assert len(got) == len(ranges)
+        for (s, e), b in zip(ranges, got):
+            assert b == data[s:e], (s, e)
+        assert tier.get_ranges("gr/o", []) == []
+        assert tier.get_ranges("gr/o", [(size - 1, size)]) == [data[-1:]]
+
+    # --- put_if_absent ---
+
+    def test_put_if_absent(self, tier):
+        tier.put_if_absent("pia/k", b"one")
+        with pytest.raises(ObjectExistsError):
+            tier.put_if_absent("pia/k", b"two")
+        with pytest.raises(FileExistsError):  # ObjectExistsError is a FileExistsError
+            tier.put_if_absent("pia/k", b"three")
+        assert tier.get("pia/k") == b"one"
+        tier.put("pia/k", b"replaced")  # plain put still replaces
+        assert tier.get("pia/k") == b"replaced"
+
+    def test_put_if_absent_race_has_one_winner(self, tier):
+        n = 8
+        barrier = threading.Barrier(n)
+        payloads = [f"writer {i} ".encode() * (i + 1) for i in range(n)]
+
+        def attempt(i):
+            barrier.wait()
+            try:
+                tier.put_if_absent("race/manifest", payloads[i])
+                return i
+            except ObjectExistsError:
+                return None
+
+        with cf.ThreadPoolExecutor(n) as ex:
+            results = list(ex.map(attempt, range(n)))
+        winners = [r for r in results if r is not None]
+        assert len(winners) == 1, results
+        assert tier.get("race/manifest") == payloads[winners[0]]
+
+    # --- streaming writer ---
+
+    def test_writer_commit(self, tier):
+        data = _data(self.writer_size, 4)
+        w = tier.open_writer("w/obj")
+        pos = 0
+        rng = random.Random(5)
+        while pos < len(data):
+            n = rng.randrange(1, 1 << 20)
+            w.write(memoryview(data)[pos:pos + n])
+            pos += n
+        w.commit()
+        w.commit()  # idempotent
+        assert tier.get("w/obj") == data
+        assert tier.stat("w/obj").size == len(data)
+
+    def test_writer_small_and_empty(self, tier):
+        with tier.open_writer("w/small") as w:
+            w.write(b"abc")
+            w.write(bytearray(b"def"))
+        with tier.open_writer("w/empty"):
+            pass
+        assert tier.get("w/small") == b"abcdef"
+        assert tier.get("w/empty") == b""
+
+    def test_writer_abort_is_invisible(self, tier):
+        w = tier.open_writer("wa/obj")
+        w.write(_data(self.writer_size, 6))
+        w.abort()
+        w.abort()  # idempotent
+        assert not tier.exists("wa/obj")
+        assert list(tier.list("wa/")) == []
+        with pytest.raises(ObjectNotFoundError):
+            tier.get("wa/obj")
+
+    def test_writer_context_aborts_on_error(self, tier):
+        with pytest.raises(RuntimeError):
+            with tier.open_writer("wc/obj") as w:
+                w.write(b"partial")
+                raise RuntimeError("boom")
+        assert not tier.exists("wc/obj")
+
+    # --- stat / exists / list / delete ---
+
+    def test_stat(self, tier):
+        tier.put("st/o", b"x" * 123)
+        info = tier.stat("st/o")
+        assert info.key == "st/o" and info.size == 123
+        assert abs(info.mtime - __import__("time").time()) < 3600
+        assert tier.exists("st/o")
+        assert not tier.exists("st/none")
+
+    def test_list_prefix(self, tier):
+        keys = ["a/1", "a/2", "a/sub/3", "ab/4", "b/5", "top"]
+        for k in keys:
+            tier.put(k, k.encode())
+        def ls(p=""):
+            return sorted(i.key for i in tier.list(p))
+        assert ls() == sorted(keys)
+        assert ls("a/") == ["a/1", "a/2", "a/sub/3"]
+        assert ls("a/sub/") == ["a/sub/3"]
+        assert ls("a") == ["a/1", "a/2", "a/sub/3", "ab/4"]
+        assert ls("b/") == ["b/5"]
+        assert ls("nothing/") == []
+        sizes = {i.key: i.size for i in tier.list()}
+        assert sizes == {k: len(k) for k in keys}
+
+    def test_list_pagination(self, tier):
+        n = self.list_count
+        keys = [f"many/k{i:05d}" for i in range(n)]
+        with cf.ThreadPoolExecutor(8) as ex:
+            list(ex.map(lambda k: tier.put(k, b"v"), keys))
+        tier.put("other/x", b"v")
+        got = [i.key for i in tier.list("many/")]
+        assert len(got) == n  # no page lost or repeated
+        assert sorted(got) == keys
+
+    def test_delete_idempotent(self, tier):
+        tier.put("d/x", b"1")
+        tier.put("d/y", b"2")
+        tier.delete("d/x")
+        tier.delete("d/x")
+        tier.delete("d/never-existed")
+        assert not tier.exists("d/x")
+        assert [i.key for i in tier.list("d/")] == ["d/y"]
+        with pytest.raises(ObjectNotFoundError):
+            tier.get("d/x")
+
+    # --- missing objects and names ---
+
+    def test_missing_key(self, tier):
+        for call in (
+            lambda: tier.get("no/such"),
+            lambda: tier.get("no/such", 0, 10),
+            lambda: tier.get("no/such", 5),
+            lambda: tier.get_ranges("no/such", [(0, 1), (10, 20)]),
+            lambda: tier.stat("no/such"),
+        ):
+            with pytest.raises(ObjectNotFoundError) as ei:
+                call()
+            assert isinstance(ei.value, FileNotFoundError)
+        assert not tier.exists("no/such")
+
+    def test_percent_encoded_keys(self, tier):
+        keys = ["v/step%2F100%20final/obj", "v/%2Edot/m", "v/a%25b/c-d_e.f"]
+        for i, k in enumerate(keys):
+            tier.put(k, bytes([i]) * 10)
+        for i, k in enumerate(keys):
+            assert tier.get(k) == bytes([i]) * 10
+        assert sorted(i.key for i in tier.list("v/")) == sorted(keys)
+        assert sorted(i.key for i in tier.list("v/step%2F")) == [keys[0]]
+        # a different encoding is a different key
+        assert not tier.exists("v/step%2f100%20final/obj")
+
+    @pytest.mark.parametrize(
+        "bad", ["", "/abs", "a//b", "../x", "a/../b", "a/./b", "a b", "a\\b", "trail/"]
+    )
+    def test_invalid_keys_rejected(self, tier, bad):
+        with pytest.raises(InvalidNameError):
+            tier.put(bad, b"x")
+        with pytest.raises(InvalidNameError):
+            tier.get(bad)

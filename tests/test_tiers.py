@@ -1,0 +1,544 @@
+"""Tier tests: the shared conformance suite for LocalTier and S3Tier, plus S3-specific behaviour.
+
+Everything S3 runs against a real SeaweedFS server (fixtures in conftest.py); faults are injected
+through botocore's own event hooks (``before-send``), never by mocking the client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from ckptstore.errors import (
+    InvalidNameError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    TransientStorageError,
+)
+from ckptstore.testing.tier_conformance import TierConformanceTests
+from ckptstore.tiers.local import LocalTier
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+# ------------------------------------------------------------------------------------------------
+# conformance
+
+
+class TestLocalTier(TierConformanceTests):
+    def make_tier(self):
+        return LocalTier(self.tmp_path / "root")
+
+
+@pytest.mark.s3
+class TestS3Tier(TierConformanceTests):
+    list_count = 1100  # crosses S3's 1000-key page
+    writer_size = 9 * MiB + 17  # larger than the 8 MiB part: exercises multipart streaming
+    big_size = 5 * MiB  # ranges farther apart than the 1 MiB coalescing gap
+
+    def make_tier(self):
+        from ckptstore.tiers.s3 import S3Tier
+
+        return S3Tier(self.request.getfixturevalue("s3_url"))
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers for S3 fault injection through botocore events
+
+
+class _Raw:
+    def __init__(self, body: bytes):
+        self._body = body
+
+    def stream(self, **_):
+        yield self._body
+
+    def read(self, *_a, **_k):
+        b, self._body = self._body, b""
+        return b
+
+
+def _error_response(request, status: int, code: str):
+    from botocore.awsrequest import AWSResponse
+
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+        f"<Message>injected by test</Message><RequestId>test</RequestId></Error>"
+    ).encode()
+    headers = {"Content-Type": "application/xml", "Content-Length": str(len(body))}
+    return AWSResponse(request.url, status, headers, _Raw(body))
+
+
+class Injector:
+    """A ``before-send`` handler failing the requests ``should_fail(n, request)`` picks."""
+
+    def __init__(self, should_fail, status=503, code="SlowDown"):
+        self.should_fail = should_fail
+        self.status, self.code = status, code
+        self.seen = 0
+        self.failed = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, request, **kwargs):
+        with self._lock:
+            n = self.seen
+            self.seen += 1
+            fail = self.should_fail(n, request)
+            self.failed += bool(fail)
+        if fail:
+            return _error_response(request, self.status, self.code)
+        return None
+
+
+def _s3(url, **kw):
+    from ckptstore.tiers.s3 import S3Tier
+
+    return S3Tier(url, **kw)
+
+
+def _data(n, seed=0):
+    import random
+
+    return random.Random(seed).randbytes(n)
+
+
+# ------------------------------------------------------------------------------------------------
+# part sizes and URLs (no server)
+
+
+@pytest.mark.parametrize(
+    "size",
+    [0, 1, 5 * MiB, 8 * MiB, 8 * MiB + 1, 80_000 * MiB, 80_000 * MiB + 1, 2**32 + 1,
+     3 * 2**40 + 7, 5 * 2**40],
+)
+@pytest.mark.parametrize("max_parts", [10000, 1000, 3])
+def test_part_size_for(size, max_parts):
+    from ckptstore.tiers.s3 import part_size_for
+
+    if -(-size // (5 * GiB)) > max_parts:
+        with pytest.raises(StorageError):
+            part_size_for(size, max_parts)
+        return
+    p = part_size_for(size, max_parts)
+    assert 5 * MiB <= p <= 5 * GiB
+    assert -(-size // p) <= max_parts
+    if p != 5 * GiB:
+        assert p % (8 * MiB) == 0 and (p // (8 * MiB)) & (p // (8 * MiB) - 1) == 0  # 8 MiB · 2^k
+        if p > 8 * MiB:
+            assert -(-size // (p // 2)) > max_parts  # the smallest such size
+
+
+def test_part_size_for_defaults():
+    from ckptstore.tiers.s3 import part_size_for
+
+    assert part_size_for(0) == 8 * MiB
+    assert part_size_for(80_000 * MiB) == 8 * MiB
+    assert part_size_for(80_000 * MiB + 1) == 16 * MiB
+    assert part_size_for(2**32 + 1) == 8 * MiB
+    assert part_size_for(5 * 2**40) == 1 * GiB  # the largest S3 object
+    with pytest.raises(StorageError):
+        part_size_for(10_000 * 5 * GiB + 1)
+    with pytest.raises(ValueError):
+        part_size_for(-1)
+
+
+@pytest.mark.parametrize(
+    "url, prefix",
+    [
+        ("s3://bkt", ""),
+        ("s3://bkt/", ""),
+        ("s3://bkt//", ""),
+        ("s3://bkt/runs", "runs/"),
+        ("s3://bkt/runs/", "runs/"),
+        ("s3://bkt//runs//exp1///", "runs/exp1/"),
+        ("s3://my.dotted.bucket/a b/c+d/", "a b/c+d/"),
+        ("s3://bkt/runs/exp[1]/", "runs/exp[1]/"),
+        ("s3://bkt/50%25/x#y?z/", "50%25/x#y?z/"),
+        ("s3://bkt/ünïcødé/日本", "ünïcødé/日本/"),
+    ],
+)
+def test_url_normalisation(url, prefix):
+    from ckptstore.tiers.s3 import parse_s3_url
+
+    bucket, p = parse_s3_url(url)
+    assert p == prefix
+    assert bucket == url[5:].split("/")[0]
+    t = _s3(url)
+    assert t.url == f"s3://{bucket}/{prefix}"
+    assert t.prefix == prefix
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "bkt/prefix",
+        "http://bkt/prefix",
+        "S3://bkt/x",
+        "s3://",
+        "s3:///prefix",
+        "s3://ab/x",  # too short
+        "s3://" + "a" * 64,  # too long
+        "s3://Upper/x",
+        "s3://under_score/x",
+        "s3://-lead/x",
+        "s3://trail-/x",
+        "s3://double..dot/x",
+        "s3://dash.-dot/x",
+        "s3://192.168.1.1/x",
+        "s3://xn--punycode/x",
+        "s3://bkt-s3alias/x",
+        "s3://bkt/a/../b",
+        "s3://bkt/./a",
+        "s3://bkt/back\\slash/",
+        "s3://bkt/ctl\x01/",
+        "s3://bkt/nl\n/",
+        "s3://bkt/" + "p" * 600,
+        None,
+        b"s3://bkt/x",
+    ],
+)
+def test_bad_urls_rejected_up_front(url):
+    with pytest.raises(InvalidNameError):
+        _s3(url)
+
+
+def test_make_remote_builds_s3_tier():
+    from ckptstore.tiers import make_remote
+    from ckptstore.tiers.s3 import S3Tier
+
+    t = make_remote("s3://bkt/p", endpoint_url="http://127.0.0.1:1")
+    assert isinstance(t, S3Tier) and t.url == "s3://bkt/p/" and t.name == "remote"
+    with pytest.raises(InvalidNameError):
+        make_remote("gs://bkt/p")
+
+
+def test_pickle_keeps_constructor_args():
+    t = _s3("s3://bkt/p", endpoint_url="http://127.0.0.1:1", max_parts=7, part_size=6 * MiB,
+            coalesce_gap=0)
+    t2 = pickle.loads(pickle.dumps(t))
+    assert (t2.url, t2.endpoint_url, t2.max_parts, t2.part_size, t2.coalesce_gap) == (
+        "s3://bkt/p/", "http://127.0.0.1:1", 7, 6 * MiB, 0
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# S3 against SeaweedFS
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    "prefix",
+    ["runs/exp[1]/", "with space/x y", "a+b/c+", "50%/%2F%", "hash#tag/q?x=1", "ünï/日本語/",
+     "dou//ble//", "a&b=c;d,e@f:g$/"],
+)
+def test_awkward_prefixes_round_trip(s3_bucket, s3_env, prefix):
+    base = f"t-{uuid.uuid4().hex[:8]}/"
+    t = _s3(f"s3://{s3_bucket}/{base}{prefix}")
+    t.put("v%3A1/obj", b"payload")
+    t.put("v%3A1/other", b"x")
+    assert t.get("v%3A1/obj") == b"payload"
+    assert t.get("v%3A1/obj", 1, 4) == b"ayl"
+    assert sorted(i.key for i in t.list()) == ["v%3A1/obj", "v%3A1/other"]
+    assert sorted(i.key for i in t.list("v%3A1/o")) == ["v%3A1/obj", "v%3A1/other"]
+    t.delete("v%3A1/obj")
+    assert [i.key for i in t.list()] == ["v%3A1/other"]
+    # the normalised prefix is what is stored: a sibling tier on a prefix of it sees nothing extra
+    parent = _s3(f"s3://{s3_bucket}/{base}")
+    assert [i.key for i in parent.list()] == [t.prefix[len(base):] + "v%3A1/other"]
+
+
+@pytest.mark.s3
+def test_bucket_with_dots(seaweed, s3_env):
+    bucket = seaweed.create_bucket(f"ckpt.dotted.{uuid.uuid4().hex[:6]}")
+    t = _s3(f"s3://{bucket}/p")
+    t.put_if_absent("m/x", b"dots")
+    assert t.get("m/x") == b"dots"
+    assert [i.key for i in t.list()] == ["m/x"]
+
+
+@pytest.mark.s3
+def test_multipart_put_file_respects_max_parts(s3_url, tmp_path):
+    from ckptstore.tiers.s3 import part_size_for
+
+    size = 20 * MiB + 3
+    data = _data(size, 11)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    t = _s3(s3_url, max_parts=2)
+    assert part_size_for(size, 2) == 16 * MiB  # 8 MiB would need 3 parts
+    t.put_file("f/obj", src, size)
+    head = t.client.head_object(Bucket=t.bucket, Key=t.prefix + "f/obj")
+    assert head["ContentLength"] == size
+    assert head["ETag"].strip('"').endswith("-2")  # two parts: 16 MiB + 4 MiB
+    assert t.get("f/obj") == data
+    dst = tmp_path / "dst.bin"
+    t.get_file("f/obj", dst)  # parallel ranged download
+    assert dst.read_bytes() == data
+    assert list(t.list_multipart_uploads()) == []
+    with pytest.raises(StorageError):
+        t.put_file("f/wrong-size", src, size + 1)
+
+
+@pytest.mark.s3
+def test_large_put_uses_multipart(s3_url):
+    data = _data(12 * MiB, 12)
+    t = _s3(s3_url)
+    t.put("p/big", memoryview(data))
+    head = t.client.head_object(Bucket=t.bucket, Key=t.prefix + "p/big")
+    assert head["ETag"].strip('"').endswith("-2")
+    assert t.get("p/big") == data
+    got = t.get_ranges("p/big", [(9 * MiB, 9 * MiB + 10), (1, 2)])
+    assert got == [data[9 * MiB:9 * MiB + 10], data[1:2]]
+
+
+@pytest.mark.s3
+def test_get_ranges_parallel_without_coalescing(s3_url):
+    data = _data(2 * MiB, 13)
+    t = _s3(s3_url, coalesce_gap=0, max_coalesced=64 * 1024)
+    t.put("g/o", data)
+    counter = Injector(lambda n, r: False)
+    t.client.meta.events.register("before-send.s3.GetObject", counter)
+    ranges = [(i * 100_000, i * 100_000 + 5_000) for i in range(20)][::-1] + [(0, 200_000)]
+    assert t.get_ranges("g/o", ranges) == [data[s:e] for s, e in ranges]
+    assert counter.seen >= 20  # far-apart ranges were separate GETs
+    counter.seen = 0
+    t2 = _s3(s3_url)  # default 1 MiB gap: one coalesced GET
+    t2.client.meta.events.register("before-send.s3.GetObject", counter)
+    assert t2.get_ranges("g/o", ranges) == [data[s:e] for s, e in ranges]
+    assert counter.seen == 1
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("how", ["put_file", "writer", "put"])
+def test_failed_multipart_upload_is_aborted(s3_url, tmp_path, how):
+    data = _data(20 * MiB, 14)
+    t = _s3(s3_url)
+    # the third UploadPart is refused for good (403 is not retried)
+    inj = Injector(lambda n, r: n == 2, status=403, code="AccessDenied")
+    t.client.meta.events.register("before-send.s3.UploadPart", inj)
+    with pytest.raises(StorageError) as ei:
+        if how == "put_file":
+            src = tmp_path / "src"
+            src.write_bytes(data)
+            t.put_file("mp/obj", src)
+        elif how == "put":
+            t.put("mp/obj", data)
+        else:
+            with t.open_writer("mp/obj") as w:
+                for i in range(0, len(data), MiB):
+                    w.write(data[i:i + MiB])
+    assert not isinstance(ei.value, TransientStorageError)
+    assert inj.failed == 1
+    assert list(t.list_multipart_uploads()) == []
+    assert not t.exists("mp/obj")
+
+
+@pytest.mark.s3
+def test_list_and_abort_multipart_uploads(s3_url):
+    t = _s3(s3_url)
+    before = time.time()
+    up = t.client.create_multipart_upload(Bucket=t.bucket, Key=t.prefix + "v/attempts/a1/shard")
+    t.client.create_multipart_upload(Bucket=t.bucket, Key=t.prefix + "w/other")
+    ups = list(t.list_multipart_uploads("v/"))
+    assert [(u.key, u.upload_id) for u in ups] == [("v/attempts/a1/shard", up["UploadId"])]
+    assert before - 120 <= ups[0].initiated <= time.time() + 120
+    assert len(list(t.list_multipart_uploads())) == 2
+    t.abort_multipart_upload("v/attempts/a1/shard", up["UploadId"])
+    t.abort_multipart_upload("v/attempts/a1/shard", up["UploadId"])  # already gone: fine
+    assert list(t.list_multipart_uploads("v/")) == []
+
+
+@pytest.mark.s3
+def test_throttling_is_retried(s3_url):
+    t = _s3(s3_url, list_page_size=8)
+    keys = [f"th/k{i:03d}" for i in range(40)]
+    for k in keys:
+        t.put(k, k.encode())
+    # from now on every fourth request answers 503 SlowDown (each retry costs a backoff)
+    inj = Injector(lambda n, r: n % 4 == 1)
+    t.client.meta.events.register("before-send.s3", inj)
+    t.put("th2/a", b"A" * 1000)
+    t.put_if_absent("th2/b", b"B")
+    with pytest.raises(ObjectExistsError):
+        t.put_if_absent("th2/b", b"C")
+    assert t.get("th2/a") == b"A" * 1000
+    assert t.get("th2/a", 10, 20) == b"A" * 10
+    assert t.stat("th2/b").size == 1
+    got = sorted(i.key for i in t.list("th/"))  # 5 pages, some throttled: never short or empty
+    assert got == keys
+    assert inj.failed >= 3
+
+
+@pytest.mark.s3
+def test_persistent_throttling_is_transient_error_not_missing(s3_url):
+    t = _s3(s3_url, max_attempts=1)  # retries used up at once (the test above shows they happen)
+    t.put("x/a", b"a")
+    t.client.meta.events.register("before-send.s3", Injector(lambda n, r: True))
+    for call in (lambda: t.get("x/a"), lambda: t.get("x/missing"), lambda: t.stat("x/a"),
+                 lambda: list(t.list("x/")), lambda: t.put("x/b", b"b")):
+        with pytest.raises(TransientStorageError):
+            call()
+
+
+@pytest.mark.s3
+def test_put_if_absent_survives_lost_response(s3_url):
+    """The conditional PUT lands but its response is lost; the retry gets 412 and must see its
+    own object (same ETag) instead of reporting ObjectExistsError."""
+    import urllib3
+
+    http = urllib3.PoolManager()
+    t = _s3(s3_url)
+    done = []
+
+    def lose_response(request, **kwargs):
+        if done:
+            return None
+        body = request.body
+        if hasattr(body, "read"):
+            pos = body.tell()
+            payload = body.read()
+            body.seek(pos)
+        else:
+            payload = body or b""
+        r = http.request(request.method, request.url, body=payload, headers=dict(request.headers))
+        done.append(r.status)
+        return _error_response(request, 503, "SlowDown")
+
+    t.client.meta.events.register("before-send.s3.PutObject", lose_response)
+    t.put_if_absent("m/manifest", b"my manifest")
+    assert done == [200] and t.get("m/manifest") == b"my manifest"
+    # a genuinely different object is still refused, retries or not
+    done.clear()
+    with pytest.raises(ObjectExistsError):
+        t.put_if_absent("m/manifest", b"another manifest")
+    assert done == [412] and t.get("m/manifest") == b"my manifest"
+
+
+@pytest.mark.s3
+def test_missing_bucket_is_storage_error_not_missing_object(seaweed, s3_env):
+    t = _s3(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p")
+    for call in (lambda: t.get("a/b"), lambda: t.get("a/b", 0, 4), lambda: t.stat("a/b"),
+                 lambda: t.exists("a/b"), lambda: list(t.list()), lambda: t.put("a/b", b"x"),
+                 lambda: t.put_if_absent("a/b", b"x"), lambda: t.open_writer("a/b").commit()):
+        with pytest.raises(StorageError) as ei:
+            call()
+        assert not isinstance(ei.value, (ObjectNotFoundError, TransientStorageError))
+        assert "does not exist" in str(ei.value) or "NoSuchBucket" in str(ei.value)
+
+
+@pytest.mark.s3
+def test_access_denied_is_storage_error(s3_url, monkeypatch):
+    from ckptstore.testing.seaweed import READONLY_ACCESS_KEY, READONLY_SECRET_KEY
+
+    _s3(s3_url).put("ro/x", b"readable")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", READONLY_ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", READONLY_SECRET_KEY)
+    ro = _s3(s3_url)
+    assert ro.get("ro/x") == b"readable"
+    with pytest.raises(ObjectNotFoundError):
+        ro.get("ro/missing")
+    for call in (lambda: ro.put("ro/y", b"y"), lambda: ro.put_if_absent("ro/y", b"y"),
+                 lambda: ro.put("ro/big", b"z" * (9 * MiB))):
+        with pytest.raises(StorageError) as ei:
+            call()
+        assert not isinstance(ei.value, TransientStorageError)
+        assert "access denied" in str(ei.value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    with pytest.raises(StorageError) as ei:
+        _s3(s3_url).get("ro/x")
+    assert not isinstance(ei.value, (ObjectNotFoundError, TransientStorageError))
+
+
+@pytest.mark.s3
+def test_threads_share_one_lazy_client(s3_url):
+    t = _s3(s3_url)
+    errors = []
+    barrier = threading.Barrier(12)
+
+    def work(i):
+        try:
+            barrier.wait()
+            t.put(f"c/{i}", str(i).encode())
+            assert t.get(f"c/{i}") == str(i).encode()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert len({id(t.client) for _ in range(3)}) == 1
+
+
+@pytest.mark.s3
+def test_unpickled_tier_uses_its_constructor_args(s3_url, seaweed, monkeypatch):
+    t = _s3(s3_url, endpoint_url=seaweed.endpoint, max_parts=9)
+    t.put("pk/x", b"from the original")
+    blob = pickle.dumps(t)
+    assert b"secret" not in blob.lower()  # credentials never travel in the pickle
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # the pickled endpoint must win
+    t2 = pickle.loads(blob)
+    assert t2.max_parts == 9 and t2.client is not t.client
+    t2.put("pk/y", t2.get("pk/x") + b" and the copy")
+    assert t.get("pk/y") == b"from the original and the copy"
+
+
+@pytest.mark.s3
+def test_forked_child_gets_its_own_client(s3_url):
+    t = _s3(s3_url)
+    t.put("fk/x", b"1")
+    parent_client = t.client
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        ok = 0
+        try:
+            ok = t.client is not parent_client and t.get("fk/x") == b"1"
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert t.client is parent_client
+
+
+@pytest.mark.s3
+def test_server_killed_mid_upload(seaweed, s3_url):
+    """SIGKILL SeaweedFS during a streamed multipart upload: the writer fails with a transient
+    error; after the restart the old data is intact and the leftover upload can be listed and
+    aborted (what gc does)."""
+    t = _s3(s3_url, max_attempts=2, connect_timeout=2, read_timeout=10)
+    t.put("k/before", b"durable")
+    w = t.open_writer("k/shard")
+    w.write(_data(8 * MiB, 15))  # part 1 goes up in the background
+    deadline = time.time() + 30
+    while not list(t.client.list_parts(Bucket=t.bucket, Key=t.prefix + "k/shard",
+                                       UploadId=w._upload_id).get("Parts", [])):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    seaweed.kill()
+    try:
+        with pytest.raises(TransientStorageError):
+            w.write(_data(8 * MiB, 16))
+            w.commit()
+        with pytest.raises(TransientStorageError):
+            t.get("k/before")
+    finally:
+        seaweed.start()
+    assert t.get("k/before") == b"durable"
+    assert not t.exists("k/shard")
+    left = list(t.list_multipart_uploads("k/"))
+    for u in left:  # the abort could not reach the dead server
+        t.abort_multipart_upload(u.key, u.upload_id)
+    assert list(t.list_multipart_uploads("k/")) == []
