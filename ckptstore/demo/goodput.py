@@ -1,0 +1,91 @@
+"""Where the wall time of a job went.
+
+Time stamps come from rank 0's event log (ranks step in lock-step; the crash time is the dying
+rank's ``crash`` event) and from the supervisor (torchrun launch and exit):
+
+- ``useful``: compute of the steps whose results are in the final model (data, forward,
+  backward, optimizer), counted once;
+- ``blocked``: time the training loop spent inside ``dcp.async_save`` (staging the state to host
+  memory) plus any wait for the previous save (back-pressure), for saves that were not lost;
+- ``lost``: compute and save blocking of steps whose results died with the crash and were redone;
+- ``recovery``: from the crash to the first step of the restarted workers (detection, teardown,
+  restart, process start-up, rendezvous, loading the checkpoint);
+- ``startup``: launch to the first step; ``other``: the rest (shutdown, the final save's flush).
+
+``goodput = useful / wall``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .events import History
+from .supervisor import Job
+
+
+@dataclass
+class Goodput:
+    wall: float
+    useful: float
+    blocked: float
+    lost: float
+    recovery: float
+    startup: float
+    other: float
+    # recovery broken down
+    restart: float = 0.0  # crash -> restarted processes started
+    init: float = 0.0  # process start -> ready to load (imports, process group, model)
+    load: float = 0.0  # loading the checkpoint
+    saves: int = 0
+
+    @property
+    def goodput(self) -> float:
+        return self.useful / self.wall if self.wall > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["goodput"] = self.goodput
+        return d
+
+
+def account(job: Job, h: History) -> Goodput:
+    wall = job.t1 - job.t0
+    useful = blocked = lost = recovery = 0.0
+    restart = init = load = 0.0
+    for (a, r, s), e in h.steps.items():
+        if r != 0:
+            continue
+        if h.effective.get(s) == a:
+            useful += e["t1"] - e["t0"]
+        else:
+            lost += e["t1"] - e["t0"]
+    saves = 0
+    for e in h.of_kind("save"):
+        dt = e["t1"] - e["wait0"]
+        if h.effective.get(e["step"]) == e["attempt"]:
+            blocked += dt
+            saves += 1
+        else:
+            lost += dt
+    first0 = h.first_step_event(0)
+    startup = (first0["t0"] - job.t0) if first0 else 0.0
+    for a in h.attempts:
+        if a == 0:
+            continue
+        first = h.first_step_event(a)
+        if first is None:
+            continue
+        prev_end = h.crash["t"] if (h.crash and h.crash["attempt"] == a - 1) else max(
+            (e["t"] for e in h.events if e["attempt"] == a - 1), default=first["t0"]
+        )
+        recovery += first["t0"] - prev_end
+        starts = [e["t"] for e in h.of_kind("proc_start", a, rank=None)]
+        if starts:
+            restart += min(starts) - prev_end
+        res = h.resumed.get(a)
+        if res:
+            init += res["t0"] - (min(starts) if starts else prev_end)
+            load += res["t1"] - res["t0"]
+    other = wall - useful - blocked - lost - recovery - startup
+    return Goodput(wall, useful, blocked, lost, recovery, startup, other, restart, init, load, saves)

@@ -1,0 +1,235 @@
+"""The whole demo: reference run, crash run, verification, goodput, plot, CLI views, summary."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from . import backend
+from .events import History
+from .goodput import Goodput, account
+from .supervisor import DemoConfig, run_job
+from .verify import verify
+
+MARKER = ".ckptstore-demo"
+
+
+class DemoError(Exception):
+    pass
+
+
+def validate(cfg: DemoConfig) -> None:
+    if cfg.save_every < 1 or cfg.steps < 1:
+        raise DemoError("--steps and --save-every must be positive")
+    if cfg.crash_step % cfg.save_every or not cfg.save_every <= cfg.crash_step < cfg.steps:
+        raise DemoError(
+            f"--crash-step ({cfg.crash_step}) must be a save step (a multiple of --save-every {cfg.save_every}) "
+            f"before the last step ({cfg.steps}): the crash happens while that save is in flight"
+        )
+    if not 0 <= cfg.crash_rank < cfg.world_size:
+        raise DemoError(f"--crash-rank must be in 0..{cfg.world_size - 1}")
+    for w in (cfg.world_size, cfg.resume_world_size or cfg.world_size):
+        if not 1 <= w <= cfg.global_batch:
+            raise DemoError(f"world size {w} must be between 1 and the global batch ({cfg.global_batch})")
+    if cfg.d_model % cfg.heads:
+        raise DemoError("--d-model must be a multiple of --heads")
+    if cfg.parallel not in ("fsdp", "ddp"):
+        raise DemoError("--parallel is fsdp or ddp")
+
+
+def prepare_out(out: str) -> None:
+    """Make ``out`` ours and empty of previous demo results (refuse to clobber anything else)."""
+    out = os.path.abspath(out)
+    if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
+        raise DemoError(f"{out} exists and is not a ckptstore demo directory; pass another --out")
+    if os.path.isdir(out):
+        for name in os.listdir(out):
+            p = os.path.join(out, name)
+            if name == MARKER:
+                continue
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    os.makedirs(out, exist_ok=True)
+    open(os.path.join(out, MARKER), "w").close()
+
+
+def ckptstore_cli(args: list[str], console: Console) -> int:
+    """Run ``ckptstore ARGS`` and show its output; a subcommand that is not there yet is reported, not fatal."""
+    cmd = [sys.executable, "-m", "ckptstore.cli", *args]
+    console.print(f"[bold]$ ckptstore {' '.join(args)}[/bold]", highlight=False)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    text = (p.stdout + p.stderr).rstrip()
+    if p.returncode == 2 and "No such command" in text:
+        console.print(f"  ckptstore {args[0]}: not available yet in this build", highlight=False)
+        return p.returncode
+    for line in text.splitlines():
+        console.print("  " + line, highlight=False, markup=False, soft_wrap=True)
+    console.print(f"  [dim](exit {p.returncode})[/dim]", highlight=False)
+    return p.returncode
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x:6.1f} s"
+
+
+def goodput_table(gp: Goodput, ref: Goodput) -> Table:
+    t = Table(title="Goodput (wall time of each run, rank 0's clock)", title_justify="left")
+    t.add_column("")
+    t.add_column("crash run", justify="right")
+    t.add_column("share", justify="right")
+    t.add_column("reference", justify="right")
+    rows = [
+        ("useful training (steps kept, counted once)", gp.useful, ref.useful),
+        ("blocked in async_save (staging + back-pressure)", gp.blocked, ref.blocked),
+        ("work lost to the crash (redone)", gp.lost, ref.lost),
+        ("restart / recovery (crash → first resumed step)", gp.recovery, ref.recovery),
+        ("   of which: detect crash, restart workers, import torch", gp.restart, ref.restart),
+        ("   of which: rendezvous, process group, data, model", gp.init, ref.init),
+        ("   of which: load checkpoint", gp.load, ref.load),
+        ("start-up (launch → first step)", gp.startup, ref.startup),
+        ("other (shutdown, final save flush, logging)", gp.other, ref.other),
+    ]
+    for name, a, b in rows:
+        t.add_row(name, _fmt_s(a), f"{a / gp.wall:6.1%}" if gp.wall else "-", _fmt_s(b))
+    t.add_row("[bold]wall[/bold]", _fmt_s(gp.wall), "", _fmt_s(ref.wall))
+    t.add_row("[bold]goodput = useful / wall[/bold]", f"[bold]{gp.goodput:.1%}[/bold]", "", f"{ref.goodput:.1%}")
+    return t
+
+
+def run_demo(cfg: DemoConfig, out: str, *, summary: str | None = None, seaweed: bool = False,
+             show_cli: bool = True, plot: bool = True, console: Console | None = None) -> int:
+    if console is None:
+        wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+        console = Console(width=120) if wide else Console()
+    t_start = time.time()
+    validate(cfg)
+    prepare_out(out)
+    out = os.path.abspath(out)
+
+    with contextlib.ExitStack() as stack:
+        if seaweed:
+            from .seaweed import seaweedfs
+
+            console.print("[bold]Starting SeaweedFS on loopback for this run…[/bold]")
+            sw = stack.enter_context(seaweedfs(log_path=os.path.join(out, "seaweedfs.log")))
+            cfg.remote = sw["url"]
+            console.print(f"  S3 endpoint {sw['endpoint']}, remote tier {cfg.remote} (stopped when the demo ends)", highlight=False)
+        if cfg.remote and not backend.real():
+            raise DemoError("--remote needs ckptstore.StorageWriter, which this build does not have yet")
+        return _run(cfg, out, summary, show_cli, plot, console, t_start)
+
+
+def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: bool, console: Console, t_start: float) -> int:
+    from .data import load_corpus
+    from .model import ByteGPT, count_params
+
+    _, corpus = load_corpus(cfg.corpus_dir, cfg.corpus_max_bytes)
+    nparams = count_params(ByteGPT(cfg.layers, cfg.d_model, cfg.heads, cfg.context, cfg.dropout))
+    rw = cfg.resume_world_size or cfg.world_size
+    console.rule("[bold]ckptstore demo")
+    console.print(
+        f"model     byte-level decoder-only transformer: {cfg.layers} layers, d={cfg.d_model}, {cfg.heads} heads, "
+        f"context {cfg.context}, {nparams / 1e6:.2f} M parameters\n"
+        f"data      {corpus['bytes'] / 2**20:.1f} MiB of Python stdlib source ({corpus['files']} files in {corpus['directory']}), "
+        f"{cfg.global_batch} samples/step globally\n"
+        f"training  {cfg.steps} steps, {cfg.world_size} ranks (torchrun, gloo, {'FSDP2 fully_shard' if cfg.parallel == 'fsdp' else 'DDP'}, CPU), "
+        f"AdamW + warmup/cosine LR, StatefulDataLoader\n"
+        f"checkpoint dcp.async_save every {cfg.save_every} steps -> "
+        f"{'ckptstore.StorageWriter' if backend.real() else 'FileSystemWriter (stand-in: ckptstore not importable)'}"
+        f"{' (local + ' + cfg.remote + ')' if cfg.remote else ' (local tier)'}\n"
+        f"fault     rank {cfg.crash_rank} SIGKILLs itself at step {cfg.crash_step} while that save is in flight; "
+        f"restart on {rw} rank(s)\n"
+        f"output    {out}",
+        highlight=False,
+    )
+
+    console.rule("1/3 reference run (no crash)")
+    ref_job = run_job(cfg, out, "reference", crash=False, console=console)
+    console.rule("2/3 crash run (SIGKILL mid-save, torchrun restarts, resume from Store.latest())")
+    run_job_ = run_job(cfg, out, "crash", crash=True, console=console)
+
+    console.rule("3/3 verification")
+    ref_h, run_h = History.of(ref_job.run_dir), History.of(run_job_.run_dir)
+    v = verify(ref_h, run_h, asdict(cfg))
+    t = Table(show_header=False, box=None)
+    for c in v.checks:
+        t.add_row("[green]PASS[/green]" if c.ok else "[bold red]FAIL[/bold red]", c.name, f"[dim]{c.detail}[/dim]")
+    console.print(t)
+
+    gp, ref_gp = account(run_job_, run_h), account(ref_job, ref_h)
+    console.print(goodput_table(gp, ref_gp))
+
+    committed = [(r.version, r.step, r.created.timestamp() if r.created else None)
+                 for r in backend.versions(run_job_.store_root, run_job_.remote)]
+    png = None
+    if plot:
+        from .plot import plot as make_plot
+
+        png = make_plot(
+            os.path.join(out, "demo.png"), ref_h, run_h, ref_job, run_job_, gp, ref_gp, committed,
+            f"ckptstore demo: {cfg.world_size} ranks, crash at step {cfg.crash_step}, resumed from {v.resumed_from}"
+            f" on {v.resume_world_size} rank(s); bit-exact: {v.bit_exact}",
+        )
+        console.print(f"plot: {png}", highlight=False)
+
+    if show_cli:
+        console.rule("the crash run's store, through the ckptstore CLI")
+        extra = ["--remote", run_job_.remote] if run_job_.remote else []
+        ckptstore_cli(["list", run_job_.store_root, *extra], console)
+        ckptstore_cli(["gc", run_job_.store_root, *extra, "--dry-run"], console)
+        ckptstore_cli(["scrub", run_job_.store_root, *extra], console)
+
+    runtime = time.time() - t_start
+    result: dict[str, Any] = {
+        "passed": v.passed,
+        "bit_exact": v.bit_exact,
+        "goodput": gp.goodput,
+        "steps": cfg.steps,
+        "crash_step": v.crash_step,
+        "resumed_from": v.resumed_from,
+        "resumed_step": v.resumed_step,
+        "world_size": cfg.world_size,
+        "resume_world_size": v.resume_world_size,
+        "redone_steps": v.redone_steps,
+        "max_rel_loss_diff": v.max_rel_loss_diff,
+        "goodput_breakdown": gp.to_json(),
+        "reference_goodput": ref_gp.to_json(),
+        "checks": [asdict(c) for c in v.checks],
+        "final_loss": {"reference": ref_h.mean_loss(cfg.steps) if cfg.steps in ref_h.effective else None,
+                       "crash_run": run_h.mean_loss(cfg.steps) if cfg.steps in run_h.effective else None},
+        "store": run_job_.store_root,
+        "remote": run_job_.remote,
+        "versions": [c[0] for c in committed],
+        "backend": "ckptstore" if backend.real() else "FileSystemWriter stand-in",
+        "plot": png,
+        "out": out,
+        "runtime_s": runtime,
+        "config": asdict(cfg),
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    if summary:
+        with open(summary, "w") as f:
+            json.dump(result, f, indent=2)
+
+    console.rule()
+    if v.passed:
+        how = "bit for bit" if v.bit_exact else f"within {v.max_rel_loss_diff:.2%} (resharded: not bit-exact by design)"
+        console.print(
+            f"[bold green]PASS[/bold green]: the crashed run resumed from {v.resumed_from} and matched the reference "
+            f"{how}; goodput {gp.goodput:.1%} (reference {ref_gp.goodput:.1%}); demo took {runtime:.0f} s",
+            highlight=False,
+        )
+        return 0
+    failed = [c.name for c in v.checks if not c.ok]
+    console.print(f"[bold red]FAIL[/bold red]: {'; '.join(failed)}  (events under {out})", highlight=False)
+    return 1
