@@ -53,7 +53,8 @@ from ..manifest.schema import Manifest, ObjectEntry
 from ..store import Store
 from ._types import ItemLocation
 
-_BATCH_BYTES = 64 << 20
+_BATCH_BYTES = 32 << 20  # decoded bytes fetched per pipeline stage
+_GROUP_BYTES = 8 << 20  # stored bytes per fetch task (ranged reads are coalesced within it)
 
 
 class StorageReader(_DCPStorageReader):
@@ -323,20 +324,26 @@ class StorageReader(_DCPStorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-dec")
         try:
-            jobs = []
+            batches: list[list] = [[]]
+            size = 0
             for ri in plan.items:
                 loc: ItemLocation = self.storage_data[ri.storage_index]
-                jobs.append((ri, loc, self._needed(ri, loc)))
-            batch: list = []
-            size = 0
-            for job in jobs:
-                batch.append(job)
+                job = (ri, loc, self._needed(ri, loc))
+                batches[-1].append(job)
                 size += sum(f.raw_len for f in job[2][0])
                 if size >= _BATCH_BYTES:
-                    self._run_batch(batch, planner, pool)
-                    batch, size = [], 0
-            if batch:
-                self._run_batch(batch, planner, pool)
+                    batches.append([])
+                    size = 0
+            # double-buffered: fetch+decode batch k+1 while batch k is copied into place
+            pending = self._submit_batch(batches[0], pool)
+            for k, batch in enumerate(batches):
+                nxt = self._submit_batch(batches[k + 1], pool) if k + 1 < len(batches) else None
+                decoded: dict = {}
+                for t in pending:
+                    decoded.update(t.result())
+                for ri, loc, (frames, start, b0, b1) in batch:
+                    self._deliver(ri, loc, frames, start, b0, b1, decoded, planner)
+                pending = nxt
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         fut: Future = Future()
@@ -367,7 +374,7 @@ class StorageReader(_DCPStorageReader):
             pos = end
         return sel, start or 0, b0, b1
 
-    def _run_batch(self, batch, planner, pool) -> None:
+    def _submit_batch(self, batch, pool) -> list:
         by_obj: dict[str, set] = collections.defaultdict(set)
         for _ri, loc, (frames, *_rest) in batch:
             by_obj[loc.object].update(frames)
@@ -379,16 +386,12 @@ class StorageReader(_DCPStorageReader):
             for f in fl:
                 group.append(f)
                 gsize += f.length
-                if gsize >= (16 << 20):
+                if gsize >= _GROUP_BYTES:
                     tasks.append(pool.submit(self._fetch_decode, obj, group))
                     group, gsize = [], 0
             if group:
                 tasks.append(pool.submit(self._fetch_decode, obj, group))
-        decoded: dict = {}
-        for t in tasks:
-            decoded.update(t.result())
-        for ri, loc, (frames, start, b0, b1) in batch:
-            self._deliver(ri, loc, frames, start, b0, b1, decoded, planner)
+        return tasks
 
     def _fetch_decode(self, obj: str, frames: list) -> dict:
         tiers = [self.tier, *self._alt_tiers()]
@@ -418,6 +421,18 @@ class StorageReader(_DCPStorageReader):
         if target.numel() == 0 or not frames:
             planner.commit_tensor(ri, target)
             return
+        if tuple(target.shape) != tuple(ri.lengths):
+            raise IntegrityError(f"{ri.dest_index.fqn!r}: read item lengths {tuple(ri.lengths)} do not fit {tuple(target.shape)}")
+        whole = b0 == 0 and b1 == loc.nbytes and start == 0 and tuple(ri.lengths) == tuple(loc.shape)
+        if whole and target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu":
+            # fast path: the item is the whole stored chunk; copy frames straight into place
+            dst = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+            pos = 0
+            for p in parts:
+                dst[pos : pos + len(p)] = p
+                pos += len(p)
+            planner.commit_tensor(ri, target)
+            return
         total = sum(len(p) for p in parts)
         buf = bytearray(total)
         pos = 0
@@ -425,10 +440,7 @@ class StorageReader(_DCPStorageReader):
             buf[pos : pos + len(p)] = p
             pos += len(p)
         flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
-        itemsize = dtype.itemsize
-        src = flat.as_strided(tuple(ri.lengths), _contig_strides(loc.shape), (b0 - start) // itemsize)
-        if tuple(target.shape) != tuple(src.shape):
-            raise IntegrityError(f"{ri.dest_index.fqn!r}: stored slice {tuple(src.shape)} does not fit {tuple(target.shape)}")
+        src = flat.as_strided(tuple(ri.lengths), _contig_strides(loc.shape), (b0 - start) // dtype.itemsize)
         target.copy_(src)
         planner.commit_tensor(ri, target)
 
