@@ -1,0 +1,506 @@
+"""Retention: small, pure, composable policies over committed versions.
+
+A *rule* looks at the committed versions of one tier (:class:`~ckptstore.VersionRecord`, oldest →
+newest) and the current time, and names the versions it keeps, each with a reason. A version is
+kept if **any** rule keeps it; every reason is listed (borg's ``prune --list`` idea), so
+``ckptstore gc --dry-run`` can say why each survivor survives. Rules never have side effects;
+:func:`evaluate` turns rules into :class:`Decision` s, and only :mod:`ckptstore.gc` (and
+:func:`apply_after_commit`) act on them.
+
+Rules (all frozen dataclasses, so a policy pickles into ``AsyncCheckpointerType.PROCESS`` savers):
+
+=====================================  ==========================================================
+``KeepLast(n)``                        the ``n`` newest versions
+``KeepEverySteps(n)``                  per bucket of ``n`` training steps (``step // n``), the
+                                       first version saved in it (at or after each multiple of
+                                       ``n``); versions without a step are not kept by it
+``KeepWithin(seconds)``                versions committed within the duration before ``now``
+                                       (:func:`parse_duration`: ``"7d"``, ``"12h"``, ``"1d12h"``)
+``KeepBest(n, metric, mode)``          the ``n`` best versions by the number
+                                       ``user_metadata[metric]`` (``mode="min"`` or ``"max"``;
+                                       dotted names reach into nested dicts; ties → newer wins)
+=====================================  ==========================================================
+
+Built in, always on (not rules one can leave out):
+
+* **pinned** versions (``ckptstore pin``) are always kept;
+* the **newest committed** version of the tier is never deleted, and neither is the newest version
+  not marked damaged (what ``Store.latest()`` loads);
+* **no rule at all keeps everything** (``gc`` then only removes garbage).
+
+Rules choose among *loadable* versions: a version marked damaged by ``ckptstore scrub`` takes no
+``keep-last``/``keep-best``/... slot and is kept only when pinned or the newest committed.
+
+A :class:`RetentionPolicy` holds rules for every tier plus extra rules per tier (``"local"``,
+``"remote"``); a tier's rules are the general ones **plus** its own (adding rules only keeps more),
+e.g. local keeps 2, remote keeps 20 and one version every 10,000 steps::
+
+    RetentionPolicy(per_tier={"local": [KeepLast(2)],
+                              "remote": [KeepLast(20), KeepEverySteps(10_000)]})
+
+Automatic retention after a commit: :func:`apply_after_commit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import logging
+import math
+import re
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+from .manifest.catalogue import VersionRecord
+
+log = logging.getLogger("ckptstore")
+
+__all__ = [
+    "Rule",
+    "KeepLast",
+    "KeepEverySteps",
+    "KeepWithin",
+    "KeepBest",
+    "Decision",
+    "RetentionPolicy",
+    "evaluate",
+    "parse_duration",
+    "format_duration",
+    "rules_from_options",
+    "apply_after_commit",
+]
+
+# -- durations -------------------------------------------------------------------------------------
+_UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Seconds in ``text``: ``"7d"``, ``"12h"``, ``"1d12h"``, ``"90m"``, ``"30s"``, ``"2w"``, ``"0"``.
+
+    A bare number is seconds. Raises :class:`ValueError` for anything else.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0 or not math.isfinite(text):
+            raise ValueError(f"duration must be a non-negative number of seconds, got {text!r}")
+        return float(text)
+    s = str(text).strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", s):
+        return float(s)
+    pos = 0
+    total = 0.0
+    for m in _DURATION.finditer(s):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+    if pos != len(s) or not s:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 7d, 12h, 1d12h, 90m, 30s, 2w)")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """``5400`` → ``"1h30m"``; sub-second parts are dropped; negative values get a ``-``."""
+    if seconds < 0:
+        return "-" + format_duration(-seconds)
+    s = int(seconds)
+    if s == 0:
+        return "0s"
+    out = []
+    for unit in ("d", "h", "m", "s"):
+        n, s = divmod(s, _UNITS[unit])
+        if n:
+            out.append(f"{n}{unit}")
+    return "".join(out)
+
+
+# -- rules -------------------------------------------------------------------------------------------
+class Rule(Protocol):
+    """A retention rule: ``keeps(versions, now)`` → ``{version: reason}`` for the versions it keeps.
+
+    ``versions`` are loadable committed versions of one tier, oldest → newest; ``now`` is an aware
+    UTC datetime. Must be pure (no I/O, no clock) and picklable.
+    """
+
+    def keeps(self, versions: Sequence[VersionRecord], now: _dt.datetime) -> dict[str, str]: ...
+
+    def describe(self) -> str: ...
+
+    def to_json(self) -> dict: ...
+
+
+def _ordinal(i: int) -> str:
+    if 10 <= i % 100 <= 20:
+        suf = "th"
+    else:
+        suf = {1: "st", 2: "nd", 3: "rd"}.get(i % 10, "th")
+    return f"{i}{suf}"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLast:
+    """Keep the ``n`` newest versions."""
+
+    n: int
+
+    def __post_init__(self):
+        _check_count(self.n, "keep-last")
+
+    def keeps(self, versions, now):
+        sel = list(versions)[-self.n :] if self.n else []
+        return {r.version: f"{self.describe()}: {_ordinal(len(sel) - i)} newest" for i, r in enumerate(sel)}
+
+    def describe(self) -> str:
+        return f"keep-last {self.n}"
+
+    def to_json(self) -> dict:
+        return {"rule": "keep-last", "n": self.n}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEverySteps:
+    """Keep, for each bucket of ``n`` steps (``step // n``), the first version saved in it."""
+
+    n: int
+
+    def __post_init__(self):
+        _check_count(self.n, "keep-every-steps", minimum=1)
+
+    def keeps(self, versions, now):
+        first: dict[int, VersionRecord] = {}
+        for r in versions:
+            if r.step is None:
+                continue
+            b = r.step // self.n
+            cur = first.get(b)
+            if cur is None or (r.step, r.created, r.version) < (cur.step, cur.created, cur.version):
+                first[b] = r
+        return {
+            r.version: f"{self.describe()}: first version at or after step {b * self.n} (step {r.step})"
+            for b, r in first.items()
+        }
+
+    def describe(self) -> str:
+        return f"keep-every-steps {self.n}"
+
+    def to_json(self) -> dict:
+        return {"rule": "keep-every-steps", "n": self.n}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepWithin:
+    """Keep versions committed at most ``seconds`` before ``now`` (or after it: clock skew)."""
+
+    seconds: float
+
+    def __post_init__(self):
+        if not isinstance(self.seconds, (int, float)) or self.seconds < 0 or not math.isfinite(self.seconds):
+            raise ValueError(f"keep-within needs a non-negative duration, got {self.seconds!r}")
+
+    def keeps(self, versions, now):
+        out = {}
+        for r in versions:
+            age = (now - r.created).total_seconds()
+            if age <= self.seconds:
+                out[r.version] = f"{self.describe()}: committed {format_duration(age)} ago"
+        return out
+
+    def describe(self) -> str:
+        return f"keep-within {format_duration(self.seconds)}"
+
+    def to_json(self) -> dict:
+        return {"rule": "keep-within", "seconds": self.seconds}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``n`` versions with the lowest (``mode="min"``) or highest (``"max"``) ``metric``.
+
+    ``metric`` names a number in the version's user metadata; ``"eval.loss"`` reads
+    ``user["eval"]["loss"]``. Versions without a finite number there are not kept by this rule.
+    """
+
+    n: int
+    metric: str
+    mode: str = "min"
+
+    def __post_init__(self):
+        _check_count(self.n, "keep-best")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError("keep-best needs a metric name (a key of the version's user metadata)")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"keep-best mode must be 'min' or 'max', got {self.mode!r}")
+
+    def value(self, r: VersionRecord) -> float | None:
+        return metric_value(r.user, self.metric)
+
+    def keeps(self, versions, now):
+        scored = [(v, i, r) for i, r in enumerate(versions) if (v := self.value(r)) is not None]
+        sign = 1 if self.mode == "min" else -1
+        # best first; among equal values the newer version (higher index) wins
+        scored.sort(key=lambda t: (sign * t[0], -t[1]))
+        return {
+            r.version: f"{self.describe()}: {self.metric}={v:g}, {_ordinal(k + 1)} best"
+            for k, (v, _i, r) in enumerate(scored[: self.n])
+        }
+
+    def describe(self) -> str:
+        return f"keep-best {self.n} by {self.mode} {self.metric}"
+
+    def to_json(self) -> dict:
+        return {"rule": "keep-best", "n": self.n, "metric": self.metric, "mode": self.mode}
+
+
+def metric_value(user: Any, metric: str) -> float | None:
+    """The finite number at ``metric`` (dotted path) in ``user``, or None."""
+    cur = user
+    if isinstance(cur, dict) and metric in cur:
+        cur = cur[metric]
+    else:
+        for part in metric.split("."):
+            if not isinstance(cur, dict) or part not in cur:
+                return None
+            cur = cur[part]
+    if isinstance(cur, bool) or not isinstance(cur, (int, float)):
+        return None
+    v = float(cur)
+    return v if math.isfinite(v) else None
+
+
+def _check_count(n: Any, what: str, minimum: int = 0) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < minimum:
+        raise ValueError(f"{what} needs an integer >= {minimum}, got {n!r}")
+
+
+_RULES = {"keep-last": KeepLast, "keep-every-steps": KeepEverySteps, "keep-within": KeepWithin, "keep-best": KeepBest}
+
+
+def rule_from_json(d: Mapping) -> Rule:
+    d = dict(d)
+    cls = _RULES.get(d.pop("rule", None))
+    if cls is None:
+        raise ValueError(f"unknown retention rule {d!r}")
+    return cls(**d)
+
+
+# -- decisions ---------------------------------------------------------------------------------------
+REASON_NEWEST = "newest committed version (never deleted)"
+REASON_LOADABLE = "newest version not marked damaged (what latest() loads)"
+REASON_PINNED = "pinned"
+REASON_NO_RULES = "no retention rule given (everything is kept)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Keep or delete one committed version of one tier, and why (``reasons``, never empty)."""
+
+    version: str
+    keep: bool
+    reasons: tuple[str, ...]
+    created: _dt.datetime
+    step: int | None
+    attempt: str
+    pinned: bool
+    damaged: bool
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "keep": self.keep,
+            "reasons": list(self.reasons),
+            "created": self.created.isoformat().replace("+00:00", "Z"),
+            "step": self.step,
+            "attempt": self.attempt,
+            "pinned": self.pinned,
+            "damaged": self.damaged,
+        }
+
+
+def evaluate(
+    versions: Iterable[VersionRecord],
+    rules: Sequence[Rule],
+    now: _dt.datetime,
+    *,
+    protect: Mapping[str, str] | None = None,
+) -> list[Decision]:
+    """Decide, for the committed versions of one tier, which to keep and why. Pure.
+
+    ``versions`` in any order (sorted here, oldest → newest by commit time, then name); ``rules``
+    as above (empty: keep everything); ``now`` an aware datetime; ``protect``: extra
+    ``{version: reason}`` to keep unconditionally. Returns one :class:`Decision` per version,
+    oldest → newest.
+    """
+    if now.tzinfo is None:
+        raise ValueError("now must be timezone-aware (UTC)")
+    recs = sorted(versions, key=lambda r: (r.created, r.version))
+    reasons: dict[str, list[str]] = {r.version: [] for r in recs}
+    if recs:
+        reasons[recs[-1].version].append(REASON_NEWEST)
+    loadable = [r for r in recs if not r.damaged]
+    if loadable and loadable[-1] is not recs[-1]:
+        reasons[loadable[-1].version].append(REASON_LOADABLE)
+    for r in recs:
+        if r.pinned:
+            reasons[r.version].append(REASON_PINNED)
+    for v, why in (protect or {}).items():
+        if v in reasons:
+            reasons[v].append(why)
+    if not rules:
+        for r in recs:
+            reasons[r.version].append(REASON_NO_RULES)
+    for rule in rules:
+        for v, why in rule.keeps(loadable, now).items():
+            reasons[v].append(why)
+    names = ", ".join(r.describe() for r in rules)
+    out = []
+    for r in recs:
+        why = reasons[r.version]
+        keep = bool(why)
+        if not keep:
+            if r.damaged:
+                why = [f"marked damaged, and rules keep only loadable versions ({names})"]
+            else:
+                why = [f"not kept by any rule ({names})"]
+        out.append(Decision(r.version, keep, tuple(why), r.created, r.step, r.attempt, r.pinned, r.damaged))
+    return out
+
+
+# -- policy ------------------------------------------------------------------------------------------
+def _tuple(rules: Iterable[Rule] | None) -> tuple:
+    rules = tuple(rules or ())
+    for r in rules:
+        if not callable(getattr(r, "keeps", None)):
+            raise TypeError(f"not a retention rule: {r!r}")
+    return rules
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPolicy:
+    """Rules for every tier (``rules``) plus extra rules per tier (``per_tier``).
+
+    The rules of tier ``t`` are ``rules + per_tier[t]``. A policy with no rule for a tier keeps
+    everything there. Picklable; comparable.
+    """
+
+    rules: tuple = ()
+    per_tier: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "rules", _tuple(self.rules))
+        per = {}
+        for t, rs in dict(self.per_tier or {}).items():
+            if t not in ("local", "remote"):
+                raise ValueError(f"retention tier must be 'local' or 'remote', got {t!r}")
+            if rs:
+                per[t] = _tuple(rs)
+        object.__setattr__(self, "per_tier", per)
+
+    def rules_for(self, tier: str) -> tuple:
+        return self.rules + tuple(self.per_tier.get(tier, ()))
+
+    def is_empty(self) -> bool:
+        return not self.rules and not any(self.per_tier.values())
+
+    def decide(self, tier: str, versions: Iterable[VersionRecord], now: _dt.datetime, **kw) -> list[Decision]:
+        return evaluate(versions, self.rules_for(tier), now, **kw)
+
+    def describe(self, tier: str | None = None) -> str:
+        if tier is not None:
+            rs = self.rules_for(tier)
+            return ", ".join(r.describe() for r in rs) if rs else "keep everything (no rule)"
+        parts = []
+        if self.rules:
+            parts.append("all tiers: " + ", ".join(r.describe() for r in self.rules))
+        for t, rs in sorted(self.per_tier.items()):
+            parts.append(f"{t}: " + ", ".join(r.describe() for r in rs))
+        return "; ".join(parts) or "keep everything (no rule)"
+
+    def to_json(self) -> dict:
+        return {
+            "rules": [r.to_json() for r in self.rules],
+            "per_tier": {t: [r.to_json() for r in rs] for t, rs in sorted(self.per_tier.items())},
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "RetentionPolicy":
+        return cls(
+            rules=[rule_from_json(r) for r in d.get("rules", [])],
+            per_tier={t: [rule_from_json(r) for r in rs] for t, rs in d.get("per_tier", {}).items()},
+        )
+
+
+def rules_from_options(
+    *,
+    keep_last: int | None = None,
+    keep_every_steps: int | None = None,
+    keep_within: str | float | None = None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: str = "min",
+) -> tuple:
+    """Rules from CLI-style options (None = not given). Raises :class:`ValueError` when invalid."""
+    rules: list = []
+    if keep_last is not None:
+        rules.append(KeepLast(keep_last))
+    if keep_every_steps is not None:
+        rules.append(KeepEverySteps(keep_every_steps))
+    if keep_within is not None:
+        rules.append(KeepWithin(parse_duration(keep_within)))
+    if keep_best is not None:
+        if not metric:
+            raise ValueError("--keep-best needs --metric NAME (a key of the versions' user metadata)")
+        rules.append(KeepBest(keep_best, metric, mode))
+    return tuple(rules)
+
+
+# -- automatic retention after a commit ---------------------------------------------------------------
+def apply_after_commit(tier, policy: RetentionPolicy | None, committed, *, tier_name: str | None = None,
+                       now: _dt.datetime | None = None) -> list[Decision]:
+    """Apply ``policy`` in ``tier`` right after ``committed`` (a :class:`Manifest`) was committed there.
+
+    Only versions whose commit time is at or before ``committed.created`` are considered (a newer
+    save that committed meanwhile is neither counted nor deleted, so the newest durable version is
+    never deleted on behalf of an older save), and ``committed`` itself is always kept. Each
+    version to delete is un-committed first (its ``manifest.json`` deleted, after re-checking that
+    it still names the planned attempt and is not pinned), then its objects are deleted. Garbage
+    (uncommitted objects) is left to ``ckptstore gc`` and its grace period.
+
+    ``tier``: a :class:`~ckptstore.tiers.Tier`; ``tier_name``: which of the policy's tiers applies
+    (default ``tier.name``); ``now``: for ``keep-within`` (default: the current time).
+
+    Never raises for storage trouble (the save is already committed): failures are logged as
+    warnings. Returns the decisions (empty when the policy has no rule for the tier).
+    """
+    from . import gc as _gc
+    from .manifest import catalogue
+
+    if policy is None:
+        return []
+    name = tier_name or getattr(tier, "name", "local")
+    rules = policy.rules_for(name)
+    if not rules:
+        return []
+    try:
+        entries = catalogue.scan(tier)
+        cutoff = committed.created_dt
+        recs = [r for r in catalogue.merge({name: entries}) if r.created <= cutoff]
+        decisions = evaluate(
+            recs,
+            rules,
+            now or _dt.datetime.now(_dt.timezone.utc),
+            protect={committed.version: "just committed"},
+        )
+    except Exception as e:  # noqa: BLE001 - the save is committed; retention is best effort
+        log.warning("retention after committing %r in the %s tier failed: %s", committed.version, name, e)
+        return []
+    for d in decisions:
+        if d.keep:
+            continue
+        e = entries.get(d.version)
+        if e is None:
+            continue
+        try:
+            _gc.remove_version(tier, d.version, e.manifest)
+            log.info("retention: deleted version %r from the %s tier (%s)", d.version, name, "; ".join(d.reasons))
+        except Exception as ex:  # noqa: BLE001
+            log.warning("retention: could not delete version %r from the %s tier: %s", d.version, name, ex)
+    return decisions
