@@ -38,6 +38,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -127,13 +128,36 @@ def find_weed() -> str:
 
 
 def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1, chosen below the kernel's ephemeral range where
+    possible, so an outgoing connection cannot take one while the server is down for a restart."""
+    lo = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    candidates = rng.sample(range(20000, lo), min(400, lo - 20000)) if lo > 20400 else []
+    ports: list[int] = []
     socks = []
     try:
-        for _ in range(n):
+        for port in candidates:
+            if len(ports) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(port)
+        while len(ports) < n:  # fall back to whatever the kernel hands out
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((HOST, 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in socks:
             s.close()
@@ -256,6 +280,7 @@ class SeaweedServer:
             "-s3.port.lance=0",
             "-webdav=false",
             "-admin.ui=false",
+            "-volume.preStopSeconds=0",  # a test server: stop at once
         ]
         args += [f"-{name}={port}" for name, port in self.ports.items()]
         return args

@@ -25,6 +25,7 @@ import concurrent.futures as cf
 import os
 import random
 import threading
+import time
 
 import pytest
 
@@ -196,13 +197,32 @@ class TierConformanceTests:
                 raise RuntimeError("boom")
         assert not tier.exists("wc/obj")
 
+    def test_put_file_get_file(self, tier):
+        data = _data(300_000, 7)
+        src = os.path.join(self.tmp_path, "src.bin")
+        with open(src, "wb") as f:
+            f.write(data)
+        tier.put_file("pf/obj", src, len(data))
+        assert tier.get("pf/obj") == data
+        dst = os.path.join(self.tmp_path, "dst.bin")
+        tier.get_file("pf/obj", dst)
+        with open(dst, "rb") as f:
+            assert f.read() == data
+        with pytest.raises(ObjectNotFoundError):
+            tier.get_file("pf/missing", os.path.join(self.tmp_path, "missing.bin"))
+
+    def test_close_then_reuse(self, tier):
+        tier.put("cl/x", b"1")
+        tier.close()
+        assert tier.get("cl/x") == b"1"  # resources are re-created on demand
+
     # --- stat / exists / list / delete ---
 
     def test_stat(self, tier):
         tier.put("st/o", b"x" * 123)
         info = tier.stat("st/o")
         assert info.key == "st/o" and info.size == 123
-        assert abs(info.mtime - __import__("time").time()) < 3600
+        assert abs(info.mtime - time.time()) < 3600  # POSIX seconds, not ms or a datetime
         assert tier.exists("st/o")
         assert not tier.exists("st/none")
 

@@ -612,8 +612,7 @@ class S3Tier(Tier):
             kw["IfMatch"] = if_match
         for attempt in range(4):
             try:
-                resp = self.client.get_object(**kw)
-                return resp["Body"].read()
+                resp = self.client.get_object(**kw)  # botocore retries the request itself
             except bce.ClientError as e:
                 code, status = _code(e)
                 if rng and (code == "InvalidRange" or status == 416):
@@ -623,12 +622,14 @@ class S3Tier(Tier):
                         f"object {self._where(key)} changed while it was being read"
                     ) from e
                 raise self._error(e, "GET of", key) from e
+            except bce.BotoCoreError as e:
+                raise self._error(e, "GET of", key) from e
+            try:
+                return resp["Body"].read()
             except _BODY_ERRORS as e:  # the body broke off mid-stream: botocore does not retry that
                 if attempt == 3:
                     raise self._error(e, "GET of", key) from e
                 time.sleep(0.1 * 2**attempt)
-            except bce.BotoCoreError as e:
-                raise self._error(e, "GET of", key) from e
         raise AssertionError("unreachable")
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
