@@ -28,10 +28,13 @@
    * stale incomplete multipart uploads (tiers with ``list_multipart_uploads``) older than grace
      are aborted; empty local directories older than grace are removed.
 
-Never touched: ``manifest.json`` files of kept versions; ``pinned`` and ``damaged.json`` of
-committed versions (they belong to their version and go only with it); anything in a version
-directory whose ``manifest.json`` fails to parse (reported as a problem: it may be a damaged
-commit that ``scrub`` should look at); anything outside ``versions/``.
+Retention also keeps, in each tier, the versions newer than everything committed in another tier
+of the same run (an upload to it may still be reading them); pins count across tiers.
+
+Never touched: ``manifest.json`` of kept versions; ``pinned`` and ``damaged.json`` of committed
+versions (they belong to their version and go only with it); anything in a version directory whose
+``manifest.json`` fails to parse (reported as a problem: a damaged commit is for ``scrub`` to look
+at); anything outside ``versions/``.
 
 The grace period must exceed the longest save (and upload): an object of a save still in flight is
 younger than that and survives.
@@ -41,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import json
 import os
 from typing import Callable, Iterable, Mapping
 
@@ -289,16 +291,28 @@ def plan(
     survivors: list[Survivor] = []
     problems: list[tuple[str, str, str]] = []
 
+    newest = {s.name: max((e.manifest.created_dt for e in s.entries.values()), default=None) for s in snaps}
     for s in snaps:
         recs = catalogue.merge({s.name: s.entries})
         recs = [dataclasses.replace(r, pinned=True) if r.version in pinned_any and not r.pinned else r for r in recs]
-        ds = policy.decide(s.name, recs, now)
+        # a version newer than everything committed in another tier may still be on its way there
+        # (an upload reads the local copy): keep it until it arrives
+        protect = {}
+        for o in snaps:
+            if o is s:
+                continue
+            for r in recs:
+                if r.version not in o.entries and (newest[o.name] is None or r.created > newest[o.name]):
+                    protect[r.version] = f"not yet committed in the {o.name} tier (its upload may be pending)"
+        ds = policy.decide(s.name, recs, now, protect=protect)
         decisions[s.name] = ds
         sizes = {i.key: i for i in s.listing}
         claimed: set[str] = set()  # keys that belong to a committed version (kept or deleted)
         manifest_mtime: dict[str, float] = {}
+        dir_attempt: dict[str, str] = {}
         for v, e in s.entries.items():
             d = layout.version_dir(v) + "/"
+            dir_attempt[d] = e.manifest.attempt
             claimed.add(d + layout.MANIFEST)
             claimed.add(d + layout.PINNED)
             claimed.add(d + layout.DAMAGED)
@@ -341,7 +355,11 @@ def plan(
             ref_t = info.mtime
             if vd in manifest_mtime and vd not in deleted_dirs:
                 ref_t = max(ref_t, manifest_mtime[vd])
-                what += f" not referenced by the committed manifest (superseded or aborted)"
+                parts = key.split("/")
+                if len(parts) == 5 and parts[3] == dir_attempt.get(vd):
+                    what += ", not named by the committed manifest"
+                else:
+                    what += " not referenced by the committed manifest (superseded or aborted attempt)"
             elif vd in deleted_dirs:
                 what += " in a version deleted by retention"
             else:
@@ -449,7 +467,7 @@ def apply(
             continue
         try:
             if a.op == UNCOMMIT:
-                why = _uncommit_blocker(tier, a)
+                why = _uncommit_blocker(tier, a, tiers)
                 if why is not None:
                     blocked.add((a.tier, a.version))
                     note(a, "skipped", why)
@@ -485,7 +503,7 @@ def apply(
     return res
 
 
-def _uncommit_blocker(tier: Tier, a: Action) -> str | None:
+def _uncommit_blocker(tier: Tier, a: Action, tiers: Mapping[str, Tier]) -> str | None:
     """Why the un-commit of ``a.version`` must not happen now (None: go ahead)."""
     try:
         data = tier.get(a.key)
@@ -497,8 +515,9 @@ def _uncommit_blocker(tier: Tier, a: Action) -> str | None:
         return f"manifest no longer parses ({e}); left for scrub"
     if m.attempt != a.attempt:
         return f"version was re-committed meanwhile (attempt {m.attempt}, planned {a.attempt})"
-    if tier.exists(layout.pin_key(a.version)):
-        return "version was pinned meanwhile"
+    for name, t in {a.tier: tier, **tiers}.items():
+        if t.exists(layout.pin_key(a.version)):
+            return f"version was pinned meanwhile (in the {name} tier)"
     return None
 
 
@@ -507,7 +526,8 @@ def _garbage_blocker(tier: Tier, a: Action) -> str | None:
         st = tier.stat(a.key)
     except ObjectNotFoundError:
         return "already gone"
-    if st.size != a.size or (a.mtime is not None and abs(st.mtime - a.mtime) > 1e-6):
+    # S3 HEAD reports whole seconds where LIST may not: allow one second of difference
+    if st.size != a.size or (a.mtime is not None and abs(st.mtime - a.mtime) >= 1.0):
         return "changed since the plan was made (still being written?)"
     return None
 
@@ -565,6 +585,3 @@ def run(
         return p, None
     return p, apply(tiers, p, on_action=on_action)
 
-
-def dumps(obj) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False, default=str)

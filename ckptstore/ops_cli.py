@@ -59,7 +59,7 @@ def _progress(description: str, unit: str = "bytes"):
 @handle_errors
 def show(root, remote, endpoint_url, as_json, version, list_objects):
     """Summarise one committed VERSION: step, time, ranks, tiers, sizes, codecs, encryption, metadata."""
-    from .manifest import catalogue
+    from .manifest import catalogue, layout
 
     st = open_store(root, remote, endpoint_url)
     rec = st.get(version)
@@ -71,8 +71,6 @@ def show(root, remote, endpoint_url, as_json, version, list_objects):
             pm = catalogue.read_manifest(t, version).manifest
         except Exception:  # noqa: BLE001 - not committed (or unreadable) there
             continue
-        from .manifest import layout
-
         damaged = t.exists(layout.damaged_key(version))
         per_tier[n] = {
             "attempt": pm.attempt,

@@ -454,7 +454,8 @@ def rules_from_options(
 
 # -- automatic retention after a commit ---------------------------------------------------------------
 def apply_after_commit(tier, policy: RetentionPolicy | None, committed, *, tier_name: str | None = None,
-                       now: _dt.datetime | None = None) -> list[Decision]:
+                       now: _dt.datetime | None = None, other_tiers: Iterable = (),
+                       protect: Mapping[str, str] | None = None) -> list[Decision]:
     """Apply ``policy`` in ``tier`` right after ``committed`` (a :class:`Manifest`) was committed there.
 
     Only versions whose commit time is at or before ``committed.created`` are considered (a newer
@@ -465,7 +466,11 @@ def apply_after_commit(tier, policy: RetentionPolicy | None, committed, *, tier_
     (uncommitted objects) is left to ``ckptstore gc`` and its grace period.
 
     ``tier``: a :class:`~ckptstore.tiers.Tier`; ``tier_name``: which of the policy's tiers applies
-    (default ``tier.name``); ``now``: for ``keep-within`` (default: the current time).
+    (default ``tier.name``); ``now``: for ``keep-within`` (default: the current time);
+    ``other_tiers``: further tiers whose pins also protect a version here (a version pinned in the
+    local tier before it reached the remote one has no pin marker there); ``protect``:
+    ``{version: reason}`` to keep regardless of the rules (e.g. versions whose upload to the remote
+    tier is still pending, which reads the local copy).
 
     Never raises for storage trouble (the save is already committed): failures are logged as
     warnings. Returns the decisions (empty when the policy has no rule for the tier).
@@ -483,12 +488,20 @@ def apply_after_commit(tier, policy: RetentionPolicy | None, committed, *, tier_
         entries = catalogue.scan(tier)
         cutoff = committed.created_dt
         recs = [r for r in catalogue.merge({name: entries}) if r.created <= cutoff]
-        decisions = evaluate(
-            recs,
-            rules,
-            now or _dt.datetime.now(_dt.timezone.utc),
-            protect={committed.version: "just committed"},
-        )
+        now = now or _dt.datetime.now(_dt.timezone.utc)
+        protect = {**(protect or {}), committed.version: "just committed"}
+        decisions = evaluate(recs, rules, now, protect=protect)
+        others = list(other_tiers)
+        if others:
+            from .manifest import layout
+
+            pinned = {
+                d.version for d in decisions
+                if not d.keep and any(t.exists(layout.pin_key(d.version)) for t in others)
+            }
+            if pinned:
+                recs = [dataclasses.replace(r, pinned=True) if r.version in pinned else r for r in recs]
+                decisions = evaluate(recs, rules, now, protect=protect)
     except Exception as e:  # noqa: BLE001 - the save is committed; retention is best effort
         log.warning("retention after committing %r in the %s tier failed: %s", committed.version, name, e)
         return []

@@ -49,7 +49,7 @@ import shutil
 from typing import Callable
 
 from . import _faults
-from .codec.crypto import FrameCipher, key_id, resolve_key, unwrap_key
+from .codec.crypto import FrameCipher, resolve_key, unwrap_key
 from .codec.frame import FrameCodec, iter_frames, xxh3_stream
 from .errors import (
     CkptStoreError,

@@ -28,7 +28,7 @@ from ckptstore import gc as G
 from ckptstore import retention as R
 from ckptstore import scrub as S
 from ckptstore.cli import main as cli_main
-from ckptstore.manifest import catalogue, layout
+from ckptstore.manifest import layout
 from ckptstore.testing.dist import run_ranks_raw
 from ckptstore.tiers import LocalTier
 
@@ -454,9 +454,12 @@ def test_scrub_repairs_with_s3(four_ranks, tmp_path, request):
     code, out = cli_json("gc", root, "--remote", s3_url)
     assert code == 0 and [a["key"] for a in out["plan"]["actions"]] == []
     assert any(s["key"] == key and "in progress" in s["reason"] for s in out["plan"]["survivors"])
+    junk = "versions/v8/attempts/20260101T000000-bbbbbbbbbbbb-00001/r00003.ckd"  # a crashed attempt's object
+    remote.put(junk, b"x" * 100)
     code, out = cli_json("gc", root, "--remote", s3_url, "--now", later(2))
-    assert code == 0 and [(a["op"], a["key"]) for a in out["plan"]["actions"]] == [("abort-upload", key)]
-    assert not out["result"]["failed"] and list(remote.list_multipart_uploads("versions/")) == []
+    assert code == 0 and [(a["op"], a["key"]) for a in out["plan"]["actions"]] == [("delete", junk), ("abort-upload", key)]
+    assert out["result"]["applied"] == out["plan"]["actions"]
+    assert list(remote.list_multipart_uploads("versions/")) == [] and not remote.exists(junk)
 
 
 def test_scrub_unreachable_tier_is_not_checked(tmp_path, monkeypatch):

@@ -383,6 +383,25 @@ def test_pin_in_one_tier_protects_in_all(tmp_path):
     assert p.deleted_versions == {"local": ["v1"], "remote": ["v1"]}
 
 
+def test_versions_not_yet_uploaded_are_kept_locally(tmp_path):
+    local, remote = LocalTier(tmp_path / "l"), LocalTier(tmp_path / "r")
+    for i in range(4):
+        fake_version(local, f"v{i}", T0 + dt.timedelta(hours=i))
+        if i < 2:
+            fake_version(remote, f"v{i}", T0 + dt.timedelta(hours=i))
+    policy = R.RetentionPolicy(rules=[R.KeepLast(1)])
+    p = G.plan([G.collect(local, "local"), G.collect(remote, "remote")], policy, T0 + dt.timedelta(days=1), 0)
+    assert p.deleted_versions == {"local": ["v0", "v1"], "remote": ["v0"]}
+    v2 = next(d for d in p.decisions["local"] if d.version == "v2")
+    assert v2.keep and "not yet committed in the remote tier (its upload may be pending)" in v2.reasons
+    # without the remote tier in the run, the local rules alone decide
+    p = G.plan([G.collect(local, "local")], policy, T0 + dt.timedelta(days=1), 0)
+    assert p.deleted_versions == {"local": ["v0", "v1", "v2"]}
+    ds = R.apply_after_commit(local, policy, catalogue.read_manifest(local, "v3").manifest,
+                              protect={"v2": "upload pending"})
+    assert kept(ds) == ["v2", "v3"] and "upload pending" in ds[2].reasons
+
+
 def test_multipart_uploads_aborted_after_grace(tmp_path):
     class UploadsTier(LocalTier):
         """A local tier that also tracks multipart uploads (as the S3 tier does)."""
@@ -416,9 +435,17 @@ def test_apply_after_commit_window(tmp_path):
     assert kept(ds) == ["v2"]
     assert {r.version for r in catalogue.merge({"local": catalogue.scan(t)})} == {"v2", "v3"}
     assert "just committed" in ds[-1].reasons
+    # a pin in another tier protects the version here too
+    other = LocalTier(tmp_path / "other")
+    m4 = fake_version(t, "v4", T0 + dt.timedelta(hours=4))
+    fake_version(other, "v3", T0 + dt.timedelta(hours=3), pinned=True)
+    ds = R.apply_after_commit(t, R.RetentionPolicy(rules=[R.KeepLast(1)]), m4, other_tiers=[other])
+    assert kept(ds) == ["v3", "v4"] and R.REASON_PINNED in ds[1].reasons
+    ds = R.apply_after_commit(t, R.RetentionPolicy(rules=[R.KeepLast(1)]), m4)
+    assert kept(ds) == ["v4"]
     # no rule for this tier: nothing happens
-    assert R.apply_after_commit(t, R.RetentionPolicy(per_tier={"remote": [R.KeepLast(1)]}), ms[3]) == []
-    assert R.apply_after_commit(t, None, ms[3]) == []
+    assert R.apply_after_commit(t, R.RetentionPolicy(per_tier={"remote": [R.KeepLast(1)]}), m4) == []
+    assert R.apply_after_commit(t, None, m4) == []
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
