@@ -1,0 +1,397 @@
+"""Rank bodies and state builders for the crash, race and full-disk tests (issue 6).
+
+Module-level so that spawned ranks (``ckptstore.testing.dist``) can import them.
+
+A *peer watchdog* makes a whole save job die together, as ``torchrun`` does: every rank writes its
+pid to ``SCRATCH/pid.rN`` and, while it is inside the save, a thread polls its peers; when a peer
+died (gone or zombie) without having written ``SCRATCH/done.rN``, the rank writes
+``SCRATCH/watchdog.rN`` and SIGKILLs itself. So a fault armed on one rank kills the job within
+~50 ms instead of leaving the other rank hanging in a collective until a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptstore
+
+BIG_ELEMS = (9 << 20) // 4  # 9 MiB of float32 per rank: > the 8 MiB S3 part size, so a multipart upload
+
+
+# ---- expected state ---------------------------------------------------------------------------
+def _gen(seed: int, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1000 + salt)
+
+
+def full_tensor(seed: int) -> torch.Tensor:
+    return torch.randn(64, 96, generator=_gen(seed, 1))
+
+
+def rank_tensor(seed: int, rank: int) -> torch.Tensor:
+    return torch.randn(3000, generator=_gen(seed, 10 + rank)).to(torch.bfloat16)
+
+
+def big_tensor(seed: int, rank: int) -> torch.Tensor:
+    return torch.randn(BIG_ELEMS, generator=_gen(seed, 100 + rank))
+
+
+def expected_state(seed: int, world: int = 2, big: bool = False) -> dict:
+    """The logical content a ``crash_save``/``local_save`` of ``seed`` on ``world`` ranks stores."""
+    sd = {
+        "dt": full_tensor(seed),
+        "i64": torch.arange(17, dtype=torch.int64) * (seed + 1),
+        "meta": {"seed": seed, "name": f"run/ü-{seed}", "tags": ["a", "b"]},
+    }
+    for r in range(world):
+        sd[f"r{r}.x"] = rank_tensor(seed, r)
+        if big:
+            sd[f"r{r}.big"] = big_tensor(seed, r)
+    return sd
+
+
+def blank_like(sd: dict) -> dict:
+    """A destination state dict of the same structure (zeros / placeholders)."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v)
+        else:
+            out[k] = {"seed": -1, "name": "", "tags": ["", ""]}
+    return out
+
+
+def same_state(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.dtype != y.dtype or x.shape != y.shape:
+                return False
+            if bytes(x.contiguous().reshape(-1).view(torch.uint8).numpy()) != bytes(
+                y.contiguous().reshape(-1).view(torch.uint8).numpy()
+            ):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def local_save(root, version, seed, *, world=2, big=False, **kw):
+    """In-process (no process group) save of the same logical content a ``world``-rank save has."""
+    sd = expected_state(seed, world, big)
+    w = ckptstore.StorageWriter(root, step=seed, **kw)
+    dcp.save(sd, checkpoint_id=version, storage_writer=w)
+    w.close()
+    return sd
+
+
+def load_state(root, version, seed, *, world=2, big=False, **kw) -> bool:
+    """Load ``version`` in-process and compare bit-exactly with ``expected_state(seed)``."""
+    exp = expected_state(seed, world, big)
+    tgt = blank_like(exp)
+    dcp.load(tgt, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root, **kw))
+    return same_state(tgt, exp)
+
+
+# ---- peer watchdog ----------------------------------------------------------------------------
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+class Watchdog:
+    def __init__(self, scratch: str, rank: int, world: int):
+        self.scratch, self.rank, self.world = scratch, rank, world
+        os.makedirs(scratch, exist_ok=True)
+        with open(os.path.join(scratch, f"pid.r{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        pids: dict[int, int] = {}
+        while not self._stop.wait(0.02):
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                if r not in pids:
+                    try:
+                        with open(os.path.join(self.scratch, f"pid.r{r}")) as f:
+                            pids[r] = int(f.read())
+                    except (FileNotFoundError, ValueError):
+                        continue
+                if _dead(pids[r]) and not os.path.exists(os.path.join(self.scratch, f"done.r{r}")):
+                    open(os.path.join(self.scratch, f"watchdog.r{self.rank}"), "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    def done(self) -> None:
+        open(os.path.join(self.scratch, f"done.r{self.rank}"), "w").close()
+        self._stop.set()
+
+
+# ---- a fast rank runner ------------------------------------------------------------------------
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "ckptstore", "ckptstore.cli",
+            "ckptstore.testing.dist", "crash_ranks"]
+_ctx = None
+
+
+def _fork_entry(rank, world, port, fn, args, env, q):
+    from ckptstore.testing import dist
+
+    os.environ.clear()
+    os.environ.update(env)
+    dist._entry(rank, world, port, fn, args, {}, q)
+
+
+def run_ranks_fast(fn, world: int, *args, env: dict | list | None = None, timeout: float = 60) -> dict[int, int]:
+    """``ckptstore.testing.dist.run_ranks_raw`` semantics (real gloo ranks in separate processes,
+    killed ranks tolerated, ``{rank: exitcode}``), but the processes are forked from a
+    ``forkserver`` that has torch and ckptstore imported already: ~1 s per job instead of ~5-15 s
+    of interpreter start and imports on a 2-core machine. Each rank gets this process's current
+    environment (so S3 settings made by fixtures reach it) plus its ``env``.
+    ``CKPTSTORE_SPAWN=1`` uses ``run_ranks_raw`` (plain spawn) instead.
+    """
+    global _ctx
+    from ckptstore.testing import dist
+
+    if os.environ.get("CKPTSTORE_SPAWN") == "1":
+        return dist.run_ranks_raw(fn, world, *args, env=env, timeout=timeout)
+    import multiprocessing as mp
+
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(_PRELOAD)
+    q = _ctx.SimpleQueue()
+    port = dist.free_port()
+    envs = env if isinstance(env, list) else [dict(env or {})] * world
+    base = {k: v for k, v in os.environ.items() if k not in ("CKPTSTORE_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    procs = [_ctx.Process(target=_fork_entry, args=(r, world, port, fn, args, {**base, **envs[r]}, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    while not q.empty():  # drain so the queue's pipe is not left full
+        q.get()
+    return {r: p.exitcode for r, p in enumerate(procs)}
+
+
+def _cli_entry(args, env, out):
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from ckptstore.cli import main
+
+    main([str(a) for a in args], prog_name="ckptstore")
+
+
+def run_cli_fast(args: list, env: dict, out: str, timeout: float = 120) -> tuple[int, str]:
+    """Run the ``ckptstore`` CLI in a child process (forked from the preloaded forkserver, or a
+    fresh interpreter with ``CKPTSTORE_SPAWN=1``); returns ``(exit code, stdout+stderr)``.
+    A child killed by a fault point exits with -9."""
+    global _ctx
+    import multiprocessing as mp
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("CKPTSTORE_FAULT", "RANK")}
+    if os.environ.get("CKPTSTORE_SPAWN") == "1":
+        code = "import sys; from ckptstore.cli import main; sys.exit(main())"
+        p = subprocess.run([sys.executable, "-c", code, *map(str, args)], env={**base, **env}, capture_output=True,
+                           text=True, timeout=timeout)
+        return p.returncode, p.stdout + p.stderr
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(_PRELOAD)
+    p = _ctx.Process(target=_cli_entry, args=(args, {**base, **env}, out))
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        p.kill()
+        p.join()
+    with open(out, errors="replace") as f:
+        return p.exitcode, f.read()
+
+
+# ---- rank bodies --------------------------------------------------------------------------------
+def _rank_state(rank, world, seed, big):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = expected_state(seed, world, big)
+    sd = {
+        "dt": distribute_tensor(full["dt"], mesh, [Shard(0)]),
+        "i64": full["i64"],
+        "meta": full["meta"],
+        f"r{rank}.x": full[f"r{rank}.x"],
+    }
+    if big:
+        sd[f"r{rank}.big"] = full[f"r{rank}.big"]
+    return sd
+
+
+def crash_save(rank, world, root, version, seed, opts):
+    """One save of ``version`` under the peer watchdog; the fault comes from CKPTSTORE_FAULT.
+
+    ``opts``: ``scratch`` (dir), ``remote``, ``durability``, ``key``, ``big``, ``frame_size``,
+    ``compression``, ``start_at`` (time.time() to wait for: lines two jobs up).
+    """
+    wd = Watchdog(opts["scratch"], rank, world)
+    sd = _rank_state(rank, world, seed, opts.get("big", False))
+    w = ckptstore.StorageWriter(
+        root,
+        remote=opts.get("remote"),
+        durability=opts.get("durability", "local"),
+        key=opts.get("key"),
+        step=seed,
+        frame_size=opts.get("frame_size", 4096),
+        compression=opts.get("compression", "auto"),
+        overwrite=opts.get("overwrite", False),
+        upload_timeout=30,
+    )
+    if opts.get("start_at"):
+        time.sleep(max(0.0, opts["start_at"] - time.time()))
+    try:
+        dcp.save(sd, checkpoint_id=version, storage_writer=w)
+        w.close()
+        out = ("ok", None)
+    except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        out = ("error", _describe(e))
+    wd.done()
+    return out
+
+
+def _describe(e: BaseException) -> list:
+    """``[(type name, is CkptStoreError, message)]`` of the per-rank errors inside ``e``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    errs = [x for x, _tb in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    return [(type(x).__name__, isinstance(x, ckptstore.CkptStoreError), str(x)) for x in errs]
+
+
+# ---- the post-crash audit ----------------------------------------------------------------------
+def _tier_stores(root, remote):
+    out = {}
+    if root is not None:
+        out["local"] = (root, None)
+    if remote is not None:
+        out["remote"] = (None, remote)
+    return out
+
+
+def match_content(root, remote, version, candidates, key) -> tuple[int | None, str]:
+    """Load ``version`` from exactly one tier and return the index of the candidate content
+    (``(seed, world, big)``) it equals bit-exactly, or ``(None, why)``."""
+    last = "no candidate matched"
+    for i, (seed, world, big) in enumerate(candidates):
+        try:
+            if load_state(root, version, seed, world=world, big=big, remote=remote, key=key, allow_unencrypted=True):
+                return i, ""
+            last = f"content differs from candidate {i}"
+        except BaseException as e:  # noqa: BLE001
+            return None, "load failed: " + "; ".join(f"{n}: {m[:300]}" for n, _ok, m in _describe(e))
+    return None, last
+
+
+def garbage(tier) -> list[str]:
+    """Objects under ``versions/`` that no committed manifest of ``tier`` references, plus
+    incomplete multipart uploads and (local) empty directories below a version directory."""
+    from ckptstore.manifest import catalogue, layout
+
+    entries = catalogue.scan(tier)
+    ref = set()
+    for v, e in entries.items():
+        d = layout.version_dir(v) + "/"
+        ref |= {d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED}
+        ref |= {d + o.name for o in e.manifest.all_objects()}
+    left = sorted(i.key for i in tier.list("") if i.key not in ref)
+    lister = getattr(tier, "list_multipart_uploads", None)
+    if lister is not None:
+        left += [f"multipart upload {u.key} ({u.upload_id})" for u in lister("")]
+    top = tier.local_path("versions")
+    if top is not None and os.path.isdir(top):
+        for d, dns, fns in os.walk(top):
+            if d != top and not dns and not fns:
+                left.append("empty dir " + os.path.relpath(d, tier.root))
+    return left
+
+
+def audit(root, remote, key, expected: dict, *, run_gc: bool = True, scrub_deep: bool = True) -> tuple[dict, list[str]]:
+    """Check the store after a crash. ``expected``: version → list of acceptable contents
+    ``(seed, world, big)``. Returns ``(state, violations)`` where ``state[tier][version]`` is the
+    index of the content found. Checks, per tier: every listed version is expected and loads
+    bit-exactly from that tier alone; a deep scrub is clean; gc past the grace period succeeds and
+    leaves no garbage; afterwards every version still loads and scrub is still clean.
+    """
+    import datetime as dt
+
+    viol: list[str] = []
+    state: dict = {}
+
+    def check_loads(phase):
+        for tname, (r, rem) in _tier_stores(root, remote).items():
+            st = ckptstore.Store(r, remote=rem)
+            recs = st.versions()
+            state[tname] = {}
+            for rec in recs:
+                if rec.version not in expected:
+                    viol.append(f"{phase}: {tname}: unexpected version {rec.version!r} listed")
+                    continue
+                idx, why = match_content(r, rem, rec.version, expected[rec.version], key)
+                state[tname][rec.version] = idx
+                if idx is None:
+                    viol.append(f"{phase}: {tname}: listed version {rec.version!r} does not load bit-exactly: {why}")
+            if st.problems:
+                viol.append(f"{phase}: {tname}: invalid manifests: {st.problems}")
+
+    def check_scrub(phase):
+        try:
+            from ckptstore import scrub as _scrub
+        except ImportError:
+            return
+        rep = _scrub.scrub(ckptstore.Store(root, remote=remote), deep=scrub_deep, key=key)
+        if rep.exit_code != 0:
+            viol.append(f"{phase}: scrub exit {rep.exit_code}: {rep.damage() or _scrub.format_report(rep)}")
+
+    check_loads("after crash")
+    check_scrub("after crash")
+    if run_gc:
+        try:
+            from ckptstore import gc as _gc
+        except ImportError:
+            _gc = None
+        if _gc is not None:
+            st = ckptstore.Store(root, remote=remote)
+            now = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2)
+            _plan, res = _gc.run(st.tiers, None, now=now, grace=3600)
+            if not res.ok:
+                viol.append(f"gc failed: {[(a.key, str(e)) for a, e in res.failed]}")
+            for tname, t in st.tiers.items():
+                left = garbage(t)
+                if left:
+                    viol.append(f"after gc: {tname}: garbage left: {left[:8]}")
+            before = {t: dict(v) for t, v in state.items()}
+            check_loads("after gc")
+            if state != before:
+                viol.append(f"gc changed the committed versions: {before} -> {state}")
+            check_scrub("after gc")
+    return state, viol
