@@ -32,7 +32,7 @@ fi
 . "$VENV/bin/activate"
 
 need_install=0
-python - "$TORCH_VERSION" <<'PYEOF' || need_install=1
+python - "$TORCH_VERSION" 2>/dev/null <<'PYEOF' || need_install=1
 import sys
 import importlib.metadata as md
 want = sys.argv[1]
@@ -44,7 +44,15 @@ PYEOF
 
 if [ "$need_install" = 1 ]; then
     echo "demo.sh: installing torch==$TORCH_VERSION (CPU build) and ckptstore[demo] into $VENV"
-    python -m pip install --quiet --upgrade pip
+    python -m pip install --quiet --upgrade pip || echo "demo.sh: could not upgrade pip; continuing"
+    if [ -n "$TORCH_INDEX" ] && ! python - "$TORCH_INDEX" 2>/dev/null <<'PYEOF'
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)
+PYEOF
+    then
+        echo "demo.sh: $TORCH_INDEX is not reachable; installing torch==$TORCH_VERSION from your configured index" >&2
+        TORCH_INDEX=""
+    fi
     if [ -n "$TORCH_INDEX" ]; then
         # the +cpu local version from this index sorts above PyPI's plain 2.13.0, so it wins
         python -m pip install --quiet "torch==$TORCH_VERSION" --extra-index-url "$TORCH_INDEX"

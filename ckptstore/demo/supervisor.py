@@ -32,7 +32,7 @@ class DemoConfig:
     dropout: float = 0.1
     # optimisation
     global_batch: int = 12
-    steps: int = 150
+    steps: int = 180
     lr: float = 1e-3
     warmup: int = 15
     min_lr_ratio: float = 0.1
@@ -45,7 +45,7 @@ class DemoConfig:
     corpus_max_bytes: int = 4 << 20
     # checkpointing and the fault
     save_every: int = 20
-    crash_step: int = 100
+    crash_step: int = 120
     crash_rank: int = 1
     world_size: int = 2
     resume_world_size: int | None = None  # None: restart on world_size
@@ -122,18 +122,20 @@ class _Follower:
         self.last_print = 0.0
 
     def poll(self) -> None:
+        new: list[dict[str, Any]] = []
         for path in sorted(glob.glob(os.path.join(self.run_dir, "events", "rank*.a*.jsonl"))):
-            with open(path) as f:
+            with open(path, "rb") as f:
                 f.seek(self.pos.get(path, 0))
                 chunk = f.read()
-            # only consume complete lines
-            end = chunk.rfind("\n") + 1
-            self.pos[path] = self.pos.get(path, 0) + len(chunk[:end].encode())
-            for line in chunk[:end].splitlines():
+            end = chunk.rfind(b"\n") + 1  # only consume complete lines
+            self.pos[path] = self.pos.get(path, 0) + end
+            for line in chunk[:end].decode(errors="replace").splitlines():
                 try:
-                    self._event(json.loads(line))
+                    new.append(json.loads(line))
                 except ValueError:
                     pass
+        for e in sorted(new, key=lambda e: e["t"]):
+            self._event(e)
 
     def _say(self, msg: str) -> None:
         self.console.print(f"  [dim]{self.label}[/dim] {msg}", highlight=False)

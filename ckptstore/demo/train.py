@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     crash_step = cfg.get("crash_step")
     for step in range(start_step + 1, cfg["steps"] + 1):
         t0 = time.time()
+        c0 = time.thread_time()
         ids, x = next(it)
         logits = model(x[:, :-1])
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.time()
         log(
             "step",
+            cpu=time.thread_time() - c0,  # this thread's CPU time: the step's cost on an idle machine
             step=step,
             loss=float(loss_sum.item()).hex(),  # this rank's summed token loss, exact
             gloss=float(gsum.item()).hex(),  # all ranks' sum, exact
