@@ -413,7 +413,10 @@ def _codec_for(vc: VersionCheck, te, master, key_problem) -> FrameCodec | None:
 
 def _check_version(tier, name, version, te, deep, master, key_problem, on_bytes) -> tuple[VersionCheck, FrameCodec | None]:
     m = te.manifest
-    vc = VersionCheck(name, version, m.attempt, encrypted=m.encrypted, deep=deep, was_marked=te.damaged)
+    # any damaged.json counts here, also one naming another attempt (the catalogue ignores those):
+    # scrub reports it and --repair removes it
+    marked = te.damaged or tier.exists(layout.damaged_key(version))
+    vc = VersionCheck(name, version, m.attempt, encrypted=m.encrypted, deep=deep, was_marked=marked)
     codec = _codec_for(vc, te, master, key_problem) if deep else None
     vc.deep = deep and codec is not None
     for entry in m.all_objects():

@@ -196,7 +196,7 @@ class FrameCodec:
 
 def _compress(raw: memoryview, level: int, float_width: int):
     n = len(raw)
-    if float_width in (2, 4) and n >= 4096 and n % float_width == 0 and "bytegroup/1" in stages._DECODERS:
+    if float_width in (2, 4, 8) and n >= 4096 and n % float_width == 0 and "bytegroup/1" in stages._DECODERS:
         from . import bytegroup
 
         out = bytegroup.encode(raw, float_width, level)

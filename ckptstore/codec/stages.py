@@ -58,7 +58,13 @@ def zstd_decompress(data, raw_len: int) -> bytes:
     if raw_len > MAX_FRAME_RAW:
         raise IntegrityError(f"frame raw length {raw_len} exceeds the limit {MAX_FRAME_RAW}")
     try:
-        out = _dctx().decompress(data, max_output_size=raw_len)
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"zstd frame header does not parse: {e}") from None
+    if declared != raw_len:  # python-zstandard sizes its output from the frame's own claim
+        raise IntegrityError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+    try:
+        out = _dctx().decompress(data, max_output_size=raw_len, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise IntegrityError(f"zstd frame does not decode: {e}") from None
     if len(out) != raw_len:

@@ -67,8 +67,9 @@ def local_digest(local: Tier, key: str, size: int) -> tuple[str, int]:
 
 
 class Uploader:
-    def __init__(self, local: Tier, remote: Tier, threads: int = 4, timeout: float = 3600.0):
+    def __init__(self, local: Tier, remote: Tier, threads: int = 4, timeout: float = 3600.0, retention=None):
         self.local = local
+        self.retention = retention
         self.remote = remote
         self.timeout = timeout
         self._pool = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptstore-up")
@@ -154,6 +155,13 @@ class Uploader:
                 f"version {v!r} already exists in the remote tier {self.remote.url}; the remote copy was not replaced"
             ) from None
         log.info("ckptstore: version %s committed in %s", v, self.remote.url)
+        pin = layout.pin_key(v)
+        if self.local.exists(pin):  # a pin made before the remote commit travels with the version
+            self.remote.put(pin, self.local.get(pin))
+        if self.retention is not None:
+            from ..retention import apply_after_commit
+
+            apply_after_commit(self.remote, self.retention, m, tier_name="remote", other_tiers=[self.local])
         return key
 
     # -- bookkeeping -----------------------------------------------------------------------

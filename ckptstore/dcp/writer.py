@@ -59,7 +59,7 @@ from .staging import Stager
 DEFAULT_FRAME_SIZE = 2 << 20  # bytes; a multiple of every element size (≤ 16). 2 MiB: AES-GCM and
 # zstd run fastest on buffers that stay below the allocator's mmap threshold; 48 B of header per frame.
 _SENTINEL = "\x00ckptstore/"
-_FLOAT_WIDTH = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+_FLOAT_WIDTH = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float64: 8}
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -99,6 +99,10 @@ class StorageWriter(_DCPStorageWriter):
             ``"remote"`` (the save completes at the remote commit). Only with ``remote``.
         endpoint_url: S3 endpoint, overriding the boto3 chain.
         upload_timeout: seconds ``close()``/exit and the remote commit wait for uploads (default 1 h).
+        retention: a :class:`ckptstore.retention.RetentionPolicy` applied by the coordinator right
+            after each commit, per tier (opt-in; default None keeps everything). It considers only
+            versions committed at or before the one just committed, never deletes that one, and
+            locally never deletes a version not yet committed in the remote tier.
         allow_divergent_replicas: when two ranks hold different values under one non-sharded key,
             save rank 0's copy (DCP's behaviour) instead of raising :class:`StateDictKeysError`.
 
@@ -125,6 +129,7 @@ class StorageWriter(_DCPStorageWriter):
         endpoint_url: str | None = None,
         allow_divergent_replicas: bool = False,
         upload_timeout: float = 3600.0,
+        retention: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -148,6 +153,7 @@ class StorageWriter(_DCPStorageWriter):
         self.durability = durability
         self.allow_divergent_replicas = allow_divergent_replicas
         self.upload_timeout = upload_timeout
+        self.retention = retention
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
         self.options = kwargs
@@ -451,7 +457,9 @@ class StorageWriter(_DCPStorageWriter):
         if self._uploader is None and self._remote is not None:
             from .upload import Uploader
 
-            self._uploader = Uploader(self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout)
+            self._uploader = Uploader(
+                self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout, retention=self.retention
+            )
         return self._uploader
 
     def _upload_rank_object(self, rep: ObjectReport) -> None:
@@ -476,7 +484,23 @@ class StorageWriter(_DCPStorageWriter):
         check_uploads(self._uploader, timeout)
 
     def _after_commit(self, m: Manifest) -> None:
-        pass
+        if self.retention is None:
+            return
+        from ..manifest import catalogue
+        from ..retention import apply_after_commit
+
+        protect = {}
+        others = []
+        if self._remote is not None:
+            others = [self._remote]
+            try:
+                remote_versions = set(catalogue.scan(self._remote))
+            except CkptStoreError:
+                remote_versions = None
+            for v in catalogue.scan(self._tier):
+                if remote_versions is None or v not in remote_versions:
+                    protect[v] = "not yet committed in the remote tier"
+        apply_after_commit(self._tier, self.retention, m, tier_name="local", other_tiers=others, protect=protect)
 
     # -- AsyncStager protocol (dcp.async_save uses the writer as its stager) --------------------
     _synchronize_after_execute = False

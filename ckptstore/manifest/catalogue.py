@@ -115,6 +115,13 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
         else:
             pinned = d + layout.PINNED in listing
             damaged = d + layout.DAMAGED in listing
+        if damaged:  # a mark left by scrub for an older attempt does not apply to this one
+            try:
+                att = json.loads(tier.get(d + layout.DAMAGED)).get("attempt")
+            except Exception:  # noqa: BLE001 - unreadable mark: treat as damaged
+                att = None
+            if att is not None and att != parsed.manifest.attempt:
+                damaged = False
         out[version] = TierEntry(parsed.manifest, parsed, pinned, damaged)
     return out
 
