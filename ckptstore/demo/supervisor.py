@@ -143,7 +143,7 @@ class _Follower:
     def _event(self, e: dict[str, Any]) -> None:
         k = e["kind"]
         if k == "crash":
-            self._say(f"[bold red]rank {e['rank']} SIGKILLs itself at step {e['step']} while saving {e['version']}[/bold red]")
+            self._say(f"[bold red]rank {e['rank']} SIGKILLs itself at step {e['step']}, right after async_save({e['version']}) returned: that save is in flight[/bold red]")
         if e.get("rank") != 0:
             return
         if k == "step":
