@@ -395,3 +395,18 @@ def audit(root, remote, key, expected: dict, *, run_gc: bool = True, scrub_deep:
                 viol.append(f"gc changed the committed versions: {before} -> {state}")
             check_scrub("after gc")
     return state, viol
+
+
+def save_many(rank, world, jobs):
+    """Save several versions in one job: ``jobs`` = list of dicts with ``root``, ``version``,
+    ``seed`` and StorageWriter options (``remote``, ``durability``, ``key``, ``compression``,
+    ``frame_size``)."""
+    for j in jobs:
+        j = dict(j)
+        root, version, seed = j.pop("root"), j.pop("version"), j.pop("seed")
+        sd = _rank_state(rank, world, seed, j.pop("big", False))
+        j.setdefault("frame_size", 4096)
+        w = ckptstore.StorageWriter(root, step=seed, **j)
+        dcp.save(sd, checkpoint_id=version, storage_writer=w)
+        w.close()
+    return True
