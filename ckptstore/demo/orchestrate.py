@@ -185,7 +185,9 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         console.rule("the crash run's store, through the ckptstore CLI")
         extra = ["--remote", run_job_.remote] if run_job_.remote else []
         ckptstore_cli(["list", run_job_.store_root, *extra], console)
-        ckptstore_cli(["gc", run_job_.store_root, *extra, "--dry-run"], console)
+        # what a retention policy would prune: keep the 3 newest and the one with the lowest loss
+        ckptstore_cli(["gc", run_job_.store_root, *extra, "--dry-run", "--keep-last", "3",
+                       "--keep-best", "1", "--metric", "loss", "--mode", "min"], console)
         ckptstore_cli(["scrub", run_job_.store_root, *extra], console)
 
     runtime = time.time() - t_start

@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                 pending.result()
             tw1 = time.time()
             state = full_state(step)
-            cid, wr = backend.writer(root, remote, step, {"step": step, "demo": cfg.get("label", "")})
+            # user metadata travels in the manifest: `ckptstore gc --keep-best N --metric loss` can use it
+            cid, wr = backend.writer(root, remote, step, {"loss": gsum.item() / (G * T), "run": cfg.get("label", "")})
             pending = dcp.async_save(state, checkpoint_id=cid, storage_writer=wr, process_group=ckpt_pg)
             del state
             ts1 = time.time()
