@@ -40,7 +40,7 @@ def plot(path: str, ref: History, run: History, ref_job: Job, run_job: Job, gp: 
                    label=f"resumed from {res['version']} on {res.get('world_size', '?')} rank(s)")
     ax.set_xlabel("step")
     ax.set_ylabel("mean train loss (nats/byte)")
-    ax.grid(alpha=0.3)
+    ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
 
     # -- timelines -------------------------------------------------------------------------
