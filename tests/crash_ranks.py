@@ -155,6 +155,44 @@ def _fork_entry(rank, world, port, fn, args, env, q):
     dist._entry(rank, world, port, fn, args, {}, q)
 
 
+class Job:
+    """Ranks of one job running in processes forked from a preloaded ``forkserver``; see
+    :func:`run_ranks_fast`. ``wait()`` returns ``{rank: exitcode}``; ``results`` then holds
+    ``{rank: ("ok", value) | ("err", traceback)}`` for the ranks that reported."""
+
+    def __init__(self, fn, world: int, *args, env: dict | list | None = None):
+        global _ctx
+        import multiprocessing as mp
+
+        from ckptstore.testing import dist
+
+        if _ctx is None:
+            _ctx = mp.get_context("forkserver")
+            _ctx.set_forkserver_preload(_PRELOAD)
+        self.q = _ctx.SimpleQueue()
+        port = dist.free_port()
+        envs = env if isinstance(env, list) else [dict(env or {})] * world
+        base = {k: v for k, v in os.environ.items() if k not in ("CKPTSTORE_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        self.procs = [_ctx.Process(target=_fork_entry, args=(r, world, port, fn, args, {**base, **envs[r]}, self.q))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.results: dict = {}
+
+    def wait(self, timeout: float = 60) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        while not self.q.empty():
+            r, status, val = self.q.get()
+            self.results[r] = (status, val)
+        return {r: p.exitcode for r, p in enumerate(self.procs)}
+
+
 def run_ranks_fast(fn, world: int, *args, env: dict | list | None = None, timeout: float = 60) -> dict[int, int]:
     """``ckptstore.testing.dist.run_ranks_raw`` semantics (real gloo ranks in separate processes,
     killed ranks tolerated, ``{rank: exitcode}``), but the processes are forked from a
@@ -163,33 +201,11 @@ def run_ranks_fast(fn, world: int, *args, env: dict | list | None = None, timeou
     environment (so S3 settings made by fixtures reach it) plus its ``env``.
     ``CKPTSTORE_SPAWN=1`` uses ``run_ranks_raw`` (plain spawn) instead.
     """
-    global _ctx
     from ckptstore.testing import dist
 
     if os.environ.get("CKPTSTORE_SPAWN") == "1":
         return dist.run_ranks_raw(fn, world, *args, env=env, timeout=timeout)
-    import multiprocessing as mp
-
-    if _ctx is None:
-        _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(_PRELOAD)
-    q = _ctx.SimpleQueue()
-    port = dist.free_port()
-    envs = env if isinstance(env, list) else [dict(env or {})] * world
-    base = {k: v for k, v in os.environ.items() if k not in ("CKPTSTORE_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    procs = [_ctx.Process(target=_fork_entry, args=(r, world, port, fn, args, {**base, **envs[r]}, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    while not q.empty():  # drain so the queue's pipe is not left full
-        q.get()
-    return {r: p.exitcode for r, p in enumerate(procs)}
+    return Job(fn, world, *args, env=env).wait(timeout)
 
 
 def _cli_entry(args, env, out):
@@ -410,3 +426,75 @@ def save_many(rank, world, jobs):
         dcp.save(sd, checkpoint_id=version, storage_writer=w)
         w.close()
     return True
+
+
+# ---- pausing a save at a named point (races) ------------------------------------------------------
+def wait_for(path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.01)
+
+
+def _install_pauses(pauses: list, rank: int) -> None:
+    """``pauses``: ``[(point, nth, rank or None, dir, tag)]``. At the nth pass of ``point`` (on
+    ``rank``), write ``dir/paused.<tag>.r<rank>`` and wait for ``dir/go.<tag>``."""
+    from ckptstore import _faults
+
+    real = _faults.point
+    counts: dict = {}
+    lock = threading.Lock()
+
+    def point(name: str) -> None:
+        for (pt, nth, prank, d, tag) in pauses:
+            if pt == name and (prank is None or prank == rank):
+                with lock:
+                    counts[tag] = counts.get(tag, 0) + 1
+                    hit = counts[tag] == nth
+                if hit:
+                    open(os.path.join(d, f"paused.{tag}.r{rank}"), "w").close()
+                    wait_for(os.path.join(d, f"go.{tag}"), 60)
+        real(name)
+
+    _faults.point = point
+
+
+def _install_barrier(barrier_dir: str, job: str, parties: int, tier_cls: str) -> None:
+    """Make the manifest put-if-absent of ``tier_cls`` ("local" or "s3") wait until ``parties``
+    jobs reached it: two racing saves then really collide at the commit point."""
+    if tier_cls == "local":
+        from ckptstore.tiers.local import LocalTier as cls
+    else:
+        from ckptstore.tiers.s3 import S3Tier as cls
+    real = cls.put_if_absent
+
+    def put_if_absent(self, key, data):
+        if key.endswith("/manifest.json"):
+            open(os.path.join(barrier_dir, f"ready.{job}"), "w").close()
+            deadline = time.monotonic() + 30
+            while len([n for n in os.listdir(barrier_dir) if n.startswith("ready.")]) < parties:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.002)
+        return real(self, key, data)
+
+    cls.put_if_absent = put_if_absent
+
+
+def race_save(rank, world, root, version, seed, opts):
+    """A save that may pause (``opts["pauses"]``) or meet another job at the manifest
+    (``opts["barrier"] = (dir, job, parties, "local"|"s3")``). Returns ("ok"|"error", details)."""
+    if opts.get("pauses"):
+        _install_pauses(opts["pauses"], rank)
+    if opts.get("barrier"):
+        _install_barrier(*opts["barrier"])
+    sd = _rank_state(rank, world, seed, opts.get("big", False))
+    w = ckptstore.StorageWriter(root, remote=opts.get("remote"), durability=opts.get("durability", "local"),
+                                key=opts.get("key"), step=seed, frame_size=4096, upload_timeout=30)
+    try:
+        dcp.save(sd, checkpoint_id=version, storage_writer=w)
+        w.close()
+        return ("ok", None)
+    except BaseException as e:  # noqa: BLE001
+        return ("error", _describe(e))
