@@ -87,7 +87,7 @@ def _attach_optional() -> None:
     """Commands living in their own modules (added when present)."""
     import importlib
 
-    for mod, names in (("ckptstore.ops_cli", None), ("ckptstore.demo.cli", ("demo",))):
+    for mod, names in (("ckptstore.ops_cli", None), ("ckptstore.demo.cli", ("demo",)), ("ckptstore.rekey_cli", None)):
         try:
             m = importlib.import_module(mod)
         except ImportError:
