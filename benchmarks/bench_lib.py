@@ -36,6 +36,13 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+# torch intra-op threads (copy_, clone, randn) for every configuration alike: 1 by default, as on
+# a rank whose cores are busy training, and because OpenMP spin-waits make multi-threaded copy_
+# erratic (10x slower) when the shared machine is oversubscribed. ckptstore's own encoder/decoder
+# pools are not affected. run.py --torch-threads sets it (inherited by subprocesses and ranks).
+TORCH_THREADS = int(os.environ.setdefault("CKPTBENCH_TORCH_THREADS", "1"))
+torch.set_num_threads(TORCH_THREADS)
+
 KINDS = ("ckpt-on", "ckpt-off", "dcp", "dcp-zstd")
 LABELS = {
     "ckpt-on": "ckptstore zstd+xxh3+AES-GCM",
@@ -548,8 +555,6 @@ def real_weights() -> tuple[tuple[str, list] | None, str | None]:
 def _peak(kind: str, mib: int, base: str) -> dict:
     import gc
 
-    torch.set_num_threads(1)
-    base_rss = rss()  # interpreter + torch + ckptstore imported, no state yet
     import ckptstore  # noqa: F401
 
     base_rss = rss()
@@ -596,7 +601,7 @@ def _work(op: str, kind: str, mib: int, base: str, reps: int) -> dict:
         load_once(kind, root, cid, dest)  # warm-up
         for _ in range(reps):
             times.append(_profiled(load_once, kind, root, cid, dest)["seconds"])
-        shutil.rmtree(root, ignore_errors=True)
+        # the checkpoint stays for the next profiling pass; run.py's work dir is removed at the end
     else:
         raise SystemExit(f"unknown op {op!r}")
     return {"op": op, "kind": kind, "seconds": times}

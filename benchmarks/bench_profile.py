@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import cProfile
 import io
+import json
 import os
 import pstats
 import re
@@ -27,7 +28,7 @@ import sys
 from typing import Callable
 
 RATE = 250  # samples per second
-_LINE = re.compile(r"^thread \((\d+)\): ([^;]*);?(.*) (\d+)$")
+_LINE = re.compile(r"^thread \((\d+)\)(?:: ([^;]*))?;?(.*) (\d+)$")  # the name is sometimes missing
 _FOCUS = ("_profiled",)
 
 
@@ -91,6 +92,8 @@ def parse_raw(path: str, focus=_FOCUS) -> dict:
             _tid, thread, stack, n = m.groups()
             n = int(n)
             frames = [x for x in stack.split(";") if x]
+            if thread is None:  # py-spy could not read the name: the main thread runs the script's <module>
+                thread = "MainThread" if frames and frames[0].startswith("<module>") else ""
             g = _group(thread, stack)
             if g == "main thread" and not any(x.split(" (")[0].endswith(focus) for x in frames):
                 continue
@@ -136,14 +139,15 @@ def profile_subprocess(name: str, cmd: list, out_dir: str, gil: bool = True) -> 
         raw = os.path.join(out_dir, f"{name}-{tag}.txt")
         p = subprocess.run([tool, "record", "-r", str(RATE), "-f", "raw", "-o", raw, *flags, "--", *cmd],
                            capture_output=True, text=True)
-        if p.returncode:
-            raise RuntimeError(f"py-spy failed ({p.returncode}): {p.stderr[-2000:]}")
+        try:
+            secs = json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
+        except Exception:
+            secs = None
+        if p.returncode or secs is None:
+            raise RuntimeError(f"profiled workload failed (py-spy exit {p.returncode}): {p.stderr[-2000:]}")
         res[tag] = parse_raw(raw)
         res[tag]["raw"] = raw
-        try:
-            res[tag]["workload_seconds"] = __import__("json").loads(p.stdout.strip().splitlines()[-1])["seconds"]
-        except Exception:
-            pass
+        res[tag]["workload_seconds"] = secs
     res["tool"] = f"py-spy record -r {RATE} --threads (and --gil)"
     return res
 

@@ -45,6 +45,8 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+if "--torch-threads" in sys.argv[:-1]:  # must be known before bench_lib imports torch
+    os.environ["CKPTBENCH_TORCH_THREADS"] = sys.argv[sys.argv.index("--torch-threads") + 1]
 
 import bench_lib as B  # noqa: E402  (imports torch, sets the shared benchmark key)
 import torch  # noqa: E402
@@ -326,8 +328,10 @@ def sec_scaling(run: Run) -> None:
     for items, sizes in plan:
         for r in sizes:
             for k in ("ckpt-on", "dcp"):
-                fin.append(B.synthetic_finish(r, items, run.work, k))
-                f = fin[-1]
+                # the small layout is cheap: median of 3 (interleaved with the peer); the big one once
+                runs = [B.synthetic_finish(r, items, run.work, k) for _ in range(3 if items == 16 else 1)]
+                f = dict(runs[0], seconds=med([x["seconds"] for x in runs]), seconds_all=[x["seconds"] for x in runs])
+                fin.append(f)
                 print(f"  finish {k} {r} ranks x {items} tensors: {fmt_s(f['seconds'])}, manifest {f['manifest_bytes'] / 1024:.0f} KiB, "
                       f"metadata {f['metadata_bytes'] / 1024:.0f} KiB", flush=True)
     run.results["finish"] = fin
@@ -522,7 +526,7 @@ def meta(run: Run) -> dict:
         "mode": "quick" if run.quick else "full", "state_mib": run.mib, "reps": run.reps,
         "python": platform.python_version(), "torch": torch.__version__, "ckptstore": ckptstore.__version__,
         "cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "ckptstore_threads": _threads(), "git_head": git("rev-parse", "--short", "HEAD"),
+        "ckptstore_threads": _threads(), "torch_threads": B.TORCH_THREADS, "git_head": git("rev-parse", "--short", "HEAD"),
         "ckptstore_uncommitted": git("status", "--porcelain", "--", "ckptstore").splitlines(),
         "work_dir": run.work, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "note": "ratios are medians over repetitions interleaved in one run; absolute figures are this machine's, this run's",
@@ -554,6 +558,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="scratch directory for checkpoints (default: a temp dir)")
     ap.add_argument("--no-profile", action="store_true", help="do not profile goals that are not met")
     ap.add_argument("--no-gil-profile", action="store_true", help="skip the py-spy --gil pass")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads for every configuration (default 1; see README)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.peer_async_saves = args.peer_async_saves or (5 if args.quick else 10)
@@ -564,7 +570,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     load0 = os.getloadavg()
     print(f"ckptstore benchmarks ({'quick' if run.quick else 'full'}): state {run.mib} MiB bf16, {run.reps} reps, "
-          f"{os.cpu_count()} cores, ckptstore threads {_threads()}, work dir {run.work}", flush=True)
+          f"{os.cpu_count()} cores, ckptstore threads {_threads()}, torch threads {B.TORCH_THREADS}, work dir {run.work}", flush=True)
     errors = {}
     timings = {}
     try:
