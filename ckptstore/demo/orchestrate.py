@@ -123,8 +123,6 @@ def run_demo(cfg: DemoConfig, out: str, *, summary: str | None = None, seaweed: 
             sw = stack.enter_context(seaweedfs(log_path=os.path.join(out, "seaweedfs.log")))
             cfg.remote = sw["url"]
             console.print(f"  S3 endpoint {sw['endpoint']}, remote tier {cfg.remote} (stopped when the demo ends)", highlight=False)
-        if cfg.remote and not backend.real():
-            raise DemoError("--remote needs ckptstore.StorageWriter, which this build does not have yet")
         return _run(cfg, out, summary, show_cli, plot, console, t_start)
 
 
@@ -144,7 +142,7 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         f"training  {cfg.steps} steps, {cfg.world_size} ranks (torchrun, gloo, {'FSDP2 fully_shard' if cfg.parallel == 'fsdp' else 'DDP'}, CPU), "
         f"AdamW + warmup/cosine LR, StatefulDataLoader\n"
         f"checkpoint dcp.async_save every {cfg.save_every} steps -> "
-        f"{'ckptstore.StorageWriter' if backend.real() else 'FileSystemWriter (stand-in: ckptstore not importable)'}"
+        "ckptstore.StorageWriter"
         f"{' (local + ' + cfg.remote + ')' if cfg.remote else ' (local tier)'}\n"
         f"fault     rank {cfg.crash_rank} SIGKILLs itself at step {cfg.crash_step} while that save is in flight; "
         f"restart on {rw} rank(s)\n"
@@ -211,7 +209,6 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         "store": run_job_.store_root,
         "remote": run_job_.remote,
         "versions": [c[0] for c in committed],
-        "backend": "ckptstore" if backend.real() else "FileSystemWriter stand-in",
         "plot": png,
         "out": out,
         "runtime_s": runtime,
