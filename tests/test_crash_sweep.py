@@ -91,7 +91,13 @@ CASES = [
     Case("gc.uncommit:2", kind="gc", remote=True, expect=()),
     Case("gc.delete:4", kind="gc", remote=True, expect=()),
     Case("scrub.repair", kind="scrub", remote=True, expect=(("local", "committed"), ("remote", "committed"))),
+    Case("upload.object@0", remote=True, expect=LR_ABSENT),
+    Case("local.fsync:1@0", remote=True, key=True, expect=LR_ABSENT),
 ]
+# every frame of either rank's shard (rank 0 writes 5 frames, rank 1 writes 9 at 4 KiB frames)
+_listed = {c.fault for c in CASES if c.kind == "save" and not c.remote}
+CASES += [Case(f"write.frame:{n}@{r}", key=bool(n % 2), expect=L_ABSENT)
+          for r, frames in ((0, 5), (1, 9)) for n in range(1, frames + 1) if f"write.frame:{n}@{r}" not in _listed]
 
 
 def _params():
