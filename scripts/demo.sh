@@ -10,15 +10,15 @@
 # Needs only python3 (>= 3.10) on a fresh clone: creates .venv if missing, installs the pinned CPU
 # build of torch and `pip install -e '.[demo]'`, then runs `ckptstore demo "$@"`.
 # Environment: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
-# CKPTSTORE_TORCH_INDEX (extra index for the CPU torch build, default the PyTorch CPU index;
-# set it empty to use only your configured indexes).
+# CKPTSTORE_TORCH_INDEX (optional extra package index for the CPU build of torch; default: none,
+# i.e. your configured index).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 TORCH_VERSION="2.13.0"
-TORCH_INDEX="${CKPTSTORE_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+TORCH_INDEX="${CKPTSTORE_TORCH_INDEX:-}"
 
 if ! command -v "$PY" >/dev/null 2>&1; then
     echo "demo.sh: $PY not found; install Python >= 3.10 or set PYTHON=/path/to/python3" >&2
@@ -45,14 +45,6 @@ PYEOF
 if [ "$need_install" = 1 ]; then
     echo "demo.sh: installing torch==$TORCH_VERSION (CPU build) and ckptstore[demo] into $VENV"
     python -m pip install --quiet --upgrade pip || echo "demo.sh: could not upgrade pip; continuing"
-    if [ -n "$TORCH_INDEX" ] && ! python - "$TORCH_INDEX" 2>/dev/null <<'PYEOF'
-import sys, urllib.request
-urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)
-PYEOF
-    then
-        echo "demo.sh: $TORCH_INDEX is not reachable; installing torch==$TORCH_VERSION from your configured index" >&2
-        TORCH_INDEX=""
-    fi
     if [ -n "$TORCH_INDEX" ]; then
         # the +cpu local version from this index sorts above PyPI's plain 2.13.0, so it wins
         python -m pip install --quiet "torch==$TORCH_VERSION" --extra-index-url "$TORCH_INDEX"

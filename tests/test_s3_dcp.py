@@ -223,3 +223,18 @@ def test_throttling_503_slowdown(tmp_path, s3_url):
     assert count["n"] > 10
     tgt = load({"a": torch.zeros(1000)}, None, "v2", remote=tier)
     assert tgt["a"].eq(2.0).all()
+
+
+def test_interrupted_remote_commit_is_finished_by_the_next_save(tmp_path, s3_url):
+    """A crash after the local commit but before the remote one: the next writer stages it."""
+    root = str(tmp_path)
+    codes = run_ranks_raw(dcp_ranks.s3_save, 1, root, s3_url, "v1", 1, "remote", env={"CKPTSTORE_FAULT": "remote.manifest"}, timeout=60)
+    assert codes[0] != 0
+    st = ckptstore.Store(root, remote=s3_url)
+    assert st.get("v1").tiers == {"local"}
+    w = ckptstore.StorageWriter(root, remote=s3_url)
+    dcp.save({"a": torch.ones(2)}, checkpoint_id="v2", storage_writer=w)
+    w.close()
+    assert {r.version: r.tiers for r in st.versions()} == {"v1": {"local", "remote"}, "v2": {"local", "remote"}}
+    shutil.rmtree(root)
+    assert all(run_ranks(dcp_ranks.s3_load, 1, root, s3_url, "v1", 1))

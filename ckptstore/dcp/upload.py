@@ -164,6 +164,37 @@ class Uploader:
             apply_after_commit(self.remote, self.retention, m, tier_name="remote", other_tiers=[self.local])
         return key
 
+    # -- catch-up ---------------------------------------------------------------------------
+    def catch_up(self, exclude: str | None = None) -> list[str]:
+        """Stage versions committed locally but not remotely (a crash cut their remote commit).
+
+        Only versions whose every object is present in the local root are staged (on a multi-node
+        job other nodes' ranks hold their own objects); returns the versions scheduled.
+        """
+        from ..manifest import catalogue
+
+        try:
+            local = catalogue.scan(self.local)
+            remote = catalogue.scan(self.remote)
+        except CkptStoreError as e:
+            log.warning("ckptstore: cannot compare tiers for catch-up staging: %s", e)
+            return []
+        todo = []
+        for v, e in sorted(local.items(), key=lambda kv: kv[1].manifest.created):
+            if v == exclude or v in remote:
+                continue
+            m = e.manifest
+            if not all(self.local.exists(layout.object_key(v, o.name)) for o in m.all_objects()):
+                continue
+            body = self.local.get(layout.manifest_key(v))
+            for o in m.objects:
+                self.upload_object(v, o, o.rank)
+            self.commit(m, body, overwrite=False)
+            todo.append(v)
+        if todo:
+            log.info("ckptstore: staging %d version(s) whose remote commit was interrupted: %s", len(todo), todo)
+        return todo
+
     # -- bookkeeping -----------------------------------------------------------------------
     def _submit(self, what: str, fn) -> cf.Future:
         fut = self._pool.submit(fn)

@@ -162,6 +162,7 @@ class StorageWriter(_DCPStorageWriter):
         self._remote = make_remote(remote, endpoint_url=endpoint_url) if remote else None
         self._stager = Stager()
         self._uploader = None
+        self._caught_up = False
         self._reset_state()
 
     # -- pickling (AsyncCheckpointerType.PROCESS): configuration only, no pools or clients ------
@@ -469,6 +470,9 @@ class StorageWriter(_DCPStorageWriter):
             fut.result()
 
     def _commit_remote(self, m: Manifest, body: bytes) -> None:
+        if not self._caught_up:  # once per writer: finish remote commits a crash cut off
+            self._caught_up = True
+            self.uploader.catch_up(exclude=m.version)
         fut = self.uploader.commit(m, body, self.overwrite)
         if self.durability == "remote":
             fut.result()
