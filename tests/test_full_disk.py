@@ -154,6 +154,67 @@ def _gc_ok(root) -> bool:
     return _run_gc(root) == []
 
 
+@pytest.fixture
+def tmpfs_inodes(tmp_path):
+    d = tmp_path / "fsi"
+    d.mkdir()
+    try:
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=200", "tmpfs", str(d)], capture_output=True,
+                           text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot mount a tmpfs here: {e}")
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {p.stderr.strip()}")
+    try:
+        yield str(d)
+    finally:
+        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _free_inodes(path) -> int:
+    return os.statvfs(path).f_favail
+
+
+def test_tmpfs_out_of_inodes_at_every_level(tmpfs_inodes):
+    """Out of inodes (directories and files cannot be created): same guarantees as a full disk."""
+    fs = tmpfs_inodes
+    root = os.path.join(fs, "root")
+    _save(root, "v0", 0)
+    fill = os.path.join(fs, "fill")
+    os.mkdir(fill)
+    committed = {"v0": 0}
+    outcomes = []
+    fillers: list = []
+    for free in range(0, 10):
+        while _free_inodes(fs) > free:
+            p = os.path.join(fill, f"f{len(fillers)}")
+            open(p, "w").close()
+            fillers.append(p)
+        while _free_inodes(fs) < free and fillers:
+            os.unlink(fillers.pop())
+        got = _free_inodes(fs)
+        v = f"v{free + 1}"
+        try:
+            _save(root, v, 1)
+            ok = True
+        except BaseException as e:  # noqa: BLE001
+            ok = False
+            errs = _full_errors(e)
+            assert errs and all(n == "StorageFullError" for n, _t, _m in errs), (free, errs)
+        outcomes.append(f"{got}i:{'committed' if ok else 'full'}")
+        if ok:
+            committed[v] = 1
+        _check_earlier(root, committed)
+        assert _run_gc(root) == []
+        if not ok:
+            assert _free_inodes(fs) == got, "gc did not give back the inodes of the failed attempt"
+        else:
+            break
+    assert outcomes[0].endswith("full") and outcomes[-1].endswith("committed"), outcomes
+    RESULTS.append(f"tmpfs out of inodes: free inodes → outcome: {' '.join(outcomes)}; every failure a StorageFullError")
+
+
 # ---- without a mount: ENOSPC / EDQUOT from a wrapper around the local tier's files --------------
 class _Budget:
     def __init__(self, nbytes: int, err: int):
