@@ -139,10 +139,11 @@ def profile_subprocess(name: str, cmd: list, out_dir: str, gil: bool = True) -> 
         raw = os.path.join(out_dir, f"{name}-{tag}.txt")
         p = subprocess.run([tool, "record", "-r", str(RATE), "-f", "raw", "-o", raw, *flags, "--", *cmd],
                            capture_output=True, text=True)
-        try:
-            secs = json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
-        except Exception:
-            secs = None
+        secs = None
+        for line in reversed(p.stdout.splitlines()):  # py-spy's own messages follow the workload's JSON
+            if line.startswith("{"):
+                secs = json.loads(line).get("seconds")
+                break
         if p.returncode or secs is None:
             raise RuntimeError(f"profiled workload failed (py-spy exit {p.returncode}): {p.stderr[-2000:]}")
         res[tag] = parse_raw(raw)

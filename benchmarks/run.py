@@ -270,7 +270,7 @@ def _subprocess_json(argv: list, timeout: float) -> dict:
                        timeout=timeout, env=dict(os.environ))
     if p.returncode != 0:
         raise RuntimeError(f"bench_lib.py {' '.join(argv)} failed:\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(next(line for line in reversed(p.stdout.splitlines()) if line.startswith("{")))
 
 
 def sec_peak(run: Run) -> None:
