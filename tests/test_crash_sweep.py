@@ -230,6 +230,16 @@ def _save_case(case: Case, root, remote, key, tmp_path):
             idx, why = crash_ranks.match_content(r, rem, "v1", [(7, 2, case.big)], key)
             if idx != 0:
                 viol.append(f"retry after the crash: {tier}: {why}")
+    # a remote commit cut off after the local one is finished by the next save's writer
+    if remote and outcome == {"local": "committed", "remote": "absent"}:
+        crash_ranks.local_save(root, "v2", 2, big=case.big, **common)
+        for v, seed in (("v1", 1), ("v2", 2)):
+            idx, why = crash_ranks.match_content(None, remote, v, [(seed, 2, case.big)], key)
+            if idx != 0:
+                viol.append(f"after the next save, {v} is not committed remotely: {why}")
+        _state, v3 = crash_ranks.audit(root, remote, key, dict(expected, v2=[(2, 2, case.big)]))
+        viol += v3
+        outcome["remote"] = "absent (staged by the next save)"
     out = " ".join(f"{t}:{o}" for t, o in sorted(outcome.items()))
     exp = " ".join(f"{t}:{o}" for t, o in case.expect)
     return out, killed, viol, exp
