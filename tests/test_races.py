@@ -143,7 +143,9 @@ def test_gc_and_scrub_during_a_save(tmp_path):
         assert res.ok, res.failed
         assert not [a for a in plan.actions if "/v2/" in a.key], [a.key for a in plan.actions]
         after = _attempt_files(root, "v2")
-        assert {p: s for p, s in after.items() if p in before} == before, "gc touched the save in flight"
+        # every in-flight object is still there, none shrank (rank 0 may still be appending to its shard)
+        gone = [p for p in before if p not in after or after[p] < before[p]]
+        assert not gone, f"gc touched the save in flight: {gone}"
         rep = _scrub.scrub(st, deep=True)
         assert rep.exit_code == 0, _scrub.format_report(rep)
         assert "v2" not in {r.version for r in st.versions()}
