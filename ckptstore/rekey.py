@@ -128,9 +128,18 @@ def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def _seal_checksum(body: bytes, mac: str) -> str:
+    """The seal line's ``xxh3``, computed exactly as :mod:`ckptstore.manifest.schema` does."""
+    from .manifest import schema
+
+    fn = getattr(schema, "seal_checksum", None)
+    return fn(body, mac) if fn is not None else f"{xxh3(body):016x}"
+
+
 def seal(body: bytes, data_key: bytes) -> bytes:
     """The manifest file for ``body``: magic, body, seal line (XXH3 and HMAC under ``data_key``)."""
-    s = {"xxh3": f"{xxh3(body):016x}", "hmac_sha256": manifest_mac(data_key, body)}
+    mac = manifest_mac(data_key, body)
+    s = {"xxh3": _seal_checksum(body, mac), "hmac_sha256": mac}
     return b"\n".join([MAGIC, body, json.dumps(s, sort_keys=True).encode()]) + b"\n"
 
 

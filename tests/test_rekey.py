@@ -44,7 +44,10 @@ def _reseal(body: bytes, mac: str | None) -> bytes:
     from ckptstore.codec import xxh3
     from ckptstore.manifest.schema import MAGIC
 
-    seal = {"xxh3": f"{xxh3(body):016x}"}
+    from ckptstore.manifest import schema
+
+    checksum = getattr(schema, "seal_checksum", None)
+    seal = {"xxh3": checksum(body, mac) if checksum else f"{xxh3(body):016x}"}
     if mac is not None:
         seal["hmac_sha256"] = mac
     return b"\n".join([MAGIC, body, json.dumps(seal, sort_keys=True).encode()]) + b"\n"
