@@ -54,7 +54,14 @@ def encode_version(name: str) -> str:
 def decode_version(component: str) -> str:
     if not _COMPONENT.match(component):
         raise InvalidNameError(f"not an encoded version name: {component!r}")
-    return urllib.parse.unquote(component, errors="strict")
+    try:
+        name = urllib.parse.unquote(component, errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidNameError(f"not an encoded version name (bad UTF-8): {component!r}") from None
+    check_version(name)
+    if encode_version(name) != component:
+        raise InvalidNameError(f"not the canonical encoding of a version name: {component!r}")
+    return name
 
 
 def check_attempt(attempt: object) -> str:

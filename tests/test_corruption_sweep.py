@@ -341,12 +341,6 @@ def test_corruption_sweep_s3_full(tmp_path, s3_url):
 
 
 # ---- known bug, minimal reproduction ------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the manifest seal's xxh3 covers only the body (manifest/schema.py to_bytes/parse), so "
-    "bit rot in the seal line's hmac_sha256 value is invisible to a scrub without the key; loads fail "
-    "with ManifestError while 'ckptstore scrub' reports the version clean",
-)
 def test_scrub_detects_damaged_manifest_hmac(tmp_path):
     from ckptstore import scrub as _scrub
 

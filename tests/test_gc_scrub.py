@@ -387,7 +387,9 @@ def test_scrub_deep_encrypted(tmp_path):
     d["encryption"]["wrapped_key"] = base64.b64encode(bytes(wk)).decode()
     body = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     s = json.loads(seal)
-    s["xxh3"] = f"{ckptstore.codec.xxh3(body):016x}"
+    from ckptstore.manifest.schema import seal_checksum
+
+    s["xxh3"] = seal_checksum(body, s.get("hmac_sha256"))
     path.write_bytes(b"\n".join([magic, body, json.dumps(s, sort_keys=True).encode()]) + b"\n")
     assert cli("scrub", root, env=env).exit_code == S.EXIT_CLEAN
     code, out = cli_json("scrub", root, "--deep", "--key-file", keyfile, env=env)

@@ -274,7 +274,26 @@ class StorageReader(_DCPStorageReader):
         for idx, loc in sd.items():
             if not isinstance(loc, ItemLocation):
                 raise IntegrityError(f"storage_data[{idx}] is not an ItemLocation")
-            check_object_name(loc.object)
+            fqn = getattr(idx, "fqn", idx)
+            try:
+                check_object_name(loc.object)
+            except CkptStoreError as e:
+                raise IntegrityError(f"item {fqn!r}: {e}") from None
+            if not isinstance(loc.frames, tuple) or not isinstance(loc.nbytes, int) or loc.nbytes < 0:
+                raise IntegrityError(f"item {fqn!r} has a malformed frame list")
+            if loc.dtype is not None:
+                if not isinstance(loc.dtype, str) or not isinstance(getattr(torch, loc.dtype, None), torch.dtype):
+                    raise IntegrityError(f"item {fqn!r} has unknown dtype {loc.dtype!r}")
+                shape = loc.shape
+                if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
+                    raise IntegrityError(f"item {fqn!r} has a malformed shape {shape!r}")
+                numel = 1
+                for n in shape:
+                    numel *= n
+                if numel * getattr(torch, loc.dtype).itemsize != loc.nbytes:
+                    raise IntegrityError(f"item {fqn!r}: shape {shape} of {loc.dtype} does not hold {loc.nbytes} bytes")
+            elif loc.shape is not None:
+                raise IntegrityError(f"item {fqn!r}: a bytes item has a shape")
             ent = self._objects.get(loc.object)
             if ent is None:
                 raise IntegrityError(f"item {idx.fqn!r} names object {loc.object!r}, which the manifest does not list")
@@ -285,8 +304,6 @@ class StorageReader(_DCPStorageReader):
                 total += f.raw_len
             if total != loc.nbytes:
                 raise IntegrityError(f"item {idx.fqn!r}: frames hold {total} bytes, index says {loc.nbytes}")
-            if loc.dtype is not None and not isinstance(getattr(torch, loc.dtype, None), torch.dtype):
-                raise IntegrityError(f"item {idx.fqn!r} has unknown dtype {loc.dtype!r}")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._deferred is not None:
@@ -356,6 +373,13 @@ class StorageReader(_DCPStorageReader):
             return list(loc.frames), 0, 0, loc.nbytes
         itemsize = getattr(torch, loc.dtype).itemsize
         shape = loc.shape
+        if len(ri.storage_offsets) != len(shape) or len(ri.lengths) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(ri.storage_offsets, ri.lengths, shape)
+        ):
+            raise IntegrityError(
+                f"{ri.dest_index.fqn!r}: the requested slice (offsets {tuple(ri.storage_offsets)}, lengths "
+                f"{tuple(ri.lengths)}) is outside the stored chunk of shape {tuple(shape)}"
+            )
         if any(n == 0 for n in ri.lengths) or loc.nbytes == 0:
             return [], 0, 0, 0
         strides = _contig_strides(shape)
@@ -455,18 +479,39 @@ def _contig_strides(shape) -> tuple:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Only the classes DCP metadata is made of (plus torch dtypes/Size and our records)."""
+    """Only the classes DCP metadata is made of (plus torch dtypes/``Size`` and our records).
 
-    _MODULES = ("torch.distributed.checkpoint.", "ckptstore.dcp._types", "ckptstore.codec.frame")
-    _BUILTINS = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
+    Names must be plain (no dots: protocol 4 resolves dotted names through attributes) and resolve
+    to classes, except torch dtypes/layouts and ``torch.serialization._get_layout``.
+    """
+
+    _MODULES = frozenset(
+        {
+            "torch.distributed.checkpoint.metadata",
+            "torch.distributed.checkpoint.planner",
+            "ckptstore.dcp._types",
+            "ckptstore.codec.frame",
+        }
+    )
+    _EXACT = {
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+    }
 
     def find_class(self, module: str, name: str):
-        if (module, name) in self._BUILTINS or module.startswith(self._MODULES):
+        if "." in name or not name.isidentifier():
+            raise pickle.UnpicklingError(f"DCP metadata refers to {module}:{name}, which is not allowed")
+        if (module, name) in self._EXACT:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)):
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
-        if module in ("torch._utils",) and name in ("_rebuild_tensor_v2",):
-            raise pickle.UnpicklingError("tensors are not expected in DCP metadata")
+        if module in self._MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
         raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not allowed")
 
 

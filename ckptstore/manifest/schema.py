@@ -6,7 +6,9 @@ File format (``versions/<encoded version>/manifest.json``), three lines::
     {"format": "ckptstore/1", "version": ..., ...}        <- the body, canonical JSON, UTF-8
     {"xxh3": "<16 hex>", "hmac_sha256": "<64 hex>"}        <- the seal over the body's exact bytes
 
-``xxh3`` (XXH3-64 of the body bytes) is always present and detects accidental damage without a key.
+``xxh3`` is always present: XXH3-64 of the body bytes followed by ``"\n"`` and the
+``hmac_sha256`` value (empty when absent), so accidental damage anywhere in the file — the HMAC
+included — is detected without a key.
 ``hmac_sha256`` is present when the version is encrypted: HMAC-SHA256 under a key derived from the
 version's data key, which only a holder of the master key can unwrap; so an encrypted manifest
 cannot be forged or edited without the master key.
@@ -85,6 +87,12 @@ def _hex(v: Any, n: int, what: str) -> str:
     return v
 
 
+def seal_checksum(body: bytes, mac: str | None) -> str:
+    """XXH3-64 (hex) over the body and the HMAC value: the key-less check of the whole file."""
+    data = body + b"\n" + (mac or "").encode("ascii", "replace")
+    return f"{xxh3(data):016x}"
+
+
 def utcnow() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -140,11 +148,12 @@ class Manifest:
     def to_bytes(self, data_key: bytes | None) -> bytes:
         """Serialise and seal. ``data_key`` is required iff the version is encrypted."""
         body = json.dumps(self.body_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-        seal = {"xxh3": f"{xxh3(body):016x}"}
+        seal = {}
         if self.encryption is not None:
             if data_key is None:
                 raise ValueError("an encrypted manifest needs its data key to be sealed")
             seal["hmac_sha256"] = manifest_mac(data_key, body)
+        seal["xxh3"] = seal_checksum(body, seal.get("hmac_sha256"))
         return b"\n".join([MAGIC, body, json.dumps(seal, sort_keys=True).encode()]) + b"\n"
 
 
@@ -179,14 +188,17 @@ def parse(data: bytes, *, expect_version: str | None = None) -> ParsedManifest:
         seal = json.loads(seal_raw)
         if not isinstance(seal, dict):
             raise ValueError
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ManifestError("manifest seal line is not a JSON object") from None
-    if seal.get("xxh3") != f"{xxh3(body):016x}":
+    mac_in_seal = seal.get("hmac_sha256")
+    if mac_in_seal is not None and not isinstance(mac_in_seal, str):
+        raise ManifestError("manifest seal's hmac_sha256 is not a string")
+    if seal.get("xxh3") != seal_checksum(body, mac_in_seal):
         raise ManifestError("manifest checksum mismatch: the manifest is damaged or was edited")
     try:
         d = json.loads(body)
-    except ValueError:
-        raise ManifestError("manifest body is not valid JSON") from None
+    except (ValueError, RecursionError):
+        raise ManifestError("manifest body is not valid JSON (or nested too deeply)") from None
     if not isinstance(d, dict):
         raise ManifestError("manifest body is not a JSON object")
     if d.get("format") != FORMAT:
