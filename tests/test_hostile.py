@@ -60,9 +60,10 @@ def fuzz_report():
 def seal(body: dict | bytes, mac: str | None = None, seal_extra: dict | None = None) -> bytes:
     """A manifest file with a *valid* xxh3 seal over ``body`` (so parsing gets past the checksum)."""
     b = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    from ckptstore.manifest.schema import seal_checksum
+    from ckptstore.manifest import schema
 
-    s = {"xxh3": seal_checksum(b, mac if isinstance(mac, str) else None)}
+    checksum = getattr(schema, "seal_checksum", None)  # the seal covers the HMAC since the fix
+    s = {"xxh3": checksum(b, mac if isinstance(mac, str) else None) if checksum else f"{xxh3(b):016x}"}
     if mac is not None:
         s["hmac_sha256"] = mac
     s.update(seal_extra or {})
