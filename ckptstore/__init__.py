@@ -2,7 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .dcp import StorageReader, StorageWriter  # noqa: E402
 from .errors import (  # noqa: E402
     CkptStoreError,
     DamagedVersionError,
@@ -20,6 +19,18 @@ from .errors import (  # noqa: E402
 )
 from .manifest.catalogue import VersionRecord  # noqa: E402
 from .store import Store  # noqa: E402
+
+
+
+def __getattr__(name: str):
+    # StorageWriter/StorageReader pull in torch; load them on first use so that the CLI and the
+    # catalogue (list, gc, scrub) start without importing torch.
+    if name in ("StorageWriter", "StorageReader"):
+        from . import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
+
 
 __all__ = [
     "StorageWriter",

@@ -238,7 +238,10 @@ def _open_object(tier: Tier, key: str):
         size = os.fstat(fd).st_size
 
         def fetch(s, e):
-            out = bytearray()
+            first = os.pread(fd, e - s, s)
+            if len(first) == e - s or not first:
+                return first
+            out = bytearray(first)
             while len(out) < e - s:
                 chunk = os.pread(fd, e - s - len(out), s + len(out))
                 if not chunk:
