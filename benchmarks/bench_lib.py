@@ -91,13 +91,16 @@ def llm_specs(target_bytes: int) -> list[tuple[str, tuple]]:
 
 
 def make_state(target_bytes: int, seed: int = 0, *, world: int = 1, rank: int = 0) -> dict[str, Any]:
-    """The benchmark state: N(0, 0.02) cast to bf16 for matrices, 1 ± 0.02 for norms, plus a step.
+    """The benchmark state, shaped like a training checkpoint: ``{"model": {name: tensor}, "step": int}``.
 
+    Matrices N(0, 0.02) cast to bf16, norms 1 ± 0.02. (Nested like ``{"model": model.state_dict(),
+    ...}``: a flat dict of hundreds of top-level keys would make DCP's per-key ``Stateful`` check and
+    logging wrapper dominate ``async_save``'s blocking time for every writer.)
     With ``world > 1``: only this rank's rows (dim-0 shard ``rank`` of ``world``) of every tensor,
     drawn from a per-rank seed (values differ from the unsharded state, the distribution does not).
     """
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    sd: dict[str, Any] = {}
+    model: dict[str, Any] = {}
     for name, shape in llm_specs(target_bytes):
         shape = (shape[0] // world, *shape[1:])
         t = torch.randn(shape, generator=g, dtype=torch.float32)
@@ -105,29 +108,48 @@ def make_state(target_bytes: int, seed: int = 0, *, world: int = 1, rank: int = 
             t = 1.0 + 0.02 * t
         else:
             t.mul_(0.02)
-        sd[name] = t.to(torch.bfloat16)
+        model[name] = t.to(torch.bfloat16)
         del t
-    sd["step"] = 1000
-    return sd
+    return {"model": model, "step": 1000}
+
+
+def tensors(sd: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state dict, by dotted name."""
+    if isinstance(sd, torch.Tensor):
+        return {prefix: sd}
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _map(sd: Any, fn: Callable) -> Any:
+    if isinstance(sd, dict):
+        return {k: _map(v, fn) for k, v in sd.items()}
+    return fn(sd)
 
 
 def state_bytes(sd: dict) -> int:
-    return sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
+    return sum(v.numel() * v.element_size() for v in tensors(sd).values())
 
 
 def empty_like_state(sd: dict) -> dict:
-    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in sd.items()}
+    return _map(sd, lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0)
 
 
-def bit_exact(a: dict, b: dict) -> bool:
-    for k, v in a.items():
-        w = b[k]
-        if isinstance(v, torch.Tensor):
-            if v.dtype != w.dtype or v.shape != w.shape or not torch.equal(v.view(torch.int16), w.view(torch.int16)):
-                return False
-        elif v != w:
-            return False
-    return True
+def zero_(sd: dict) -> None:
+    for v in tensors(sd).values():
+        v.zero_()
+
+
+def bit_exact(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(bit_exact(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.view(torch.int16), b.view(torch.int16)))
+    return a == b
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -304,13 +326,8 @@ def sharded_state(total_bytes: int, rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (world,))
-    out: dict[str, Any] = {}
-    for k, v in make_state(total_bytes, world=world, rank=rank).items():
-        if isinstance(v, torch.Tensor):
-            out[k] = DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
-        else:
-            out[k] = v
-    return out
+    return _map(make_state(total_bytes, world=world, rank=rank),
+                lambda v: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) if isinstance(v, torch.Tensor) else v)
 
 
 def rank_save(rank: int, world: int, total_bytes: int, base: str, kinds: list, reps: int) -> dict:

@@ -55,7 +55,7 @@ def rss_async(res, out, made):
         ax1.plot(range(1, len(p["rss_mib"]) + 1), p["rss_mib"], "s-", ms=3, color=COLORS["dcp"], label=p["label"])
     ax1.set_xlabel("consecutive async_save (future waited)")
     ax1.set_ylabel("process RSS after the save, MiB")
-    ax1.set_title(f"RSS over saves (growth 2->{a['saves']}: {a['growth_2_to_N_mib']:+.1f} MiB)")
+    ax1.set_title(f"RSS over saves (peak 2nd half - peak 1st half: {a.get('peak_growth_mib', float('nan')):+.1f} MiB)")
     ax1.legend(fontsize=8)
     ax2.plot(xs, [x * 1000 for x in a["block_s"]], "o-", ms=3, color=COLORS["ckpt-on"], label="blocked in dcp.async_save")
     ax2.plot(xs, [x * 1000 for x in a["prealloc_copy_s"]], "-", color="gray", label="copy_ into preallocated buffers")

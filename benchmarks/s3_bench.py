@@ -48,7 +48,6 @@ def run_section(run, B) -> dict:
     why = _why_not()
     if why:
         return {"skipped": why}
-    import torch
     import torch.distributed.checkpoint as dcp
     from s3torchconnector import S3ClientConfig
     from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
@@ -95,9 +94,7 @@ def run_section(run, B) -> dict:
                     urls[k] = url
             run.rng.shuffle(order)
             for k in order:
-                for v in dest.values():
-                    if isinstance(v, torch.Tensor):
-                        v.zero_()
+                B.zero_(dest)
                 if k == "ckpt":
                     r = ckptstore.StorageReader(None, remote=urls[k], key=B.BENCH_KEY, endpoint_url=sw.endpoint)
                     cid = "v1"
