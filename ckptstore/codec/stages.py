@@ -105,7 +105,13 @@ def decode_stage(name: str, param: str, data: bytes, raw_len: int) -> bytes:
 
 
 def env_threads(default: int | None = None) -> int:
+    """Encoder/decoder threads per rank: ``CKPTSTORE_THREADS``, else the node's cores divided among
+    the ranks on it (``LOCAL_WORLD_SIZE``, set by torchrun) plus one, between 2 and 8 — the
+    libraries release the GIL, and one extra thread covers the time a thread spends holding it."""
     v = os.environ.get("CKPTSTORE_THREADS")
     if v:
         return max(1, int(v))
-    return default or max(2, min(8, os.cpu_count() or 2))
+    if default:
+        return default
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(2, min(8, (os.cpu_count() or 2) // local + 1))

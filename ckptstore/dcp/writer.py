@@ -46,7 +46,7 @@ from torch.futures import Future
 from .. import _faults
 from .._names import check_version
 from ..codec import FrameCodec, FrameRef, xxh3
-from ..codec.frame import xxh3_stream
+from ..codec.frame import FIXED_LEN, xxh3_stream
 from ..codec.crypto import FrameCipher, key_id, new_data_key, resolve_key, unwrap_key, wrap_key
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError, KeyMismatchError, ObjectExistsError, StateDictKeysError, VersionExistsError
@@ -273,7 +273,8 @@ class StorageWriter(_DCPStorageWriter):
         results: list[WriteResult] = []
         if plan.items:
             results.extend(self._write_object(plan, planner, pd, codec))
-        if not self.allow_divergent_replicas:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if not self.allow_divergent_replicas and world > 1:  # one rank cannot diverge from itself
             for item in self._local_items:
                 data = planner.resolve_data(item)
                 mv = data.getbuffer() if isinstance(data, io.BytesIO) else tensor_bytes(data)
@@ -532,8 +533,6 @@ class StorageWriter(_DCPStorageWriter):
 
 
 def _chain_of(head: bytes) -> str:
-    from ..codec.frame import FIXED_LEN
-
     n = int.from_bytes(head[6:8], "little")
     return head[FIXED_LEN : FIXED_LEN + n].decode("ascii")
 
