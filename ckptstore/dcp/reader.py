@@ -69,7 +69,7 @@ class StorageReader(_DCPStorageReader):
             :class:`DtypeMismatchError`).
         allow_partial_load: allow the checkpoint to hold keys the destination state dict lacks.
         allow_unencrypted: accept an unencrypted version although a key is configured.
-        threads: decode threads (default ``CKPTSTORE_THREADS`` or ``min(8, cpus)``).
+        threads: decode threads (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionNotFoundError`,
     :class:`IntegrityError` / :class:`ManifestError`, :class:`KeyMismatchError`,

@@ -91,7 +91,7 @@ class StorageWriter(_DCPStorageWriter):
             :class:`VersionExistsError`.
         step: training step recorded in the manifest (for ``list`` and retention).
         user_metadata: free-form JSON-serialisable dict recorded in the manifest.
-        threads: encoder threads per rank (default ``CKPTSTORE_THREADS`` or ``min(8, cpus)``).
+        threads: encoder threads per rank (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
         frame_size: raw bytes per frame (default 2 MiB); big tensors are split into frames.
         compression: ``"auto"`` (zstd / byte-grouped floats, kept only when ≥ 3 % smaller) or ``"none"``.
         level: zstd level (default 1, fastest).
