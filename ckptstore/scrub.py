@@ -458,7 +458,7 @@ def _repair_objects(tiers, holders, checks: dict[str, VersionCheck], codecs: dic
 
 def restore_object(src: Tier, dst: Tier, key: str, entry: ObjectEntry) -> None:
     """Copy ``key`` from ``src`` to ``dst``, replacing the damaged copy only with a verified one."""
-    from .tiers.local import TMP_PREFIX, fsync_dir
+    from .tiers.local import TMP_PREFIX, fsync_dir, makedirs_synced
 
     _faults.point("scrub.repair")
     dpath = dst.local_path(key)
@@ -470,7 +470,7 @@ def restore_object(src: Tier, dst: Tier, key: str, entry: ObjectEntry) -> None:
             dst.put(key, src.get(key))
         return
     d = os.path.dirname(dpath)
-    _makedirs_synced(d, fsync_dir)
+    makedirs_synced(d)
     tmp = os.path.join(d, f"{TMP_PREFIX}{secrets.token_hex(8)}")
     try:
         if spath is not None:
@@ -496,20 +496,6 @@ def restore_object(src: Tier, dst: Tier, key: str, entry: ObjectEntry) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-
-
-def _makedirs_synced(d: str, fsync_dir) -> None:
-    missing = []
-    p = d
-    while not os.path.isdir(p):
-        missing.append(p)
-        p = os.path.dirname(p)
-    for m in reversed(missing):
-        try:
-            os.mkdir(m)
-        except FileExistsError:
-            pass
-        fsync_dir(os.path.dirname(m))
 
 
 def _check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, master) -> None:

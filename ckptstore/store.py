@@ -8,7 +8,7 @@ import os
 from .errors import DamagedVersionError, VersionNotFoundError
 from .manifest import catalogue, layout
 from .manifest.catalogue import VersionRecord
-from .manifest.schema import Manifest, ParsedManifest
+from .manifest.schema import ParsedManifest
 from .tiers import LocalTier, Tier, make_remote
 
 

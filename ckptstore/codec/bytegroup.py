@@ -127,11 +127,7 @@ def _cctx() -> zstandard.ZstdCompressor:
     return c
 
 
-def _dctx() -> zstandard.ZstdDecompressor:
-    d = getattr(_tls, "dctx", None)
-    if d is None:
-        d = _tls.dctx = zstandard.ZstdDecompressor()
-    return d
+from .stages import _dctx  # noqa: E402  (one thread-local decompressor per thread for all stages)
 
 
 # -- split / merge ----------------------------------------------------------------------------------

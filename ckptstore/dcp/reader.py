@@ -25,6 +25,7 @@ import concurrent.futures as cf
 import io
 import os
 import pickle
+import threading
 import uuid
 from typing import Any
 
@@ -105,7 +106,12 @@ class StorageReader(_DCPStorageReader):
     def __getstate__(self):
         s = self.__dict__.copy()
         s["_pool"] = None
+        s.pop("_alt_lock", None)
         return s
+
+    def __setstate__(self, s):
+        self.__dict__.update(s)
+        self._alt_lock = threading.Lock()
 
     def _reset_state(self) -> None:
         self.load_id = uuid.uuid4().hex
@@ -116,6 +122,8 @@ class StorageReader(_DCPStorageReader):
         self._objects: dict[str, ObjectEntry] = {}
         self._metadata: Metadata | None = None
         self._deferred: Exception | None = None
+        self._alt: list | None = None
+        self._alt_lock = threading.Lock()
         self.rank = 0
         self.is_coordinator = True
 
@@ -181,17 +189,40 @@ class StorageReader(_DCPStorageReader):
             return
         raise last or VersionNotFoundError(f"version {version!r} not found")
 
-    def _alt_tiers(self):
-        """Other tiers holding the same attempt (fallback when a frame fails in the first)."""
-        for name, tier in self._store.tiers.items():
-            if tier is self.tier:
-                continue
+    def _alt_tiers(self) -> list:
+        """Other tiers holding the same attempt (fallback when an object fails in the first).
+
+        Looked up once, on the first failure, and cached: a healthy load reads no other manifest.
+        """
+        with self._alt_lock:
+            if self._alt is None:
+                alt = []
+                for name, tier in self._store.tiers.items():
+                    if tier is self.tier:
+                        continue
+                    try:
+                        p = self._store.manifest(self.version, name)
+                    except CkptStoreError:
+                        continue
+                    if p.manifest.attempt == self.manifest.attempt:
+                        alt.append(tier)
+                self._alt = alt
+            return self._alt
+
+    def _with_fallback(self, obj: str, read):
+        """``read(tier)`` on the chosen tier, then on the other tiers holding the same attempt."""
+        try:
+            return read(self.tier)
+        except (IntegrityError, ObjectNotFoundError) as e:
+            last: Exception = e
+        for tier in self._alt_tiers():
             try:
-                p = self._store.manifest(self.version, name)
-            except CkptStoreError:
-                continue
-            if p.manifest.attempt == self.manifest.attempt:
-                yield tier
+                return read(tier)
+            except (IntegrityError, ObjectNotFoundError) as e:
+                last = e
+        if isinstance(last, ObjectNotFoundError):
+            raise IntegrityError(f"object {obj!r} of version {self.version!r} is missing from every tier: {last}", object=obj)
+        raise last
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Verify and return the DCP metadata of the version (see the module docstring).
@@ -228,17 +259,8 @@ class StorageReader(_DCPStorageReader):
         return md
 
     def _read_whole_object(self, entry: ObjectEntry) -> bytes:
-        tiers = [self.tier, *self._alt_tiers()]
-        last: Exception | None = None
-        for tier in tiers:
-            try:
-                data = tier.get(layout.object_key(self.version, entry.name))
-                return self._decode_whole(entry, data)
-            except (IntegrityError, ObjectNotFoundError) as e:
-                last = e
-        if isinstance(last, ObjectNotFoundError):
-            raise IntegrityError(f"{entry.name} of version {self.version!r} is missing: {last}", object=entry.name)
-        raise last
+        key = layout.object_key(self.version, entry.name)
+        return self._with_fallback(entry.name, lambda tier: self._decode_whole(entry, tier.get(key)))
 
     def _decode_whole(self, entry: ObjectEntry, data: bytes) -> bytes:
         from ..codec.frame import parse_header
@@ -418,17 +440,14 @@ class StorageReader(_DCPStorageReader):
         return tasks
 
     def _fetch_decode(self, obj: str, frames: list) -> dict:
-        tiers = [self.tier, *self._alt_tiers()]
-        last: Exception | None = None
-        for tier in tiers:
-            try:
-                bufs = tier.get_ranges(layout.object_key(self.version, obj), [(f.offset, f.offset + f.length) for f in frames])
-                return {(obj, f.offset): self.codec.decode(obj, b, f) for f, b in zip(frames, bufs)}
-            except (IntegrityError, ObjectNotFoundError) as e:
-                last = e
-        if isinstance(last, ObjectNotFoundError):
-            raise IntegrityError(f"object {obj!r} of version {self.version!r} is missing from every tier", object=obj)
-        raise last
+        key = layout.object_key(self.version, obj)
+        ranges = [(f.offset, f.offset + f.length) for f in frames]
+
+        def read(tier):
+            bufs = tier.get_ranges(key, ranges)
+            return {(obj, f.offset): self.codec.decode(obj, b, f) for f, b in zip(frames, bufs)}
+
+        return self._with_fallback(obj, read)
 
     def _deliver(self, ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner) -> None:
         parts = [decoded[(loc.object, f.offset)] for f in frames]

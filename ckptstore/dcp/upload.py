@@ -31,8 +31,9 @@ import weakref
 
 from .. import _faults
 from ..codec.frame import FIXED_LEN, iter_frames, xxh3_stream
-from ..errors import CkptStoreError, IntegrityError, ObjectExistsError, StorageError, VersionExistsError
+from ..errors import CkptStoreError, IntegrityError, StorageError
 from ..manifest import layout
+from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry
 from ..tiers.base import Tier
 
@@ -143,17 +144,8 @@ class Uploader:
             mk = seen[r]
             if mk.get("size") != o.size or mk.get("digest") != o.digest:
                 raise UploadError(f"version {v!r}: rank {r}'s uploaded object does not match the manifest")
+        commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest", hint="the remote copy was not replaced")
         key = layout.manifest_key(v)
-        _faults.point("remote.manifest")
-        try:
-            if overwrite:
-                self.remote.put(key, body)
-            else:
-                self.remote.put_if_absent(key, body)
-        except ObjectExistsError:
-            raise VersionExistsError(
-                f"version {v!r} already exists in the remote tier {self.remote.url}; the remote copy was not replaced"
-            ) from None
         log.info("ckptstore: version %s committed in %s", v, self.remote.url)
         pin = layout.pin_key(v)
         if self.local.exists(pin):  # a pin made before the remote commit travels with the version

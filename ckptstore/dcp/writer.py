@@ -31,7 +31,6 @@ import dataclasses
 import io
 import os
 import pickle
-import threading
 import uuid
 from typing import Any
 
@@ -49,8 +48,9 @@ from ..codec import FrameCodec, FrameRef, xxh3
 from ..codec.frame import FIXED_LEN, xxh3_stream
 from ..codec.crypto import FrameCipher, key_id, new_data_key, resolve_key, unwrap_key, wrap_key
 from ..codec.stages import env_threads
-from ..errors import CkptStoreError, KeyMismatchError, ObjectExistsError, StateDictKeysError, VersionExistsError
+from ..errors import CkptStoreError, KeyMismatchError, StateDictKeysError, VersionExistsError
 from ..manifest import layout
+from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest
@@ -407,18 +407,10 @@ class StorageWriter(_DCPStorageWriter):
             writer=f"ckptstore {_version()} torch {torch.__version__}",
         )
         body = m.to_bytes(data_key)
-        key = layout.manifest_key(self.version)
-        _faults.point("commit.manifest")
-        try:
-            if self.overwrite:
-                self._tier.put(key, body)
-            else:
-                self._tier.put_if_absent(key, body)
-        except ObjectExistsError:
-            raise VersionExistsError(
-                f"version {self.version!r} already exists in {self.root} (another save committed it first); "
-                "its data is intact. Choose a new checkpoint_id or pass overwrite=True"
-            ) from None
+        commit_manifest(
+            self._tier, self.version, body, overwrite=self.overwrite, fault="commit.manifest",
+            hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
+        )
         _faults.point("commit.after_manifest")
         self.last_manifest = m
         if self._remote is not None:

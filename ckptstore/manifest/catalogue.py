@@ -11,7 +11,6 @@ import datetime as _dt
 import json
 import logging
 import os
-from typing import Iterable
 
 from .._names import decode_version
 from ..errors import (

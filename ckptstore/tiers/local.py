@@ -46,6 +46,24 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_synced(d: str) -> None:
+    """Create ``d`` and its missing parents one by one, fsyncing each new entry's parent."""
+    missing = []
+    p = d
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for m in reversed(missing):
+        try:
+            os.mkdir(m)
+        except FileExistsError:
+            pass
+        fsync_dir(os.path.dirname(m))
+
+
 class _LocalWriter(ObjectWriter):
     def __init__(self, tier: "LocalTier", key: str):
         self._tier = tier
@@ -114,24 +132,9 @@ class LocalTier(Tier):
         return self._path(key)
 
     def _makedirs(self, d: str) -> None:
-        if d in self._made:
-            return
-        # create missing parents one by one so each new entry's parent can be fsync'd
-        missing = []
-        p = d
-        while not os.path.isdir(p):
-            missing.append(p)
-            parent = os.path.dirname(p)
-            if parent == p:
-                break
-            p = parent
-        for m in reversed(missing):
-            try:
-                os.mkdir(m)
-            except FileExistsError:
-                pass
-            fsync_dir(os.path.dirname(m))
-        self._made.add(d)
+        if d not in self._made:
+            makedirs_synced(d)
+            self._made.add(d)
 
     def get(self, key, start=None, end=None) -> bytes:
         path = self._path(key)
