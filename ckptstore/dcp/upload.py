@@ -217,7 +217,7 @@ class Uploader:
                 f.result(timeout=left)
             except cf.TimeoutError:
                 not_done.append(f"{what}: still running after {timeout:.0f} s")
-            except BaseException as e:  # noqa: BLE001
+            except Exception as e:  # a failed job; KeyboardInterrupt/SystemExit propagate at once
                 not_done.append(f"{what}: {type(e).__name__}: {e}")
         with self._lock:
             self._pending = [(w, f) for w, f in self._pending if not f.done()]

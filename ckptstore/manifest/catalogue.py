@@ -14,7 +14,7 @@ import os
 
 from .._names import decode_version
 from ..errors import (
-    CkptStoreError,
+    InvalidNameError,
     ManifestError,
     ObjectNotFoundError,
     UnsupportedFormatError,
@@ -88,6 +88,14 @@ def read_manifest(tier: Tier, version: str) -> ParsedManifest:
 
 
 def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
+    """The versions committed in ``tier``: ``{version: TierEntry}``.
+
+    A manifest that fails to parse or its checksum (or sits in a directory that is not a version
+    name) is *invalid*: skipped, logged, and appended to ``problems`` as ``(tier, key, why)``. A
+    storage error is not a verdict on the manifest (docs/FORMAT.md, Read rule 5): the tier has
+    already retried it (botocore's retries on S3), so it is raised, never turned into a missing
+    version.
+    """
     out: dict[str, TierEntry] = {}
     keys = manifest_keys(tier)
     if not keys:
@@ -102,7 +110,7 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
             parsed = parse(tier.get(key), expect_version=version)
         except ObjectNotFoundError:
             continue  # un-committed while we listed
-        except (ManifestError, UnsupportedFormatError, CkptStoreError) as e:
+        except (ManifestError, UnsupportedFormatError, InvalidNameError) as e:
             log.warning("ignoring invalid manifest %s in %s tier: %s", key, tier.name, e)
             if problems is not None:
                 problems.append((tier.name, key, str(e)))
@@ -114,15 +122,22 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
         else:
             pinned = d + layout.PINNED in listing
             damaged = d + layout.DAMAGED in listing
-        if damaged:  # a mark left by scrub for an older attempt does not apply to this one
-            try:
-                att = json.loads(tier.get(d + layout.DAMAGED)).get("attempt")
-            except Exception:  # noqa: BLE001 - unreadable mark: treat as damaged
-                att = None
-            if att is not None and att != parsed.manifest.attempt:
-                damaged = False
+        if damaged:
+            damaged = _mark_applies(tier, d + layout.DAMAGED, parsed.manifest.attempt)
         out[version] = TierEntry(parsed.manifest, parsed, pinned, damaged)
     return out
+
+
+def _mark_applies(tier: Tier, key: str, attempt: str) -> bool:
+    """Whether the damage mark ``key`` applies to ``attempt``: a mark left by scrub for an older
+    attempt does not; an unreadable mark counts as damage, a storage error is raised."""
+    try:
+        att = json.loads(tier.get(key)).get("attempt")
+    except ObjectNotFoundError:
+        return False  # removed while we listed
+    except (ValueError, AttributeError):  # not JSON / not an object: treat as damaged
+        return True
+    return att is None or att == attempt
 
 
 def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:

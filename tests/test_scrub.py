@@ -1,14 +1,11 @@
-"""gc, retention after commit, scrub and the operator CLI against real DCP saves.
-
-Crashes are real: a child process (or one rank of four) arms ``CKPTSTORE_FAULT`` and SIGKILLs
-itself at a named point of the save; gc uses an explicit ``now`` (``--now``) or ``grace=0`` instead
-of sleeping.
+"""scrub (and the crash recovery it checks) against real DCP saves: four real ranks, two of them
+SIGKILLed mid-save; damage in one tier repaired from the other; marks; encrypted deep checks;
+unreachable tiers.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import importlib
 import json
 import os
@@ -16,165 +13,26 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from click.testing import CliRunner
 
 import ckptstore
 from ckptstore import gc as G
-from ckptstore import retention as R
 from ckptstore import scrub as S
-from ckptstore.cli import main as cli_main
 from ckptstore.manifest import layout
 from ckptstore.testing.dist import run_ranks_raw
 from ckptstore.tiers import LocalTier
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-UTC = dt.timezone.utc
-
-
-# -- helpers ------------------------------------------------------------------------------------------------
-def state(seed: int, n: int = 8192) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, generator=g), "b": torch.randint(0, 1 << 30, (257,), generator=g), "meta": {"seed": seed}}
-
-
-def empty_state(n: int = 8192) -> dict:
-    return {"w": torch.zeros(n), "b": torch.zeros(257, dtype=torch.int64), "meta": {"seed": -1}}
-
-
-def same(a: dict, b: dict) -> bool:
-    for k, v in a.items():
-        if isinstance(v, torch.Tensor):
-            if v.dtype != b[k].dtype or not torch.equal(v.view(torch.uint8) if v.dtype.is_floating_point else v,
-                                                         b[k].view(torch.uint8) if v.dtype.is_floating_point else b[k]):
-                return False
-        elif v != b[k]:
-            return False
-    return True
-
-
-def save(root, version, seed, *, asynchronous=False, **kw) -> ckptstore.StorageWriter:
-    w = ckptstore.StorageWriter(root, step=kw.pop("step", seed), frame_size=kw.pop("frame_size", 4096), **kw)
-    if asynchronous:
-        dcp.async_save(state(seed), checkpoint_id=version, storage_writer=w).result()
-    else:
-        dcp.save(state(seed), checkpoint_id=version, storage_writer=w)
-    return w
-
-
-def load(root, version=None, *, remote=None, key=None, n=8192) -> dict:
-    sd = empty_state(n)
-    dcp.load(sd, storage_reader=ckptstore.StorageReader(root, remote=remote, key=key, version=version))
-    return sd
-
-
-CHILD = r"""
-import sys, warnings
-warnings.filterwarnings("ignore")
-sys.path.insert(0, sys.argv[1])
-import torch.distributed.checkpoint as dcp
-import ckptstore
-from test_gc_scrub import state
-root, version, seed = sys.argv[2], sys.argv[3], int(sys.argv[4])
-w = ckptstore.StorageWriter(root, step=seed, frame_size=4096)
-dcp.async_save(state(seed), checkpoint_id=version, storage_writer=w).result()
-"""
-
-
-def crashing_save(root, version, seed, fault: str) -> int:
-    env = {**os.environ, "CKPTSTORE_FAULT": fault}
-    env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-c", CHILD, HERE, str(root), version, str(seed)], env=env, timeout=180,
-                          capture_output=True).returncode
-
-
-def cli(*args, env=None):
-    r = CliRunner().invoke(cli_main, [str(a) for a in args], env=env, catch_exceptions=False)
-    return r
-
-
-def cli_json(*args, env=None):
-    r = cli(*args, "--json", env=env)
-    return r.exit_code, json.loads(r.stdout)
-
-
-def files_under(root, prefix="") -> dict[str, int]:
-    out = {}
-    for d, _dn, fns in os.walk(root):
-        for f in fns:
-            rel = os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
-            if rel.startswith(prefix):
-                out[rel] = os.path.getsize(os.path.join(d, f))
-    return out
-
-
-def later(hours: float) -> str:
-    return (dt.datetime.now(UTC) + dt.timedelta(hours=hours)).isoformat()
-
-
-def obj_path(root, version, name) -> str:
-    return os.path.join(root, *layout.object_key(version, name).split("/"))
-
-
-# -- 1. keep-last 1, second save killed before its manifest ---------------------------------------------------
-def test_keep_last_1_save_killed_before_manifest(tmp_path):
-    root = tmp_path / "s"
-    save(root, "v1", 1, asynchronous=True)
-    assert crashing_save(root, "v2", 2, "commit.manifest") == -signal.SIGKILL
-    leftovers = files_under(root, "versions/v2/")
-    assert leftovers and not any(k.endswith("manifest.json") for k in leftovers)
-    st = ckptstore.Store(root)
-    assert [r.version for r in st.versions()] == ["v1"] and st.latest().version == "v1"
-    assert same(load(root), state(1))
-
-    # within the grace period: v1 kept (newest), v2's leftovers kept (maybe a save in flight)
-    code, out = cli_json("gc", root, "--keep-last", "1")
-    assert code == 0
-    assert out["plan"]["actions"] == []
-    surv = {s["key"]: s["reason"] for s in out["plan"]["survivors"]}
-    assert set(leftovers) <= set(surv) and all("younger than the grace period" in surv[k] for k in leftovers)
-    assert files_under(root, "versions/v2/") == leftovers
-
-    # after the grace period: the leftovers go, v1 stays and loads
-    code, out = cli_json("gc", root, "--keep-last", "1", "--now", later(2))
-    assert code == 0 and not out["result"]["failed"]
-    assert {a["key"] for a in out["plan"]["actions"]} == set(leftovers)
-    assert files_under(root, "versions/v2/") == {} and not os.path.exists(root / "versions" / "v2")
-    assert [d["version"] for d in out["plan"]["tiers"]["local"]["decisions"] if d["keep"]] == ["v1"]
-    assert same(load(root), state(1))
-
-
-# -- 2. keep-last 1 with a save every step: v1000 commits while v1500 is still writing ----------------------------
-def test_keep_last_1_while_next_save_is_writing(tmp_path):
-    root = tmp_path / "s"
-    tier = LocalTier(root)
-    policy = R.RetentionPolicy(rules=[R.KeepLast(1)])
-    save(root, "v500", 500)
-    assert crashing_save(root, "v1500", 1500, "write.frame:3") == -signal.SIGKILL
-    partial = files_under(root, "versions/v1500/")
-    assert len(partial) == 1 and list(partial.values())[0] > 0
-    w = save(root, "v1000", 1000)
-    ds = R.apply_after_commit(tier, policy, w.last_manifest)
-    assert [(d.version, d.keep) for d in ds] == [("v500", False), ("v1000", True)]
-    assert files_under(root, "versions/v1500/") == partial  # the save in flight is not touched
-    assert not os.path.exists(root / "versions" / "v500")
-    st = ckptstore.Store(root)
-    assert st.latest().version == "v1000"
-    assert same(load(root), state(1000))
-
-    # a newer save committed before v1000's retention ran: it is neither counted nor deleted
-    save(root, "v2000", 2000)
-    ds = R.apply_after_commit(tier, policy, w.last_manifest)
-    assert [(d.version, d.keep) for d in ds] == [("v1000", True)]
-    assert [r.version for r in st.versions()] == ["v1000", "v2000"]
-    assert same(load(root, "v1000"), state(1000)) and same(load(root), state(2000))
-
-    p, res = G.run({"local": tier}, None, now=dt.datetime.now(UTC) + dt.timedelta(hours=2))
-    assert {a.key for a in p.actions if a.op == "delete"} == set(partial) and res.ok
+from store_helpers import (
+    cli,
+    cli_json,
+    files_under,
+    later,
+    obj_path,
+    same,
+    save,
+)
 
 
 # -- 3./4. four ranks --------------------------------------------------------------------------------------------
@@ -477,126 +335,30 @@ def test_scrub_unreachable_tier_is_not_checked(tmp_path, monkeypatch):
     assert [(v.tier, v.status) for v in rep.versions] == [("local", "ok")]
 
 
-# -- 5. dry run == real run; gc during a save in flight -------------------------------------------------------------
-def test_gc_dry_run_matches_real_run(tmp_path):
+
+# -- a transient storage error is not damage (docs/FORMAT.md, Read rule 5) ------------------------------------------
+def test_transient_error_on_a_manifest_is_not_damage(tmp_path):
+    """One manifest that cannot be read right now (503 after the tier's retries): ``latest()`` does not
+    fall back to the older version, ``scrub`` says "could not check" (12), not "damaged" (10), and gc
+    refuses to plan rather than treat the version directory as an invalid commit."""
+    from ckptstore.errors import TransientStorageError
+    from ckptstore.testing.faulty_tier import FaultyTier
+
     root = tmp_path / "s"
-    for i in range(4):
-        save(root, f"v{i}", i * 100, user_metadata={"loss": [0.5, 0.1, 0.4, 0.3][i]})
-    save(root, "v9", 900)  # ... whose commit is then undone: what a crash just before the manifest leaves
-    os.unlink(root / "versions" / "v9" / "manifest.json")
-    args = ["gc", root, "--keep-last", "1", "--keep-best", "1", "--metric", "loss", "--now", later(3)]
-    r = cli(*args, "--dry-run")
-    assert r.exit_code == 0, r.output
-    assert "would remove" in r.stdout and "keep-best 1 by min loss: loss=0.1, 1st best" in r.stdout
-    before = files_under(root)
-    code, dry = cli_json(*args, "--dry-run")
-    assert files_under(root) == before and dry["result"] is None and dry["dry_run"] is True
-    code, real = cli_json(*args)
-    assert code == 0
-    assert dry["plan"] == real["plan"]
-    assert real["result"]["applied"] == real["plan"]["actions"]
-    assert [r.version for r in ckptstore.Store(root).versions()] == ["v1", "v3"]
-    assert not os.path.exists(root / "versions" / "v9")
-    assert same(load(root, "v1"), state(100)) and same(load(root), state(300))
-
-
-def test_gc_while_a_save_is_in_flight(tmp_path):
-    root = tmp_path / "s"
-    save(root, "v0", 0)
-    tier = LocalTier(root)
-    big = {"w": torch.randn(12 << 20), "b": torch.arange(5)}
-    errors = []
-
-    def saver():
-        try:
-            w = ckptstore.StorageWriter(root, step=1, frame_size=256 << 10, threads=1)
-            dcp.save(big, checkpoint_id="big", storage_writer=w)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    th = threading.Thread(target=saver)
-    th.start()
-    seen_in_flight = 0
-    runs = 0
-    policy = R.RetentionPolicy(rules=[R.KeepLast(1)])
-    while th.is_alive():
-        p, res = G.run({"local": tier}, policy)
-        runs += 1
-        assert res.ok
-        assert not any(a.key.startswith("versions/big/") for a in p.actions)
-        assert not [d for d in p.decisions["local"] if not d.keep and d.version == "big"]
-        seen_in_flight += any(s.key.startswith("versions/big/") for s in p.survivors)
-    th.join()
-    assert not errors, errors
-    assert seen_in_flight > 0, f"gc never overlapped the save ({runs} runs)"
-    p, res = G.run({"local": tier}, policy)  # once committed, the older version goes (maybe already did)
-    assert res.ok and [r.version for r in ckptstore.Store(root).versions()] == ["big"]
-    out = {"w": torch.zeros(12 << 20), "b": torch.zeros(5, dtype=torch.int64)}
-    dcp.load(out, storage_reader=ckptstore.StorageReader(root))
-    assert torch.equal(out["w"].view(torch.int32), big["w"].view(torch.int32)) and torch.equal(out["b"], big["b"])
-
-
-@pytest.mark.parametrize("fault", ["gc.uncommit:2", "gc.delete:3"])
-def test_gc_crash_never_leaves_a_committed_version_incomplete(tmp_path, fault):
-    root = tmp_path / "s"
-    for i in range(4):
-        save(root, f"v{i}", i)
-    env = {**os.environ, "CKPTSTORE_FAULT": fault}
-    rc = subprocess.run([sys.executable, "-m", "ckptstore.cli", "gc", str(root), "--keep-last", "1", "--grace", "0"],
-                        env=env, capture_output=True, timeout=120).returncode
-    assert rc == -signal.SIGKILL
-    st = ckptstore.Store(root)
-    assert cli("scrub", root).exit_code == S.EXIT_CLEAN  # every still-committed version is complete
-    assert st.latest().version == "v3"
-    code, out = cli_json("gc", root, "--keep-last", "1", "--grace", "0")
-    assert code == 0 and not out["result"]["failed"]
-    assert [r.version for r in st.versions()] == ["v3"]
-    assert set(files_under(root)) == {layout.manifest_key("v3")} | {
-        layout.object_key("v3", o.name) for o in st.manifest("v3").manifest.all_objects()}
-    assert same(load(root), state(3))
-
-
-# -- 6. pins ------------------------------------------------------------------------------------------------------
-def test_pinned_survives_every_policy_until_unpinned(tmp_path):
-    root = tmp_path / "s"
-    for i in range(3):
-        save(root, f"v{i}", i * 1000, user_metadata={"loss": 1.0 - i / 10})
-    code, out = cli_json("pin", root, "v0")
-    assert code == 0 and out == {"version": "v0", "pinned": True, "tiers": ["local"]}
-    assert ckptstore.Store(root).get("v0").pinned
-    for flags in (["--keep-last", "1"], ["--keep-within", "0s"], ["--keep-best", "1", "--metric", "loss", "--mode", "max"],
-                  ["--keep-every-steps", "100000"], ["--local-keep-last", "0"]):
-        code, out = cli_json("gc", root, *flags, "--grace", "0", "--dry-run")
-        d = {x["version"]: x for x in out["plan"]["tiers"]["local"]["decisions"]}
-        assert d["v0"]["keep"] and "pinned" in d["v0"]["reasons"], flags
-    code, out = cli_json("gc", root, "--keep-last", "1", "--grace", "0")
-    assert [r.version for r in ckptstore.Store(root).versions()] == ["v0", "v2"]
-    assert cli("show", root, "v0").stdout.count("pinned") >= 1
-    code, out = cli_json("unpin", root, "v0")
-    assert code == 0 and out["pinned"] is False
-    code, out = cli_json("gc", root, "--keep-last", "1", "--grace", "0")
-    assert [r.version for r in ckptstore.Store(root).versions()] == ["v2"]
-    assert cli("pin", root, "v0").exit_code == 3  # gone
-
-
-# -- CLI odds and ends --------------------------------------------------------------------------------------------
-def test_cli_show_and_usage_errors(tmp_path):
-    root = tmp_path / "s"
-    save(root, "v1", 7, user_metadata={"loss": 0.25, "note": "x"})
-    code, out = cli_json("show", root, "v1", "--objects")
-    assert code == 0
-    assert out["step"] == 7 and out["world_size"] == 1 and out["tiers"] == ["local"] and out["encrypted"] is False
-    assert out["user"] == {"loss": 0.25, "note": "x"} and out["objects"] == 2 and len(out["object_list"]) == 2
-    assert out["nbytes"] > 0 and out["stored_bytes"] > 0 and out["compression_ratio"] > 0 and out["codecs"]
-    r = cli("show", root, "v1")
-    assert r.exit_code == 0 and "world size:" in r.stdout and "not encrypted" in r.stdout
-    assert cli("gc", root, "--keep-best", "2").exit_code == 2  # needs --metric
-    assert cli("gc", root, "--keep-within", "soon").exit_code == 2
-    assert cli("gc", root, "--grace", "x").exit_code == 2
-    assert cli("gc", root, "--keep-last", "-1").exit_code == 2
-    r = cli("gc", root, "--dry-run")
-    assert r.exit_code == 0 and "no retention rule given" in r.stdout
-    r = cli("scrub", root)
-    assert r.exit_code == 0 and "OK" in r.stdout
-    code, out = cli_json("scrub", tmp_path / "empty")
-    assert code == 0 and out["versions"] == []
+    save(root, "v1", 1)
+    save(root, "v2", 2)
+    flaky = FaultyTier.transient_get(LocalTier(root), layout.manifest_key("v2"))
+    st = ckptstore.Store(None, remote=None)
+    st.local = flaky
+    with pytest.raises(TransientStorageError):
+        st.latest()
+    with pytest.raises(TransientStorageError):
+        st.versions()
+    rep = S.scrub({"local": flaky})
+    assert rep.exit_code == S.EXIT_UNCHECKED, S.format_report(rep)
+    assert rep.damage() == [] and not any(v.status == "damaged" for v in rep.versions)
+    with pytest.raises(TransientStorageError):
+        G.collect(flaky, "local")
+    # once the storage answers again, nothing was marked or skipped
+    assert ckptstore.Store(root).latest().version == "v2"
+    assert S.scrub(ckptstore.Store(root)).exit_code == S.EXIT_CLEAN
