@@ -44,16 +44,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import logging
 import os
 from typing import Callable, Iterable, Mapping
 
 from . import _faults
-from ._names import decode_version
-from .errors import CkptStoreError, ObjectNotFoundError, ManifestError, UnsupportedFormatError
+from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError
 from .manifest import catalogue, layout
 from .manifest.schema import Manifest, parse
-from .retention import Decision, RetentionPolicy, format_duration
+from .retention import Decision, RetentionPolicy, across_tiers, evaluate, format_duration
 from .tiers.base import ObjectInfo, Tier
+
+log = logging.getLogger("ckptstore")
 
 DEFAULT_GRACE = 3600.0
 
@@ -104,9 +106,13 @@ class Action:
     size: int = 0
     mtime: float | None = None
     upload_id: str | None = None
+    force: bool = False  # an un-commit that goes ahead although the version is pinned (drop --force)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.force:
+            del d["force"]
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,24 +251,38 @@ def _upload(u) -> Upload:
 
 
 # -- plan (pure) ------------------------------------------------------------------------------------
-def _version_dir_of(key: str) -> str | None:
-    parts = key.split("/")
-    if len(parts) < 3 or parts[0] != layout.VERSIONS:
-        return None
-    return f"{parts[0]}/{parts[1]}/"
+@dataclasses.dataclass
+class _Parts:
+    """The pieces of a plan as they are found, put in order by :meth:`actions`."""
+
+    uncommits: list[Action] = dataclasses.field(default_factory=list)
+    version_deletes: list[Action] = dataclasses.field(default_factory=list)
+    garbage: list[Action] = dataclasses.field(default_factory=list)
+    aborts: list[Action] = dataclasses.field(default_factory=list)
+    rmdirs: list[Action] = dataclasses.field(default_factory=list)
+    survivors: list[Survivor] = dataclasses.field(default_factory=list)
+    problems: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+
+    def add_version(self, actions: Iterable[Action]) -> None:
+        for a in actions:
+            (self.uncommits if a.op == UNCOMMIT else self.version_deletes).append(a)
+
+    def actions(self) -> list[Action]:
+        """Every un-commit first, then the objects of un-committed versions, then the rest."""
+        return self.uncommits + self.version_deletes + self.garbage + self.aborts + self.rmdirs
 
 
 def _classify(key: str) -> str:
     base = key.rsplit("/", 1)[-1]
-    parts = key.split("/")
-    if base.startswith(".tmp-"):
+    attempt = layout.attempt_of_key(key)
+    if layout.is_temporary(key):
         return "temporary file"
-    if base in (layout.PINNED, layout.DAMAGED) and len(parts) == 3:
+    if base in (layout.PINNED, layout.DAMAGED) and key.count("/") == 2:
         return f"{base} marker of a version not committed here"
-    if len(parts) == 5 and parts[2] == "attempts":
-        if base.startswith("uploaded.") and base.endswith(".json"):
-            return f"rank upload marker of attempt {parts[3]}"
-        return f"object of attempt {parts[3]}"
+    if attempt is not None:
+        if layout.marker_rank(key) is not None:
+            return f"rank upload marker of attempt {attempt}"
+        return f"object of attempt {attempt}"
     return "unreferenced file"
 
 
@@ -279,141 +299,125 @@ def plan(
         raise ValueError("grace must be >= 0 seconds")
     policy = policy or RetentionPolicy()
     snaps = list(snapshots)
-    now_ts = now.timestamp()
-    # a pin in any tier protects the version in every tier
-    pinned_any = {v for s in snaps for v, e in s.entries.items() if e.pinned}
+    records = {s.name: catalogue.merge({s.name: s.entries}) for s in snaps}
+    parts = _Parts()
     decisions: dict[str, list[Decision]] = {}
-    uncommits: list[Action] = []
-    version_deletes: list[Action] = []
-    garbage: list[Action] = []
-    aborts: list[Action] = []
-    rmdirs: list[Action] = []
-    survivors: list[Survivor] = []
-    problems: list[tuple[str, str, str]] = []
-
-    newest = {s.name: max((e.manifest.created_dt for e in s.entries.values()), default=None) for s in snaps}
     for s in snaps:
-        recs = catalogue.merge({s.name: s.entries})
-        recs = [dataclasses.replace(r, pinned=True) if r.version in pinned_any and not r.pinned else r for r in recs]
-        # a version newer than everything committed in another tier may still be on its way there
-        # (an upload reads the local copy): keep it until it arrives
-        protect = {}
-        for o in snaps:
-            if o is s:
-                continue
-            for r in recs:
-                if r.version not in o.entries and (newest[o.name] is None or r.created > newest[o.name]):
-                    protect[r.version] = f"not yet committed in the {o.name} tier (its upload may be pending)"
-        ds = policy.decide(s.name, recs, now, protect=protect)
-        decisions[s.name] = ds
+        others = {o.name: records[o.name] for o in snaps if o is not s}
+        recs, protect = across_tiers(s.name, records[s.name], others)
+        decisions[s.name] = ds = policy.decide(s.name, recs, now, protect=protect)
         sizes = {i.key: i for i in s.listing}
-        claimed: set[str] = set()  # keys that belong to a committed version (kept or deleted)
-        manifest_mtime: dict[str, float] = {}
-        dir_attempt: dict[str, str] = {}
+        for d in ds:
+            if not d.keep:
+                parts.add_version(version_actions(s.name, d.version, s.entries[d.version].manifest, "; ".join(d.reasons), sizes))
+        _plan_garbage(s, {layout.version_dir(d.version) + "/" for d in ds if not d.keep}, now.timestamp(), grace, parts)
+        _plan_uploads_and_dirs(s, now.timestamp(), grace, parts)
+    return GcPlan(now=now, grace=float(grace), policy=policy, tiers=[s.name for s in snaps], decisions=decisions,
+                  actions=parts.actions(), survivors=parts.survivors, problems=parts.problems)
+
+
+@dataclasses.dataclass
+class _Committed:
+    """What the committed manifests of one tier say about its keys."""
+
+    claimed: set[str]  # keys that belong to a committed version (kept or deleted)
+    manifest_mtime: dict[str, float]  # version dir -> mtime of its manifest
+    attempt: dict[str, str]  # version dir -> the committed attempt
+
+    @classmethod
+    def of(cls, s: TierSnapshot, sizes: Mapping[str, ObjectInfo]) -> "_Committed":
+        c = cls(set(), {}, {})
         for v, e in s.entries.items():
             d = layout.version_dir(v) + "/"
-            dir_attempt[d] = e.manifest.attempt
-            claimed.add(d + layout.MANIFEST)
-            claimed.add(d + layout.PINNED)
-            claimed.add(d + layout.DAMAGED)
-            for o in e.manifest.all_objects():
-                claimed.add(d + o.name)
+            c.attempt[d] = e.manifest.attempt
+            c.claimed.update((d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED))
+            c.claimed.update(d + o.name for o in e.manifest.all_objects())
             mi = sizes.get(d + layout.MANIFEST)
             if mi is not None:
-                manifest_mtime[d] = mi.mtime
-        for dec in ds:
-            if dec.keep:
-                continue
-            e = s.entries[dec.version]
-            why = "; ".join(dec.reasons)
-            for a in version_actions(s.name, dec.version, e.manifest, why, sizes):
-                (uncommits if a.op == UNCOMMIT else version_deletes).append(a)
-        deleted_dirs = {layout.version_dir(d.version) + "/" for d in ds if not d.keep}
-        skip_dirs = set()
-        for key, why in s.invalid:
-            vd = _version_dir_of(key)
-            if vd is not None:
-                skip_dirs.add(vd)
-            problems.append((s.name, key, why))
-        for info in s.listing:
-            key = info.key
-            if key in claimed:
-                continue
-            vd = _version_dir_of(key)
-            if vd is None:
-                survivors.append(Survivor(s.name, key, "not inside a version directory; left alone", info.size))
-                continue
-            try:
-                decode_version(key.split("/")[1])
-            except CkptStoreError:
-                survivors.append(Survivor(s.name, key, "not in a ckptstore version directory; left alone", info.size))
-                continue
-            if vd in skip_dirs:
-                survivors.append(Survivor(s.name, key, "its version's manifest.json is invalid (see problems); left for scrub", info.size))
-                continue
-            what = _classify(key)
-            ref_t = info.mtime
-            if vd in manifest_mtime and vd not in deleted_dirs:
-                ref_t = max(ref_t, manifest_mtime[vd])
-                parts = key.split("/")
-                if len(parts) == 5 and parts[3] == dir_attempt.get(vd):
-                    what += ", not named by the committed manifest"
-                else:
-                    what += " not referenced by the committed manifest (superseded or aborted attempt)"
-            elif vd in deleted_dirs:
-                what += " in a version deleted by retention"
-            else:
-                what += " (version not committed in this tier)"
-            age = now_ts - ref_t
-            if age >= grace:
-                garbage.append(
-                    Action(s.name, DELETE, key, "garbage", f"{what}; age {format_duration(age)} >= grace {format_duration(grace)}",
-                           version=_safe_version(key), size=info.size, mtime=info.mtime)
-                )
-            else:
-                survivors.append(
-                    Survivor(s.name, key, f"{what}; younger than the grace period (age {format_duration(age)} < {format_duration(grace)})", info.size)
-                )
-        for u in s.uploads:
-            age = now_ts - u.initiated
-            if _version_dir_of(u.key) is None:
-                survivors.append(Survivor(s.name, u.key, f"multipart upload {u.upload_id} outside versions/; left alone"))
-            elif age >= grace:
-                aborts.append(Action(s.name, ABORT_UPLOAD, u.key, "upload",
-                                     f"incomplete multipart upload started {format_duration(age)} ago (>= grace {format_duration(grace)})",
-                                     version=_safe_version(u.key), upload_id=u.upload_id, mtime=u.initiated))
-            else:
-                survivors.append(Survivor(s.name, u.key, f"multipart upload {u.upload_id} in progress (started {format_duration(age)} ago < grace)"))
-        for dinfo in s.empty_dirs:
-            age = now_ts - dinfo.mtime
-            if age >= grace:
-                rmdirs.append(Action(s.name, RMDIR, dinfo.key, "dir", f"empty directory, age {format_duration(age)} >= grace",
-                                     mtime=dinfo.mtime))
-            else:
-                survivors.append(Survivor(s.name, dinfo.key + "/", f"empty directory younger than the grace period (age {format_duration(age)})"))
-
-    return GcPlan(
-        now=now,
-        grace=float(grace),
-        policy=policy,
-        tiers=[s.name for s in snaps],
-        decisions=decisions,
-        actions=uncommits + version_deletes + garbage + aborts + rmdirs,
-        survivors=survivors,
-        problems=problems,
-    )
+                c.manifest_mtime[d] = mi.mtime
+        return c
 
 
-def _safe_version(key: str) -> str | None:
-    try:
-        return layout.version_of_key(key)
-    except Exception:  # pragma: no cover
-        return None
+def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace: float, parts: _Parts) -> None:
+    """Objects no committed manifest references: deleted once older than ``grace``, else survivors."""
+    committed = _Committed.of(s, {i.key: i for i in s.listing})
+    skip_dirs = set()
+    for key, why in s.invalid:
+        vd = layout.version_dir_of(key)
+        if vd is not None:
+            skip_dirs.add(vd)
+        parts.problems.append((s.name, key, why))
+    for info in s.listing:
+        if info.key in committed.claimed:
+            continue
+        left_alone = _left_alone(info.key, skip_dirs)
+        if left_alone is not None:
+            parts.survivors.append(Survivor(s.name, info.key, left_alone, info.size))
+            continue
+        what, ref_t = _describe_garbage(info, committed, deleted_dirs)
+        age = now_ts - ref_t
+        if age >= grace:
+            parts.garbage.append(Action(s.name, DELETE, info.key, "garbage",
+                                        f"{what}; age {format_duration(age)} >= grace {format_duration(grace)}",
+                                        version=layout.version_of_key(info.key), size=info.size, mtime=info.mtime))
+        else:
+            parts.survivors.append(Survivor(s.name, info.key, f"{what}; younger than the grace period "
+                                            f"(age {format_duration(age)} < {format_duration(grace)})", info.size))
+
+
+def _left_alone(key: str, skip_dirs: set[str]) -> str | None:
+    """Why an unreferenced key is never garbage (None: it may be)."""
+    vd = layout.version_dir_of(key)
+    if vd is None:
+        return "not inside a version directory; left alone"
+    if layout.version_of_key(key) is None:
+        return "not in a ckptstore version directory; left alone"
+    if vd in skip_dirs:
+        return f"its version's {layout.MANIFEST} is invalid (see problems); left for scrub"
+    return None
+
+
+def _describe_garbage(info: ObjectInfo, c: _Committed, deleted_dirs: set[str]) -> tuple[str, float]:
+    """What an unreferenced object is, and the time its age counts from (for a superseded attempt
+    of a committed version: the newer of the object and the manifest)."""
+    vd = layout.version_dir_of(info.key)
+    what = _classify(info.key)
+    if vd in c.manifest_mtime and vd not in deleted_dirs:
+        if layout.attempt_of_key(info.key) == c.attempt.get(vd):
+            what += ", not named by the committed manifest"
+        else:
+            what += " not referenced by the committed manifest (superseded or aborted attempt)"
+        return what, max(info.mtime, c.manifest_mtime[vd])
+    if vd in deleted_dirs:
+        return what + " in a version deleted by retention", info.mtime
+    return what + " (version not committed in this tier)", info.mtime
+
+
+def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
+    """Stale incomplete multipart uploads are aborted, old empty directories removed."""
+    for u in s.uploads:
+        age = now_ts - u.initiated
+        if layout.version_dir_of(u.key) is None:
+            parts.survivors.append(Survivor(s.name, u.key, f"multipart upload {u.upload_id} outside {layout.VERSIONS}/; left alone"))
+        elif age >= grace:
+            parts.aborts.append(Action(s.name, ABORT_UPLOAD, u.key, "upload",
+                                       f"incomplete multipart upload started {format_duration(age)} ago (>= grace {format_duration(grace)})",
+                                       version=layout.version_of_key(u.key), upload_id=u.upload_id, mtime=u.initiated))
+        else:
+            parts.survivors.append(Survivor(s.name, u.key, f"multipart upload {u.upload_id} in progress (started {format_duration(age)} ago < grace)"))
+    for dinfo in s.empty_dirs:
+        age = now_ts - dinfo.mtime
+        if age >= grace:
+            parts.rmdirs.append(Action(s.name, RMDIR, dinfo.key, "dir", f"empty directory, age {format_duration(age)} >= grace",
+                                       mtime=dinfo.mtime))
+        else:
+            parts.survivors.append(Survivor(s.name, dinfo.key + "/", f"empty directory younger than the grace period (age {format_duration(age)})"))
 
 
 def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
-                    listing: Mapping[str, ObjectInfo] | None = None) -> list[Action]:
-    """The actions that delete one committed version: un-commit, then its objects and damage mark."""
+                    listing: Mapping[str, ObjectInfo] | None = None, *, force: bool = False) -> list[Action]:
+    """The actions that delete one committed version: un-commit, then its objects and damage mark
+    (with ``force``, a pinned version too: the un-commit ignores the pin, and the pin goes last)."""
     d = layout.version_dir(version) + "/"
 
     def size(key: str) -> int:
@@ -421,16 +425,18 @@ def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
         return i.size if i is not None else 0
 
     out = [Action(tier, UNCOMMIT, d + layout.MANIFEST, "manifest", f"un-commit: {reason}", version=version,
-                  attempt=manifest.attempt, size=size(d + layout.MANIFEST))]
+                  attempt=manifest.attempt, size=size(d + layout.MANIFEST), force=force)]
     for o in manifest.all_objects():
         key = d + o.name
         if listing is not None and key not in listing:
             continue  # already missing: nothing to delete
         out.append(Action(tier, DELETE, key, "version-object", f"object of deleted version {version!r}", version=version,
                           attempt=manifest.attempt, size=size(key) if listing is not None else o.size))
-    if listing is None or d + layout.DAMAGED in listing:
-        out.append(Action(tier, DELETE, d + layout.DAMAGED, "version-object", f"damage mark of deleted version {version!r}",
-                          version=version, attempt=manifest.attempt, size=size(d + layout.DAMAGED)))
+    markers = [(layout.DAMAGED, "damage mark")] + ([(layout.PINNED, "pin")] if force else [])
+    for name, what in markers:
+        if listing is None or d + name in listing:
+            out.append(Action(tier, DELETE, d + name, "version-object", f"{what} of deleted version {version!r}",
+                              version=version, attempt=manifest.attempt, size=size(d + name)))
     return out
 
 
@@ -467,7 +473,7 @@ def apply(
             continue
         try:
             if a.op == UNCOMMIT:
-                why = _uncommit_blocker(tier, a, tiers)
+                why = _garbage_blocker(tier, a) if a.kind == "invalid-manifest" else _uncommit_blocker(tier, a, tiers)
                 if why is not None:
                     blocked.add((a.tier, a.version))
                     note(a, "skipped", why)
@@ -515,6 +521,8 @@ def _uncommit_blocker(tier: Tier, a: Action, tiers: Mapping[str, Tier]) -> str |
         return f"manifest no longer parses ({e}); left for scrub"
     if m.attempt != a.attempt:
         return f"version was re-committed meanwhile (attempt {m.attempt}, planned {a.attempt})"
+    if a.force:
+        return None
     for name, t in {a.tier: tier, **tiers}.items():
         if t.exists(layout.pin_key(a.version)):
             return f"version was pinned meanwhile (in the {name} tier)"
@@ -566,6 +574,131 @@ def remove_version(tier: Tier, version: str, manifest: Manifest, *, tier_name: s
         raise CkptStoreError(f"version {version!r} was not deleted: {skipped[0]}")
     return res
 
+
+# -- retention right after a commit ------------------------------------------------------------------------
+def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Manifest, *, tier_name: str | None = None,
+                       now: _dt.datetime | None = None, others: Mapping[str, Tier | None] | None = None,
+                       in_flight: Iterable[str] = (), protect: Mapping[str, str] | None = None) -> list[Decision]:
+    """Apply ``policy`` in ``tier`` right after ``committed`` was committed there (docs/FORMAT.md,
+    Delete rule 7).
+
+    Only versions whose commit time is at or before ``committed.created`` are considered (a newer
+    save that committed meanwhile is neither counted nor deleted, so the newest durable version is
+    never deleted on behalf of an older save), and ``committed`` itself is always kept. Each
+    version to delete is un-committed first (re-checked as in :func:`apply`), then its objects are
+    deleted. Garbage is left to :func:`run` and its grace period.
+
+    ``tier_name``: which of the policy's tiers applies (default ``tier.name``); ``now``: for
+    ``keep-within``; ``others``: the store's other tiers by name (``{"remote": ...}`` from the
+    local tier, ``{"local": ...}`` from the remote one): what they protect here is decided by
+    :func:`ckptstore.retention.across_tiers` (pins travel; locally, a version waits for its
+    upload); ``in_flight``: versions whose upload is known to be running; ``protect``: more
+    ``{version: reason}`` to keep.
+
+    Never raises for storage trouble (the save is already committed): failures are logged as
+    warnings. Returns the decisions (empty when the policy has no rule for the tier).
+    """
+    if policy is None:
+        return []
+    name = tier_name or getattr(tier, "name", "local")
+    rules = policy.rules_for(name)
+    if not rules:
+        return []
+    try:
+        entries = catalogue.scan(tier)
+        recs = [r for r in catalogue.merge({name: entries}) if r.created <= committed.created_dt]
+        other_recs = {n: _records_or_none(t, n) for n, t in (others or {}).items() if t is not None}
+        recs, cross = across_tiers(name, recs, other_recs, in_flight=in_flight)
+        keep = {**cross, **(protect or {}), committed.version: "just committed"}
+        decisions = evaluate(recs, rules, now or _dt.datetime.now(_dt.timezone.utc), protect=keep)
+    except Exception as e:  # noqa: BLE001 - the save is committed; retention is best effort
+        log.warning("retention after committing %r in the %s tier failed: %s", committed.version, name, e)
+        return []
+    for d in decisions:
+        if d.keep or d.version not in entries:
+            continue
+        try:
+            remove_version(tier, d.version, entries[d.version].manifest, tier_name=name, reason="; ".join(d.reasons))
+            log.info("retention: deleted version %r from the %s tier (%s)", d.version, name, "; ".join(d.reasons))
+        except Exception as ex:  # noqa: BLE001
+            log.warning("retention: could not delete version %r from the %s tier: %s", d.version, name, ex)
+    return decisions
+
+
+def _records_or_none(tier: Tier, name: str):
+    """The committed versions of another tier, or None when its catalogue cannot be read now."""
+    try:
+        return catalogue.merge({name: catalogue.scan(tier)})
+    except (CkptStoreError, OSError) as e:
+        log.warning("retention: cannot read the %s tier's versions (%s); keeping what may depend on them", name, e)
+        return None
+
+
+# -- drop: one version, on request ---------------------------------------------------------------------------
+REASON_DROP = "dropped on request"
+
+
+def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force: bool = False,
+              now: _dt.datetime | None = None) -> GcPlan:
+    """The plan that removes ``version`` on request, for :func:`apply` — also the newest version
+    and a damaged one, which retention never deletes.
+
+    ``store``: a :class:`~ckptstore.Store` or ``{name: Tier}``; ``tiers``: the tiers to remove it
+    from (default: every tier of the store). Same order as gc: every un-commit first, then the
+    objects and markers. A pinned version (a pin in any tier counts) is refused with
+    :class:`CkptStoreError` unless ``force`` (its pin then goes too). In a tier where its
+    ``manifest.json`` is invalid, every key of its directory goes, the manifest first. Raises
+    :class:`VersionNotFoundError` when none of the tiers holds the version.
+    """
+    all_tiers: dict[str, Tier] = dict(store.tiers if hasattr(store, "tiers") else store)
+    names = list(all_tiers) if tiers is None else list(tiers)
+    for n in names:
+        if n not in all_tiers:
+            raise VersionNotFoundError(f"this store has no {n} tier (it has: {', '.join(all_tiers) or 'none'})")
+    parts = _Parts()
+    decisions: dict[str, list[Decision]] = {}
+    pinned_in = []
+    for n, t in all_tiers.items():
+        problems: list = []
+        e = catalogue.scan(t, problems).get(version)
+        invalid = e is None and any(layout.version_of_key(k) == version for _t, k, _w in problems)
+        if e is None and not invalid:
+            continue
+        listing = {i.key: i for i in t.list(layout.version_dir(version) + "/")}
+        if (e.pinned if e is not None else layout.pin_key(version) in listing):
+            pinned_in.append(n)
+        if n not in names:
+            continue
+        if e is None:
+            parts.add_version(_invalid_version_actions(n, version, listing))
+            continue
+        why = REASON_DROP + (" (marked damaged)" if e.damaged else "")
+        parts.add_version(version_actions(n, version, e.manifest, why, listing, force=force))
+        m = e.manifest
+        decisions[n] = [Decision(version, False, (why,), m.created_dt, m.step, m.attempt, e.pinned, e.damaged)]
+    if pinned_in and not force:
+        raise CkptStoreError(f"version {version!r} is pinned (in the {' and '.join(pinned_in)} tier); "
+                             "unpin it first ('ckptstore unpin'), or drop it with force")
+    if not parts.uncommits:
+        raise VersionNotFoundError(f"version {version!r} is not in the {' or '.join(names) or 'no'} tier of this store; "
+                                   "run 'ckptstore list' to see the versions there")
+    return GcPlan(now=now or _dt.datetime.now(_dt.timezone.utc), grace=0.0, policy=RetentionPolicy(),
+                  tiers=[n for n in names if any(a.tier == n for a in parts.uncommits)], decisions=decisions,
+                  actions=parts.actions(), survivors=[], problems=[])
+
+
+def _invalid_version_actions(tier: str, version: str, listing: Mapping[str, ObjectInfo]) -> list[Action]:
+    """Every key of a version directory whose manifest is invalid: the manifest first (an un-commit
+    checked against the planned size and mtime), then the rest."""
+    mkey = layout.manifest_key(version)
+    mi = listing[mkey]
+    out = [Action(tier, UNCOMMIT, mkey, "invalid-manifest", f"un-commit: {REASON_DROP} (its manifest is invalid)",
+                  version=version, size=mi.size, mtime=mi.mtime)]
+    for key, i in sorted(listing.items()):
+        if key != mkey:
+            out.append(Action(tier, DELETE, key, "version-object", f"file of dropped version {version!r}",
+                              version=version, size=i.size))
+    return out
 
 # -- convenience ---------------------------------------------------------------------------------------
 def run(

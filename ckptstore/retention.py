@@ -4,8 +4,8 @@ A *rule* looks at the committed versions of one tier (:class:`~ckptstore.Version
 newest) and the current time, and names the versions it keeps, each with a reason. A version is
 kept if **any** rule keeps it; every reason is listed (borg's ``prune --list`` idea), so
 ``ckptstore gc --dry-run`` can say why each survivor survives. Rules never have side effects;
-:func:`evaluate` turns rules into :class:`Decision` s, and only :mod:`ckptstore.gc` (and
-:func:`apply_after_commit`) act on them.
+:func:`evaluate` turns rules into :class:`Decision` s; :mod:`ckptstore.gc` acts on them. This module
+does no I/O and imports nothing that does.
 
 Rules (all frozen dataclasses, so a policy pickles into ``AsyncCheckpointerType.PROCESS`` savers):
 
@@ -38,21 +38,20 @@ e.g. local keeps 2, remote keeps 20 and one version every 10,000 steps::
     RetentionPolicy(per_tier={"local": [KeepLast(2)],
                               "remote": [KeepLast(20), KeepEverySteps(10_000)]})
 
-Automatic retention after a commit: :func:`apply_after_commit`.
+What other tiers protect (pins travel; a local version waits for its upload) is decided by
+:func:`across_tiers`, the one place that rule lives. Automatic retention after a commit:
+:func:`ckptstore.gc.apply_after_commit`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import logging
 import math
 import re
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from .manifest.catalogue import VersionRecord
-
-log = logging.getLogger("ckptstore")
 
 __all__ = [
     "Rule",
@@ -66,7 +65,7 @@ __all__ = [
     "parse_duration",
     "format_duration",
     "rules_from_options",
-    "apply_after_commit",
+    "across_tiers",
 ]
 
 # -- durations -------------------------------------------------------------------------------------
@@ -452,68 +451,43 @@ def rules_from_options(
     return tuple(rules)
 
 
-# -- automatic retention after a commit ---------------------------------------------------------------
-def apply_after_commit(tier, policy: RetentionPolicy | None, committed, *, tier_name: str | None = None,
-                       now: _dt.datetime | None = None, other_tiers: Iterable = (),
-                       protect: Mapping[str, str] | None = None) -> list[Decision]:
-    """Apply ``policy`` in ``tier`` right after ``committed`` (a :class:`Manifest`) was committed there.
+# -- the cross-tier rule -------------------------------------------------------------------------------
+def _pending_reason(remote: str) -> str:
+    return f"not yet committed in the {remote} tier (its upload may be pending)"
 
-    Only versions whose commit time is at or before ``committed.created`` are considered (a newer
-    save that committed meanwhile is neither counted nor deleted, so the newest durable version is
-    never deleted on behalf of an older save), and ``committed`` itself is always kept. Each
-    version to delete is un-committed first (its ``manifest.json`` deleted, after re-checking that
-    it still names the planned attempt and is not pinned), then its objects are deleted. Garbage
-    (uncommitted objects) is left to ``ckptstore gc`` and its grace period.
 
-    ``tier``: a :class:`~ckptstore.tiers.Tier`; ``tier_name``: which of the policy's tiers applies
-    (default ``tier.name``); ``now``: for ``keep-within`` (default: the current time);
-    ``other_tiers``: further tiers whose pins also protect a version here (a version pinned in the
-    local tier before it reached the remote one has no pin marker there); ``protect``:
-    ``{version: reason}`` to keep regardless of the rules (e.g. versions whose upload to the remote
-    tier is still pending, which reads the local copy).
+def across_tiers(
+    tier: str,
+    versions: Sequence[VersionRecord],
+    others: Mapping[str, Sequence[VersionRecord] | None],
+    *,
+    in_flight: Iterable[str] = (),
+) -> tuple[list[VersionRecord], dict[str, str]]:
+    """What the other tiers protect in ``tier`` (docs/FORMAT.md, Delete rules 3 and 7). Pure.
 
-    Never raises for storage trouble (the save is already committed): failures are logged as
-    warnings. Returns the decisions (empty when the policy has no rule for the tier).
+    ``versions``: the committed versions of ``tier``; ``others``: the committed versions of the
+    other tiers by name (None: that tier's catalogue could not be read); ``in_flight``: versions
+    whose upload to the remote tier is known to be running. Returns ``(versions, protect)``:
+
+    * a pin travels: a version pinned in any tier comes back marked ``pinned`` here;
+    * in the ``local`` tier only, a version not committed in the ``remote`` tier is kept
+      (``protect = {version: reason}``, for :func:`evaluate`) when its upload is in flight, when it
+      is newer than every remote commit (an upload reads the local copy), or when the remote
+      catalogue is unknown. An older one is not (the remote tier dropped it by its own rules).
+
+    Nothing protects a remote version: an absent or empty local tier keeps nothing there.
     """
-    from . import gc as _gc
-    from .manifest import catalogue
-
-    if policy is None:
-        return []
-    name = tier_name or getattr(tier, "name", "local")
-    rules = policy.rules_for(name)
-    if not rules:
-        return []
-    try:
-        entries = catalogue.scan(tier)
-        cutoff = committed.created_dt
-        recs = [r for r in catalogue.merge({name: entries}) if r.created <= cutoff]
-        now = now or _dt.datetime.now(_dt.timezone.utc)
-        protect = {**(protect or {}), committed.version: "just committed"}
-        decisions = evaluate(recs, rules, now, protect=protect)
-        others = list(other_tiers)
-        if others:
-            from .manifest import layout
-
-            pinned = {
-                d.version for d in decisions
-                if not d.keep and any(t.exists(layout.pin_key(d.version)) for t in others)
-            }
-            if pinned:
-                recs = [dataclasses.replace(r, pinned=True) if r.version in pinned else r for r in recs]
-                decisions = evaluate(recs, rules, now, protect=protect)
-    except Exception as e:  # noqa: BLE001 - the save is committed; retention is best effort
-        log.warning("retention after committing %r in the %s tier failed: %s", committed.version, name, e)
-        return []
-    for d in decisions:
-        if d.keep:
-            continue
-        e = entries.get(d.version)
-        if e is None:
-            continue
-        try:
-            _gc.remove_version(tier, d.version, e.manifest)
-            log.info("retention: deleted version %r from the %s tier (%s)", d.version, name, "; ".join(d.reasons))
-        except Exception as ex:  # noqa: BLE001
-            log.warning("retention: could not delete version %r from the %s tier: %s", d.version, name, ex)
-    return decisions
+    pinned = {r.version for recs in others.values() if recs for r in recs if r.pinned}
+    out = [dataclasses.replace(r, pinned=True) if r.version in pinned and not r.pinned else r for r in versions]
+    protect: dict[str, str] = {}
+    if tier == "local" and "remote" in others:
+        remote = others["remote"]
+        flying = set(in_flight)
+        there = None if remote is None else {r.version for r in remote}
+        newest = None if not remote else max(r.created for r in remote)
+        for r in out:
+            if there is not None and r.version in there:
+                continue
+            if there is None or r.version in flying or newest is None or r.created > newest:
+                protect[r.version] = _pending_reason("remote")
+    return out, protect

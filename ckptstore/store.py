@@ -15,12 +15,15 @@ from .tiers import LocalTier, Tier, make_remote
 class Store:
     """The versions committed under a local ``root`` and, optionally, a ``remote`` S3 prefix.
 
-    ``root``: local directory (created on first write). ``remote``: ``"s3://bucket/prefix"`` or
-    None; endpoint/credentials from the boto3 chain or ``endpoint_url``. ``key``: master key
+    ``root``: local directory (created on first write); None or ``""``: no local tier (an
+    S3-only store — ``""`` is never the current directory). ``remote``: ``"s3://bucket/prefix"``
+    or None; endpoint/credentials from the boto3 chain or ``endpoint_url``. ``key``: master key
     (32 bytes or a key provider) — only needed to read encrypted data, not to list.
     """
 
     def __init__(self, root: str | os.PathLike | None, *, remote: str | None = None, key=None, endpoint_url: str | None = None):
+        if root is not None and not os.fspath(root):
+            root = None
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.local: Tier | None = None if root is None else LocalTier(self.root)
         self.remote: Tier | None = make_remote(remote, endpoint_url=endpoint_url)

@@ -42,10 +42,6 @@ log = logging.getLogger("ckptstore")
 _live: "weakref.WeakSet[Uploader]" = weakref.WeakSet()
 
 
-def marker_name(attempt: str, rank: int) -> str:
-    return f"attempts/{attempt}/uploaded.r{rank:05d}.json"
-
-
 class UploadError(StorageError):
     """Staging a version to the remote tier failed; the remote commit did not happen."""
 
@@ -78,6 +74,7 @@ class Uploader:
         self._pending: list[tuple[str, cf.Future]] = []
         self.errors: list[str] = []
         self._failed_keys: set[str] = set()
+        self._versions: dict[cf.Future, str] = {}
         _live.add(self)
 
     # -- rank side -------------------------------------------------------------------------
@@ -99,14 +96,14 @@ class Uploader:
                 raise UploadError(f"remote object {key} has {got} bytes after upload, expected {entry.size}")
             attempt = entry.name.split("/")[1]
             marker = {"size": entry.size, "digest": entry.digest, "frames": entry.frames, "rank": rank}
-            self.remote.put(layout.object_key(version, marker_name(attempt, rank)), json.dumps(marker).encode())
+            self.remote.put(layout.object_key(version, layout.marker_name(attempt, rank)), json.dumps(marker).encode())
             return key
 
-        return self._submit(f"{version}/{entry.name}", job)
+        return self._submit(f"{version}/{entry.name}", job, version)
 
     # -- coordinator side ----------------------------------------------------------------------
     def commit(self, m: Manifest, body: bytes, overwrite: bool) -> cf.Future:
-        return self._submit(f"{m.version} (remote commit)", lambda: self._commit(m, body, overwrite))
+        return self._submit(f"{m.version} (remote commit)", lambda: self._commit(m, body, overwrite), m.version)
 
     def _commit(self, m: Manifest, body: bytes, overwrite: bool) -> str:
         v = m.version
@@ -121,13 +118,13 @@ class Uploader:
         if self.remote.stat(mkey).size != meta.size:
             raise UploadError(f"remote metadata object {mkey} has the wrong size after upload")
         want = {o.rank: o for o in m.objects}
-        prefix = layout.object_key(v, f"attempts/{m.attempt}/uploaded.")
+        prefix = layout.object_key(v, layout.marker_prefix(m.attempt))
         deadline = time.monotonic() + self.timeout
         delay = 0.05
         seen: dict[int, dict] = {}
         while True:
             for info in self.remote.list(prefix):
-                r = int(info.key.rsplit(".r", 1)[1].split(".")[0])
+                r = layout.marker_rank(info.key)
                 if r in want and r not in seen:
                     seen[r] = json.loads(self.remote.get(info.key))
             if set(seen) >= set(want):
@@ -151,9 +148,9 @@ class Uploader:
         if self.local.exists(pin):  # a pin made before the remote commit travels with the version
             self.remote.put(pin, self.local.get(pin))
         if self.retention is not None:
-            from ..retention import apply_after_commit
+            from ..gc import apply_after_commit
 
-            apply_after_commit(self.remote, self.retention, m, tier_name="remote", other_tiers=[self.local])
+            apply_after_commit(self.remote, self.retention, m, tier_name="remote", others={"local": self.local})
         return key
 
     # -- catch-up ---------------------------------------------------------------------------
@@ -188,11 +185,19 @@ class Uploader:
         return todo
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _submit(self, what: str, fn) -> cf.Future:
+    def in_flight(self) -> set[str]:
+        """Versions with an upload or a remote commit not finished yet (local retention keeps them)."""
+        with self._lock:
+            return {v for f, v in self._versions.items() if not f.done()}
+
+    def _submit(self, what: str, fn, version: str | None = None) -> cf.Future:
         fut = self._pool.submit(fn)
         with self._lock:
             self._pending = [(w, f) for w, f in self._pending if not f.done() or f.exception() is not None]
             self._pending.append((what, fut))
+            self._versions = {f: v for f, v in self._versions.items() if not f.done()}
+            if version is not None:
+                self._versions[fut] = version
 
         def done(f, what=what):
             e = f.exception()

@@ -481,23 +481,11 @@ class StorageWriter(_DCPStorageWriter):
         check_uploads(self._uploader, timeout)
 
     def _after_commit(self, m: Manifest) -> None:
-        if self.retention is None:
-            return
-        from ..manifest import catalogue
-        from ..retention import apply_after_commit
+        from ..gc import apply_after_commit
 
-        protect = {}
-        others = []
-        if self._remote is not None:
-            others = [self._remote]
-            try:
-                remote_versions = set(catalogue.scan(self._remote))
-            except CkptStoreError:
-                remote_versions = None
-            for v in catalogue.scan(self._tier):
-                if remote_versions is None or v not in remote_versions:
-                    protect[v] = "not yet committed in the remote tier"
-        apply_after_commit(self._tier, self.retention, m, tier_name="local", other_tiers=others, protect=protect)
+        up = self._uploader
+        apply_after_commit(self._tier, self.retention, m, tier_name="local", others={"remote": self._remote},
+                           in_flight=up.in_flight() if up is not None else ())
 
     # -- AsyncStager protocol (dcp.async_save uses the writer as its stager) --------------------
     _synchronize_after_execute = False

@@ -6,6 +6,9 @@
     versions/<enc(version)>/attempts/<attempt>/r00000.ckd  rank 0's shard object (frames)
     versions/<enc(version)>/attempts/<attempt>/metadata.ckd  pickled DCP Metadata (frames)
     versions/<enc(version)>/attempts/<attempt>/uploaded.r00000.json  rank 0 finished its upload (S3)
+    versions/<enc(version)>/.../.tmp-<random>              a local temporary file (garbage if left)
+
+Every key and name of that layout is built or recognised here and nowhere else.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ VERSIONS = "versions"
 MANIFEST = "manifest.json"
 PINNED = "pinned"
 DAMAGED = "damaged.json"
+ATTEMPTS = "attempts"
 METADATA_OBJECT = "metadata.ckd"
+#: prefix of the rank upload markers ``uploaded.rNNNNN.json`` (remote tier)
+MARKER_PREFIX = "uploaded."
+#: prefix of the local tier's temporary files (written, fsync'd, then renamed into place)
+TMP_PREFIX = ".tmp-"
 
 
 def version_dir(version: str) -> str:
@@ -43,12 +51,56 @@ def damaged_key(version: str) -> str:
     return f"{version_dir(version)}/{DAMAGED}"
 
 
+def attempt_dir(attempt: str) -> str:
+    """The directory of an attempt's objects, relative to its version directory."""
+    return f"{ATTEMPTS}/{attempt}"
+
+
 def shard_name(attempt: str, rank: int) -> str:
-    return f"attempts/{attempt}/r{rank:05d}.ckd"
+    return f"{attempt_dir(attempt)}/r{rank:05d}.ckd"
 
 
 def metadata_name(attempt: str) -> str:
-    return f"attempts/{attempt}/{METADATA_OBJECT}"
+    return f"{attempt_dir(attempt)}/{METADATA_OBJECT}"
+
+
+def marker_name(attempt: str, rank: int) -> str:
+    """Rank ``rank``'s upload marker: it finished uploading its object of ``attempt`` (remote tier)."""
+    return f"{attempt_dir(attempt)}/{MARKER_PREFIX}r{rank:05d}.json"
+
+
+def marker_prefix(attempt: str) -> str:
+    """What every upload marker name of ``attempt`` starts with."""
+    return f"{attempt_dir(attempt)}/{MARKER_PREFIX}"
+
+
+def marker_rank(key: str) -> int | None:
+    """The rank of the upload marker ``key`` (any prefix), or None when it is not a marker."""
+    base = key.rsplit("/", 1)[-1]
+    if not (base.startswith(MARKER_PREFIX + "r") and base.endswith(".json")):
+        return None
+    digits = base[len(MARKER_PREFIX) + 1 : -len(".json")]
+    return int(digits) if digits.isdigit() else None
+
+
+def attempt_of_key(key: str) -> str | None:
+    """The attempt of ``versions/<v>/attempts/<attempt>/<file>``, or None for any other key."""
+    parts = key.split("/")
+    if len(parts) == 5 and parts[0] == VERSIONS and parts[2] == ATTEMPTS:
+        return parts[3]
+    return None
+
+
+def is_temporary(key: str) -> bool:
+    return key.rsplit("/", 1)[-1].startswith(TMP_PREFIX)
+
+
+def version_dir_of(key: str) -> str | None:
+    """``versions/<enc>/`` for any key inside a version directory, else None."""
+    parts = key.split("/")
+    if len(parts) < 3 or parts[0] != VERSIONS:
+        return None
+    return f"{parts[0]}/{parts[1]}/"
 
 
 def new_attempt() -> str:
