@@ -1,4 +1,4 @@
-"""Validation and encoding of version names and object keys (DESIGN invariant 10).
+"""Validation and encoding of version names and object keys (docs/FORMAT.md, Format rule 4).
 
 Version names are arbitrary Unicode strings (no control characters, at most 200 UTF-8 bytes, not
 ``.`` or ``..``). On disk and on S3 they are percent-encoded into one path component with the
@@ -75,7 +75,7 @@ def check_object_name(name: object) -> str:
     if not isinstance(name, str):
         raise InvalidNameError(f"object name must be a string, got {type(name).__name__}")
     parts = name.split("/")
-    if len(parts) != 3 or parts[0] != "attempts":
+    if len(parts) != 3 or parts[0] != _layout().ATTEMPTS:
         raise InvalidNameError(f"object name {name!r} is outside the layout 'attempts/<attempt>/<file>'")
     check_attempt(parts[1])
     if not _OBJECT_FILE.match(parts[2]) or parts[2] in (".", ".."):
@@ -91,3 +91,9 @@ def check_key(key: object) -> str:
         if part in ("", ".", "..") or not _COMPONENT.match(part):
             raise InvalidNameError(f"invalid object key {key!r} (component {part!r})")
     return key
+
+
+def _layout():
+    from .manifest import layout  # lazily: layout itself imports this module
+
+    return layout

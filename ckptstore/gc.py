@@ -1,4 +1,4 @@
-"""Garbage collection and retention: plan first (pure), then apply (DESIGN invariant 8).
+"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-9).
 
 ``ckptstore gc`` works in three steps:
 
@@ -28,8 +28,10 @@
    * stale incomplete multipart uploads (tiers with ``list_multipart_uploads``) older than grace
      are aborted; empty local directories older than grace are removed.
 
-Retention also keeps, in each tier, the versions newer than everything committed in another tier
-of the same run (an upload to it may still be reading them); pins count across tiers.
+What the other tiers of the run protect (pins travel; locally, a version waits for its upload; an
+absent or empty local tier protects nothing remotely) is :func:`ckptstore.retention.across_tiers`.
+The same deletion runs right after a commit (:func:`apply_after_commit`, the writer's
+``retention=``) and on request for one version (:func:`plan_drop`, then :func:`apply`).
 
 Never touched: ``manifest.json`` of kept versions; ``pinned`` and ``damaged.json`` of committed
 versions (they belong to their version and go only with it); anything in a version directory whose

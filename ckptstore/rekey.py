@@ -37,8 +37,7 @@ import dataclasses
 import hmac
 import json
 
-from .codec import xxh3
-from .codec.crypto import key_id, manifest_mac, resolve_key, unwrap_key, wrap_key
+from .codec.crypto import key_id, resolve_key, unwrap_key, wrap_key
 from .errors import (
     CkptStoreError,
     IntegrityError,
@@ -49,7 +48,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .manifest import catalogue, layout
-from .manifest.schema import MAGIC, parse
+from .manifest.schema import canonical, parse, seal
 
 REKEYED = "rekeyed"
 ALREADY = "already"
@@ -124,25 +123,6 @@ class RekeyReport:
         }
 
 
-def _canonical(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def _seal_checksum(body: bytes, mac: str) -> str:
-    """The seal line's ``xxh3``, computed exactly as :mod:`ckptstore.manifest.schema` does."""
-    from .manifest import schema
-
-    fn = getattr(schema, "seal_checksum", None)
-    return fn(body, mac) if fn is not None else f"{xxh3(body):016x}"
-
-
-def seal(body: bytes, data_key: bytes) -> bytes:
-    """The manifest file for ``body``: magic, body, seal line (XXH3 and HMAC under ``data_key``)."""
-    mac = manifest_mac(data_key, body)
-    s = {"xxh3": _seal_checksum(body, mac), "hmac_sha256": mac}
-    return b"\n".join([MAGIC, body, json.dumps(s, sort_keys=True).encode()]) + b"\n"
-
-
 def rewrap_manifest(data: bytes, version: str, old_key: bytes, new_key: bytes) -> tuple[bytes, str]:
     """Return ``(new manifest bytes, attempt)`` for the manifest ``data`` of ``version``.
 
@@ -158,7 +138,7 @@ def rewrap_manifest(data: bytes, version: str, old_key: bytes, new_key: bytes) -
     pm.verify_mac(data_key)
     body = json.loads(pm.body)
     body["encryption"] = dict(body["encryption"], key_id=key_id(new_key), wrapped_key=wrap_key(new_key, data_key, version, m.attempt))
-    new = seal(_canonical(body), data_key)
+    new = seal(canonical(body), data_key)
     # the result must read back exactly as intended before it replaces anything
     check = parse(new, expect_version=version)
     ce = check.manifest.encryption

@@ -1,4 +1,4 @@
-"""Keys and AES-256-GCM for ckptstore (DESIGN invariant 7).
+"""Keys and AES-256-GCM for ckptstore (docs/FORMAT.md, Format rule 3).
 
 * The *master key* (32 bytes) is given by the user (``key=`` bytes or a key provider, else
   ``CKPTSTORE_KEY`` = base64 of 32 bytes, else ``CKPTSTORE_KEY_FILE`` = a file holding 32 raw bytes

@@ -1,4 +1,4 @@
-"""Frames: the unit of storage, checksumming, encryption and partial reads (DESIGN invariants 5-7).
+"""Frames: the unit of storage, checksumming, encryption and partial reads (docs/FORMAT.md, Format rules 1-3).
 
 Byte layout of one frame (all integers little-endian)::
 

@@ -1,6 +1,6 @@
 """Staging for ``dcp.async_save``: copy the state into reusable host buffers.
 
-``async_save`` blocks training only for this copy (DESIGN "SHOULD"). Buffers are cached per
+``async_save`` blocks training only for this copy (docs/FORMAT.md, "SHOULD"). Buffers are cached per
 state-dict path and reused across saves while shapes and dtypes stay the same, so host memory stays
 flat over many saves; they are pinned when the source is on a GPU (so device→host copies run
 non-blocking on a side stream and are synchronised once at the end). When the previous save is

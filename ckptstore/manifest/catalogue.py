@@ -1,4 +1,4 @@
-"""The catalogue: which versions are committed in which tier (DESIGN invariant 1).
+"""The catalogue: which versions are committed in which tier (docs/FORMAT.md, "committed"; Read rule 5).
 
 A version is listed for a tier if and only if ``versions/<v>/manifest.json`` is present there and
 parses with a valid checksum. Nothing is inferred from directory or object names.

@@ -1,4 +1,4 @@
-"""Phase 2 of the commit, shared by every tier: make a version visible (DESIGN invariant 3).
+"""Phase 2 of the commit, shared by every tier: make a version visible (docs/FORMAT.md, Save rule 4).
 
 The manifest is written with put-if-absent (local: ``os.link`` of an fsync'd temp file; S3:
 ``If-None-Match: "*"``) or, with ``overwrite``, an atomic replace. Of two writers racing for one

@@ -1,4 +1,4 @@
-"""The manifest: the one commit point of a version (DESIGN invariants 1, 3, 4).
+"""The manifest: the one commit point of a version (docs/FORMAT.md, "Manifest"; Save rule 4, Read rule 1).
 
 File format (``versions/<encoded version>/manifest.json``), three lines::
 
@@ -147,14 +147,25 @@ class Manifest:
 
     def to_bytes(self, data_key: bytes | None) -> bytes:
         """Serialise and seal. ``data_key`` is required iff the version is encrypted."""
-        body = json.dumps(self.body_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-        seal = {}
-        if self.encryption is not None:
-            if data_key is None:
-                raise ValueError("an encrypted manifest needs its data key to be sealed")
-            seal["hmac_sha256"] = manifest_mac(data_key, body)
-        seal["xxh3"] = seal_checksum(body, seal.get("hmac_sha256"))
-        return b"\n".join([MAGIC, body, json.dumps(seal, sort_keys=True).encode()]) + b"\n"
+        if self.encryption is not None and data_key is None:
+            raise ValueError("an encrypted manifest needs its data key to be sealed")
+        return seal(canonical(self.body_json()), data_key if self.encryption is not None else None)
+
+
+def canonical(body: dict) -> bytes:
+    """The body line: canonical JSON (sorted keys, no spaces, UTF-8)."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def seal(body: bytes, data_key: bytes | None) -> bytes:
+    """The manifest file for the body line ``body``: magic, body, seal line — the HMAC under
+    ``data_key`` (an encrypted version's; None: no HMAC) and the XXH3 over both. The one sealer:
+    the writer (through :meth:`Manifest.to_bytes`) and rekey both use it."""
+    s = {}
+    if data_key is not None:
+        s["hmac_sha256"] = manifest_mac(data_key, body)
+    s["xxh3"] = seal_checksum(body, s.get("hmac_sha256"))
+    return b"\n".join([MAGIC, body, json.dumps(s, sort_keys=True).encode()]) + b"\n"
 
 
 @dataclasses.dataclass
@@ -176,6 +187,21 @@ def parse(data: bytes, *, expect_version: str | None = None) -> ParsedManifest:
     Does not check the HMAC (that needs the data key, see :meth:`ParsedManifest.verify_mac`).
     Raises :class:`ManifestError` (an :class:`IntegrityError`) or :class:`UnsupportedFormatError`.
     """
+    body, seal_line = _split_and_check_seal(data)
+    m = _manifest_from_body(_load_body(body))
+    for o in m.all_objects():
+        if o.name.split("/")[1] != m.attempt:
+            raise ManifestError(f"manifest names object {o.name!r} outside its attempt {m.attempt!r}")
+    if expect_version is not None and m.version != expect_version:
+        raise ManifestError(f"manifest at version {expect_version!r} describes version {m.version!r}")
+    mac = seal_line.get("hmac_sha256")
+    if m.encrypted and not isinstance(mac, str):
+        raise ManifestError("encrypted manifest lacks its HMAC seal")
+    return ParsedManifest(m, body, mac)
+
+
+def _split_and_check_seal(data: bytes) -> tuple[bytes, dict]:
+    """The body line and the seal line of a manifest file whose XXH3 seal checks."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
     parts = data.split(b"\n")
@@ -185,16 +211,20 @@ def parse(data: bytes, *, expect_version: str | None = None) -> ParsedManifest:
         raise ManifestError("not a ckptstore manifest (bad header or line structure)")
     body, seal_raw = parts[1], parts[2]
     try:
-        seal = json.loads(seal_raw)
-        if not isinstance(seal, dict):
+        seal_line = json.loads(seal_raw)
+        if not isinstance(seal_line, dict):
             raise ValueError
     except (ValueError, RecursionError):
         raise ManifestError("manifest seal line is not a JSON object") from None
-    mac_in_seal = seal.get("hmac_sha256")
-    if mac_in_seal is not None and not isinstance(mac_in_seal, str):
+    mac = seal_line.get("hmac_sha256")
+    if mac is not None and not isinstance(mac, str):
         raise ManifestError("manifest seal's hmac_sha256 is not a string")
-    if seal.get("xxh3") != seal_checksum(body, mac_in_seal):
+    if seal_line.get("xxh3") != seal_checksum(body, mac):
         raise ManifestError("manifest checksum mismatch: the manifest is damaged or was edited")
+    return body, seal_line
+
+
+def _load_body(body: bytes) -> dict:
     try:
         d = json.loads(body)
     except (ValueError, RecursionError):
@@ -203,50 +233,30 @@ def parse(data: bytes, *, expect_version: str | None = None) -> ParsedManifest:
         raise ManifestError("manifest body is not a JSON object")
     if d.get("format") != FORMAT:
         raise UnsupportedFormatError(f"manifest format {d.get('format')!r} is not {FORMAT!r}; upgrade ckptstore")
+    return d
+
+
+def _manifest_from_body(d: dict) -> Manifest:
+    """The :class:`Manifest` of a body object, every field checked."""
     try:
         objs = d["objects"]
         if not isinstance(objs, list) or len(objs) > MAX_OBJECTS:
             raise ManifestError("manifest 'objects' must be a list")
-        enc = d.get("encryption")
-        if enc is not None:
-            if not isinstance(enc, dict) or enc.get("alg") != "AES-256-GCM":
-                raise UnsupportedFormatError(f"unknown encryption {enc!r}")
-            _hex(enc.get("key_id"), 16, "encryption.key_id")
-            if not isinstance(enc.get("wrapped_key"), str) or len(enc["wrapped_key"]) > 200:
-                raise ManifestError("manifest encryption.wrapped_key must be a string")
-        user = d.get("user", {})
-        if not isinstance(user, dict):
-            raise ManifestError("manifest 'user' must be an object")
-        step = d.get("step")
-        if step is not None:
-            step = _int(step, "step")
-        codecs = d.get("codecs", [])
-        if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
-            raise ManifestError("manifest 'codecs' must be a list of strings")
-        created = d["created"]
-        if not isinstance(created, str):
-            raise ManifestError("manifest 'created' must be a string")
-        try:
-            _dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
-        except ValueError:
-            raise ManifestError(f"manifest 'created' is not an ISO 8601 time: {created!r}") from None
-        writer = d.get("writer", "")
-        if not isinstance(writer, str):
-            raise ManifestError("manifest 'writer' must be a string")
-        m = Manifest(
+        enc = _encryption(d.get("encryption"))
+        return Manifest(
             version=check_version(d["version"]),
             attempt=check_attempt(d["attempt"]),
-            created=created,
+            created=_created(d["created"]),
             world_size=_int(d["world_size"], "world_size"),
             objects=[ObjectEntry.from_json(o) for o in objs],
             metadata_object=ObjectEntry.from_json(d["metadata_object"]),
             nbytes=_int(d.get("nbytes", 0), "nbytes"),
             stored_bytes=_int(d.get("stored_bytes", 0), "stored_bytes"),
-            step=step,
-            user=user,
+            step=None if d.get("step") is None else _int(d["step"], "step"),
+            user=_typed(d.get("user", {}), dict, "'user' must be an object"),
             encryption=enc,
-            codecs=codecs,
-            writer=writer,
+            codecs=_codecs(d.get("codecs", [])),
+            writer=_typed(d.get("writer", ""), str, "'writer' must be a string"),
         )
     except KeyError as k:
         raise ManifestError(f"manifest lacks field {k}") from None
@@ -254,12 +264,35 @@ def parse(data: bytes, *, expect_version: str | None = None) -> ParsedManifest:
         raise
     except Exception as e:  # InvalidNameError and friends
         raise ManifestError(f"manifest is invalid: {e}") from None
-    for o in m.all_objects():
-        if o.name.split("/")[1] != m.attempt:
-            raise ManifestError(f"manifest names object {o.name!r} outside its attempt {m.attempt!r}")
-    if expect_version is not None and m.version != expect_version:
-        raise ManifestError(f"manifest at version {expect_version!r} describes version {m.version!r}")
-    mac = seal.get("hmac_sha256")
-    if m.encrypted and not isinstance(mac, str):
-        raise ManifestError("encrypted manifest lacks its HMAC seal")
-    return ParsedManifest(m, body, mac)
+
+
+def _typed(v: Any, t: type, what: str) -> Any:
+    if not isinstance(v, t):
+        raise ManifestError(f"manifest {what}")
+    return v
+
+
+def _created(v: Any) -> str:
+    created = _typed(v, str, "'created' must be a string")
+    try:
+        _dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        raise ManifestError(f"manifest 'created' is not an ISO 8601 time: {created!r}") from None
+    return created
+
+
+def _codecs(v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
+        raise ManifestError("manifest 'codecs' must be a list of strings")
+    return v
+
+
+def _encryption(enc: Any) -> dict | None:
+    if enc is None:
+        return None
+    if not isinstance(enc, dict) or enc.get("alg") != "AES-256-GCM":
+        raise UnsupportedFormatError(f"unknown encryption {enc!r}")
+    _hex(enc.get("key_id"), 16, "encryption.key_id")
+    if not isinstance(enc.get("wrapped_key"), str) or len(enc["wrapped_key"]) > 200:
+        raise ManifestError("manifest encryption.wrapped_key must be a string")
+    return enc

@@ -22,10 +22,10 @@ from ..errors import (
     StorageError,
     StorageFullError,
 )
+from ..manifest.layout import TMP_PREFIX  # layout strings live in manifest/layout.py
 from .base import ObjectInfo, ObjectWriter, Tier
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-TMP_PREFIX = ".tmp-"
 
 
 def _oserror(e: OSError, what: str, key: str) -> Exception:
