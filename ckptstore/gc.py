@@ -457,58 +457,52 @@ def apply(
     actions = the_plan.actions if isinstance(the_plan, GcPlan) else list(the_plan)
     res = GcResult()
     blocked: set[tuple[str, str]] = set()  # (tier, version) whose un-commit did not happen
-
-    def note(a: Action, outcome: str, detail=None) -> None:
-        if outcome == "applied":
-            res.applied.append(a)
-        elif outcome == "skipped":
-            res.skipped.append((a, detail))
-        else:
-            res.failed.append((a, detail))
-        if on_action is not None:
-            on_action(a, outcome)
-
     for a in actions:
         tier = tiers.get(a.tier)
-        if tier is None:
-            note(a, "skipped", f"no {a.tier} tier in this store")
-            continue
         try:
-            if a.op == UNCOMMIT:
-                why = _garbage_blocker(tier, a) if a.kind == "invalid-manifest" else _uncommit_blocker(tier, a, tiers)
-                if why is not None:
-                    blocked.add((a.tier, a.version))
-                    note(a, "skipped", why)
-                    continue
-                _faults.point("gc.uncommit")
-                tier.delete(a.key)
-            elif a.op == DELETE:
-                if a.kind == "version-object":
-                    if (a.tier, a.version) in blocked:
-                        note(a, "skipped", "its version was not un-committed")
-                        continue
-                else:
-                    why = _garbage_blocker(tier, a)
-                    if why is not None:
-                        note(a, "skipped", why)
-                        continue
-                _faults.point("gc.delete")
-                tier.delete(a.key)
-            elif a.op == ABORT_UPLOAD:
-                tier.abort_multipart_upload(a.key, a.upload_id)
-            elif a.op == RMDIR:
-                if not _rmdir(tier, a.key):
-                    note(a, "skipped", "no longer an empty directory")
-                    continue
-            else:  # pragma: no cover
-                raise ValueError(f"unknown gc action {a.op!r}")
+            why = f"no {a.tier} tier in this store" if tier is None else _apply_one(tier, a, tiers, blocked)
         except (CkptStoreError, OSError) as e:
             if a.op == UNCOMMIT:
                 blocked.add((a.tier, a.version))
-            note(a, "failed", e)
-            continue
-        note(a, "applied")
+            res.failed.append((a, e))
+            outcome = "failed"
+        else:
+            if why is None:
+                res.applied.append(a)
+                outcome = "applied"
+            else:
+                if a.op == UNCOMMIT:
+                    blocked.add((a.tier, a.version))
+                res.skipped.append((a, why))
+                outcome = "skipped"
+        if on_action is not None:
+            on_action(a, outcome)
     return res
+
+
+def _apply_one(tier: Tier, a: Action, tiers: Mapping[str, Tier], blocked: set[tuple[str, str]]) -> str | None:
+    """Run one action; returns why it was skipped (None: done). Storage errors propagate."""
+    if a.op == UNCOMMIT:
+        why = _garbage_blocker(tier, a) if a.kind == "invalid-manifest" else _uncommit_blocker(tier, a, tiers)
+        if why is None:
+            _faults.point("gc.uncommit")
+            tier.delete(a.key)
+        return why
+    if a.op == DELETE:
+        if a.kind == "version-object":
+            why = "its version was not un-committed" if (a.tier, a.version) in blocked else None
+        else:
+            why = _garbage_blocker(tier, a)
+        if why is None:
+            _faults.point("gc.delete")
+            tier.delete(a.key)
+        return why
+    if a.op == ABORT_UPLOAD:
+        tier.abort_multipart_upload(a.key, a.upload_id)
+        return None
+    if a.op == RMDIR:
+        return None if _rmdir(tier, a.key) else "no longer an empty directory"
+    raise ValueError(f"unknown gc action {a.op!r}")  # pragma: no cover
 
 
 def _uncommit_blocker(tier: Tier, a: Action, tiers: Mapping[str, Tier]) -> str | None:

@@ -599,3 +599,27 @@ def test_drop_removes_a_damaged_newest_version(tmp_path):
 
     with pytest.raises(VersionNotFoundError):
         G.plan_drop(st, "nope")
+
+
+def test_retention_after_commit_waits_for_uploads(tmp_path):
+    """Locally, retention after a commit keeps what the remote tier does not hold yet: a version whose
+    upload is running (even when a newer one was committed remotely first), every version while the
+    remote catalogue cannot be read; a pin in the remote tier protects here too."""
+    from ckptstore.errors import TransientStorageError
+    from ckptstore.testing.faulty_tier import FaultyTier
+
+    local, remote = LocalTier(tmp_path / "l"), LocalTier(tmp_path / "r")
+    remote.name = "remote"
+    ms = [fake_version(local, f"v{i}", T0 + dt.timedelta(hours=i)) for i in range(5)]
+    for i in (0, 2, 3):
+        fake_version(remote, f"v{i}", T0 + dt.timedelta(hours=i), pinned=(i == 0))
+    policy = R.RetentionPolicy(rules=[R.KeepLast(1)])
+    down = FaultyTier(remote, {"get": (lambda key: key.endswith(layout.MANIFEST), TransientStorageError("injected: 503"))})
+    ds = G.apply_after_commit(local, policy, ms[4], others={"remote": down})
+    assert kept(ds) == ["v0", "v1", "v2", "v3", "v4"]  # remote unknown: keep everything local
+    ds = G.apply_after_commit(local, policy, ms[4], others={"remote": remote}, in_flight={"v1"})
+    assert kept(ds) == ["v0", "v1", "v4"]
+    assert R.REASON_PINNED in ds[0].reasons and "not yet committed in the remote tier" in ds[1].reasons[0]
+    ds = G.apply_after_commit(local, policy, ms[4], others={"remote": remote})
+    assert kept(ds) == ["v0", "v4"]  # v1's upload is over: older than v3 remotely, not waited for
+    assert [r.version for r in ckptstore.Store(tmp_path / "l").versions()] == ["v0", "v4"]
