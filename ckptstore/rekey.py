@@ -86,9 +86,6 @@ class RekeyReport:
     entries: list[RekeyEntry] = dataclasses.field(default_factory=list)
     problems: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (tier, key, why): invalid manifests
 
-    def by_status(self, status: str) -> list[RekeyEntry]:
-        return [e for e in self.entries if e.status == status]
-
     @property
     def ok(self) -> bool:
         return all(e.status in OK_STATUSES for e in self.entries) and not self.problems

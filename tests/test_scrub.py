@@ -359,6 +359,10 @@ def test_transient_error_on_a_manifest_is_not_damage(tmp_path):
     assert rep.damage() == [] and not any(v.status == "damaged" for v in rep.versions)
     with pytest.raises(TransientStorageError):
         G.collect(flaky, "local")
+    # a load without a version does not resume from v1 either
+    with pytest.raises(BaseException) as ei:
+        dcp.load({"w": torch.zeros(8192)}, storage_reader=ckptstore.StorageReader(None, remote=flaky))
+    assert "503" in str(ei.value)
     # once the storage answers again, nothing was marked or skipped
     assert ckptstore.Store(root).latest().version == "v2"
     assert S.scrub(ckptstore.Store(root)).exit_code == S.EXIT_CLEAN
