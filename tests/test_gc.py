@@ -623,3 +623,18 @@ def test_retention_after_commit_waits_for_uploads(tmp_path):
     ds = G.apply_after_commit(local, policy, ms[4], others={"remote": remote})
     assert kept(ds) == ["v0", "v4"]  # v1's upload is over: older than v3 remotely, not waited for
     assert [r.version for r in ckptstore.Store(tmp_path / "l").versions()] == ["v0", "v4"]
+
+
+@pytest.mark.s3
+def test_gc_s3_only(tmp_path, monkeypatch, request):
+    """The same through a real S3 prefix: ``Store('', remote=s3://...)`` has no local tier."""
+    s3_url = request.getfixturevalue("s3_url")
+    monkeypatch.chdir(tmp_path)
+    st = ckptstore.Store("", remote=s3_url)
+    assert list(st.tiers) == ["remote"]
+    for i in range(1, 7):
+        fake_version(st.remote, f"s{i}", T0 + dt.timedelta(hours=i))
+    p, res = G.run(st.tiers, R.RetentionPolicy(rules=[R.KeepLast(1)]), now=T0 + dt.timedelta(days=1), grace=0)
+    assert res.ok and p.deleted_versions == {"remote": ["s1", "s2", "s3", "s4", "s5"]}
+    assert [r.version for r in st.versions()] == ["s6"]
+    assert not [i.key for i in st.remote.list("versions/") if not i.key.startswith("versions/s6/")]

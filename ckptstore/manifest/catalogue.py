@@ -135,7 +135,7 @@ def _mark_applies(tier: Tier, key: str, attempt: str) -> bool:
         att = json.loads(tier.get(key)).get("attempt")
     except ObjectNotFoundError:
         return False  # removed while we listed
-    except (ValueError, AttributeError):  # not JSON / not an object: treat as damaged
+    except (ValueError, AttributeError, RecursionError):  # not JSON / not an object: treat as damaged
         return True
     return att is None or att == attempt
 
