@@ -49,9 +49,10 @@ import dataclasses
 import datetime as _dt
 import math
 import re
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
-from .manifest.catalogue import VersionRecord
+if TYPE_CHECKING:  # records only: this module imports nothing that does I/O
+    from .manifest.catalogue import VersionRecord
 
 __all__ = [
     "Rule",
