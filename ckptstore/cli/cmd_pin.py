@@ -17,7 +17,7 @@ def pin(root, remote, endpoint_url, as_json, version, note):
     st.pin(version, note)
     rec = st.get(version)
     if as_json:
-        emit_json({"version": version, "pinned": True, "note": note, "tiers": sorted(rec.tiers)})
+        emit_json({"version": version, "pinned": True, "tiers": sorted(rec.tiers)})
     else:
         click.echo(f"pinned {version} ({'+'.join(sorted(rec.tiers))})" + (f": {note}" if note else ""))
 
