@@ -20,8 +20,9 @@ def new_key_text() -> bytes:
 @click.command("keygen", help=f"""Write a new random master key to FILE (created with mode 0600; an existing FILE is never
 overwritten), or print it to stdout when FILE is omitted.
 
-{KEY_FILE_FORMAT} Use it with StorageWriter(key=...), CKPTSTORE_KEY_FILE=FILE or --key-file FILE;
-keep a copy: without it the checkpoints it encrypts cannot be read.""")
+{KEY_FILE_FORMAT} Use it with CKPTSTORE_KEY_FILE=FILE (training and loading) or
+--key-file FILE (scrub, rekey); keep a copy elsewhere: without it the checkpoints it encrypts cannot
+be read.""")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 def keygen(file):
     from ..codec.crypto import key_id
