@@ -16,6 +16,7 @@ Exit codes (documented in README.md):
 6     version already exists
 7     storage error (disk full, S3 refusal, permission denied)
 8     unsupported format or codec version
+9     no store: ROOT does not exist, or the S3 prefix holds no store
 10    scrub: damage found (not repaired)
 11    scrub: damage found and every damaged object repaired
 12    scrub: some objects could not be checked
@@ -29,6 +30,7 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "VersionNotFoundError",
+    "StoreNotFoundError",
     "VersionExistsError",
     "DamagedVersionError",
     "KeyMismatchError",
@@ -77,6 +79,13 @@ class VersionNotFoundError(CkptStoreError, FileNotFoundError):
     """No committed version with that name exists in the tier(s) looked at."""
 
     exit_code = 3
+
+
+class StoreNotFoundError(CkptStoreError, FileNotFoundError):
+    """No ckptstore store where one was named: a local root that does not exist, or an S3 prefix
+    with nothing under ``versions/`` (never written to). An empty but existing root is a store."""
+
+    exit_code = 9
 
 
 class VersionExistsError(CkptStoreError, FileExistsError):

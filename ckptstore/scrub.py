@@ -278,11 +278,11 @@ def verify_stream(read, size: int, entry: ObjectEntry, codec: FrameCodec | None 
                 try:
                     codec.decode(entry.name, read(off, length), None)
                 except (IntegrityError, KeyMismatchError) as e:
-                    return "undecodable", str(e), frames
+                    return "undecodable", _about(entry.name, e), frames
             if on_bytes is not None:
                 on_bytes(length)
     except IntegrityError as e:
-        return "corrupt", str(e), frames
+        return "corrupt", _about(entry.name, e), frames
     if len(frames) != entry.frames:
         return "frame-count", f"{len(frames)} frames, the manifest says {entry.frames}", frames
     got = f"{digest.intdigest():016x}"
@@ -291,6 +291,12 @@ def verify_stream(read, size: int, entry: ObjectEntry, codec: FrameCodec | None 
     if raw_total != entry.nbytes:
         return "digest", f"frames hold {raw_total} raw bytes, the manifest says {entry.nbytes}", frames
     return None, "", frames
+
+
+def _about(name: str, e: Exception) -> str:
+    """``e``'s message without a leading ``"<name>: "`` (the report names the object already)."""
+    text = str(e)
+    return text[len(name) + 2:] if text.startswith(name + ": ") else text
 
 
 def check_object(tier: Tier, tier_name: str, version: str, entry: ObjectEntry, codec: FrameCodec | None = None,
@@ -623,10 +629,10 @@ def format_report(report: ScrubReport) -> list[str]:
         if v.objects:
             head += f" ({len(v.objects)} objects{', deep' if v.deep else ''})"
         if v.mark:
-            head += f" [{v.mark}]"
+            head += f" [{v.mark} now]"
         lines.append(head)
-        for i in v.issues:
-            lines.append(f"         {i.status}: {i.kind}: {i.detail}")
+        for i in v.issues:  # a "marked" issue's detail says "marked damaged ..." itself
+            lines.append(f"         {i.detail}" if i.kind == "marked" else f"         {i.status}: {i.kind}: {i.detail}")
         for o in bad:
             what = o.kind or "not checked"
             lines.append(f"         {o.status}: {o.name}: {what}: {o.detail}")

@@ -92,7 +92,9 @@ class Store:
         if tier.exists(layout.damaged_key(version)):
             raise DamagedVersionError(
                 f"version {version!r} is marked damaged in the {tier.name} tier "
-                f"({catalogue.damage_note(tier, version)}); load another version or run 'ckptstore scrub --repair'"
+                f"({catalogue.damage_note(tier, version)}); load another version"
+                + (" or run 'ckptstore scrub --repair' to restore it from the other tier" if len(self.tiers) > 1
+                   else " (no other tier holds a copy to repair it from)")
             )
 
     # -- pins --------------------------------------------------------------------------------

@@ -7,32 +7,26 @@
 #   scripts/demo.sh --resume-world-size 1   # restart the crashed job on 1 rank (resharded)
 #   scripts/demo.sh --help
 #
-# Needs only python3 (>= 3.10) on a fresh clone: creates .venv if missing, installs the pinned CPU
-# build of torch and `pip install -e '.[demo]'`, then runs `ckptstore demo "$@"`.
+# Needs only python3 (>= 3.10) on a fresh clone: when torch, ckptstore and the demo extra are not
+# installed in the venv yet, runs scripts/setup.sh demo (which creates the venv and chooses the torch
+# build: CKPTSTORE_TORCH_INDEX, see its header), then runs `ckptstore demo "$@"`.
 # Environment: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
-# CKPTSTORE_TORCH_INDEX (optional extra package index for the CPU build of torch; default: none,
-# i.e. your configured index).
+# CKPTSTORE_TORCH_INDEX / CKPTSTORE_TORCH_VERSION (see scripts/setup.sh).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
-VENV="${VENV:-.venv}"
-TORCH_VERSION="2.13.0"
-TORCH_INDEX="${CKPTSTORE_TORCH_INDEX:-}"
+export VENV="${VENV:-.venv}"
+TORCH_VERSION="${CKPTSTORE_TORCH_VERSION:-2.13.0}"
 
 if ! command -v "$PY" >/dev/null 2>&1; then
     echo "demo.sh: $PY not found; install Python >= 3.10 or set PYTHON=/path/to/python3" >&2
     exit 2
 fi
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "demo.sh: creating $VENV"
-    "$PY" -m venv "$VENV"
-fi
-# shellcheck disable=SC1091
-. "$VENV/bin/activate"
 
 need_install=0
-python - "$TORCH_VERSION" 2>/dev/null <<'PYEOF' || need_install=1
+if [ -x "$VENV/bin/python" ]; then
+    "$VENV/bin/python" - "$TORCH_VERSION" 2>/dev/null <<'PYEOF' || need_install=1
 import sys
 import importlib.metadata as md
 want = sys.argv[1]
@@ -41,18 +35,15 @@ for dist in ("ckptstore", "torchdata", "matplotlib", "numpy"):
     md.version(dist)
 import ckptstore.demo.cli  # noqa: F401  (editable install points at this checkout)
 PYEOF
-
-if [ "$need_install" = 1 ]; then
-    echo "demo.sh: installing torch==$TORCH_VERSION (CPU build) and ckptstore[demo] into $VENV"
-    python -m pip install --quiet --upgrade pip || echo "demo.sh: could not upgrade pip; continuing"
-    if [ -n "$TORCH_INDEX" ]; then
-        # the +cpu local version from this index sorts above PyPI's plain 2.13.0, so it wins
-        python -m pip install --quiet "torch==$TORCH_VERSION" --extra-index-url "$TORCH_INDEX"
-    else
-        python -m pip install --quiet "torch==$TORCH_VERSION"
-    fi
-    python -m pip install --quiet -e '.[demo]'
+else
+    need_install=1
 fi
+if [ "$need_install" = 1 ]; then
+    echo "demo.sh: installing torch and ckptstore[demo] into $VENV (scripts/setup.sh demo)"
+    PYTHON="$PY" bash scripts/setup.sh demo
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
 
 for arg in "$@"; do
     if [ "$arg" = "--seaweedfs" ] && ! command -v weed >/dev/null 2>&1; then
@@ -61,7 +52,4 @@ for arg in "$@"; do
     fi
 done
 
-if python -c "import sys; from ckptstore.cli import main; sys.exit('demo' not in main.commands)" 2>/dev/null; then
-    exec ckptstore demo "$@"
-fi
-exec python -m ckptstore.demo.cli "$@"  # same command, before it is attached to the ckptstore group
+exec ckptstore demo "$@"

@@ -52,7 +52,7 @@ def test_remote_only_restore_after_local_loss(tmp_path, s3_url):
     assert res.exit_code == 0, res.output
     import json
 
-    (v,) = json.loads(res.output)["versions"]
+    (v,) = json.loads(res.stdout)["versions"]  # stderr warns that the local root does not exist
     assert v["version"] == "v1" and v["tiers"] == ["remote"]
 
 

@@ -30,6 +30,10 @@ FORMAT = b"ckptstore/1"
 NONCE = 12
 TAG = 16
 
+#: Where a user of this process supplies the master key, as named in key error messages. The
+#: library's own words; the ``ckptstore`` command line replaces it with its options.
+KEY_SOURCES = "key=, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
+
 
 class KeyProvider(Protocol):
     """Anything with ``get_key() -> bytes`` (32 bytes). Must be picklable for PROCESS saves."""
@@ -115,7 +119,7 @@ def unwrap_key(master: bytes, wrapped: str, version: str, attempt: str, expected
     if expected_id is not None and key_id(master) != expected_id:
         raise KeyMismatchError(
             f"version {version!r} was encrypted with master key id {expected_id}, but the key "
-            f"given has id {key_id(master)}; supply the right key (key=, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE)"
+            f"given has id {key_id(master)}; supply the right key ({KEY_SOURCES})"
         )
     try:
         blob = base64.b64decode(wrapped, validate=True)

@@ -1,7 +1,12 @@
-"""``ckptstore demo``: the click command (attached to the ``ckptstore`` group by ``ckptstore/cli.py``)."""
+"""``ckptstore demo``: the click command (wired into the ``ckptstore`` group by ``ckptstore/cli/``).
+
+This module imports without the ``demo`` extra (so ``ckptstore --help`` always lists ``demo``); the
+command checks the extra itself before any work: :func:`check_extra`.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
@@ -10,6 +15,33 @@ from .supervisor import DemoConfig
 
 _D = DemoConfig()
 
+INSTALL_HINT = "pip install 'ckptstore[demo]'"
+
+
+class MissingExtraError(click.ClickException):
+    """The ``demo`` extra is not installed (exit 2: the demo cannot run as set up)."""
+
+    exit_code = 2
+
+
+def check_extra(plot: bool) -> bool:
+    """Import what the demo's training workers need (torchdata) before any work; raise
+    :class:`MissingExtraError` naming the install command when it is missing. Returns whether the
+    plot can be drawn: a missing matplotlib only skips the plot, with a one-line note."""
+    try:
+        importlib.import_module("torchdata.stateful_dataloader")
+    except ImportError as e:
+        raise MissingExtraError(f"the demo needs the 'demo' extra: cannot import torchdata ({e}); "
+                                f"install it with: {INSTALL_HINT}") from None
+    if not plot:
+        return False
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        click.echo(f"note: matplotlib is not installed, so the plot is skipped ({INSTALL_HINT} adds it)", err=True)
+        return False
+    return True
+
 
 @click.command("demo", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--out", default="demo-out", show_default=True, type=click.Path(file_okay=False),
@@ -17,21 +49,22 @@ _D = DemoConfig()
 @click.option("--remote", default=None, metavar="s3://BUCKET/PREFIX",
               help="Also stage every checkpoint to this S3 prefix (endpoint/credentials from the boto3 chain).")
 @click.option("--seaweedfs", is_flag=True, help="Start a SeaweedFS S3 server on loopback for this run (stopped after) and use it as --remote.")
-@click.option("--steps", default=_D.steps, show_default=True, type=int)
+@click.option("--steps", default=_D.steps, show_default=True, type=int, help="Training steps of each run.")
 @click.option("--save-every", default=_D.save_every, show_default=True, type=int, help="Checkpoint interval in steps.")
 @click.option("--crash-step", default=_D.crash_step, show_default=True, type=int, help="A save step: the crash rank dies right after that async_save.")
-@click.option("--crash-rank", default=_D.crash_rank, show_default=True, type=int)
+@click.option("--crash-rank", default=_D.crash_rank, show_default=True, type=int, help="The rank that SIGKILLs itself at --crash-step.")
 @click.option("--world-size", default=_D.world_size, show_default=True, type=int, help="Ranks of the reference run and of the crash run before the crash.")
 @click.option("--resume-world-size", default=None, type=int,
               help="Restart the crashed run on this many ranks (e.g. 1 or 3): reshards through DCP; losses continue, not bit-exact.")
-@click.option("--parallel", type=click.Choice(["fsdp", "ddp"]), default=_D.parallel, show_default=True)
-@click.option("--layers", default=_D.layers, show_default=True, type=int)
-@click.option("--d-model", default=_D.d_model, show_default=True, type=int)
-@click.option("--heads", default=_D.heads, show_default=True, type=int)
-@click.option("--context", default=_D.context, show_default=True, type=int)
+@click.option("--parallel", type=click.Choice(["fsdp", "ddp"]), default=_D.parallel, show_default=True,
+              help="Data parallelism: FSDP2 fully_shard (sharded state) or DDP (replicated).")
+@click.option("--layers", default=_D.layers, show_default=True, type=int, help="Transformer blocks.")
+@click.option("--d-model", default=_D.d_model, show_default=True, type=int, help="Model width.")
+@click.option("--heads", default=_D.heads, show_default=True, type=int, help="Attention heads (must divide --d-model).")
+@click.option("--context", default=_D.context, show_default=True, type=int, help="Context length in bytes.")
 @click.option("--global-batch", default=_D.global_batch, show_default=True, type=int, help="Samples per step over all ranks.")
-@click.option("--lr", default=_D.lr, show_default=True, type=float)
-@click.option("--seed", default=_D.seed, show_default=True, type=int)
+@click.option("--lr", default=_D.lr, show_default=True, type=float, help="Peak learning rate (AdamW, warmup then cosine).")
+@click.option("--seed", default=_D.seed, show_default=True, type=int, help="Seed of the model, data order and dropout.")
 @click.option("--corpus", "corpus_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Train on the *.py files of this directory instead of the Python standard library.")
 @click.option("--summary", default=None, type=click.Path(dir_okay=False), help="Write the results as JSON here.")
@@ -44,13 +77,15 @@ def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, worl
     Runs a reference job and a crash job (torchrun, gloo, FSDP2, AdamW, LR schedule,
     StatefulDataLoader, dcp.async_save to ckptstore every --save-every steps), checks that the
     resumed job's per-step losses and sample ids equal the reference bit for bit, reports goodput,
-    plots both, and shows `ckptstore list / gc --dry-run / scrub` of the store. Exit 0 when every
-    check passes, 1 when one fails, 2 on bad options.
+    plots both, and shows `ckptstore list / gc --dry-run / scrub` of the store. Needs the demo
+    extra (pip install 'ckptstore[demo]'); without matplotlib the plot is skipped. Exit 0 when every
+    check passes, 1 when one fails, 2 on bad options or a missing extra.
     """
-    from .orchestrate import DemoError, run_demo
-
     if remote and seaweedfs:
         raise click.UsageError("--remote and --seaweedfs are alternatives")
+    plot = check_extra(plot=not no_plot)
+    from .orchestrate import DemoError, run_demo
+
     cfg = DemoConfig(
         steps=steps, save_every=save_every, crash_step=crash_step, crash_rank=crash_rank, world_size=world_size,
         resume_world_size=resume_world_size, parallel=parallel, layers=layers, d_model=d_model, heads=heads,
@@ -58,7 +93,7 @@ def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, worl
         warmup=max(1, min(_D.warmup, steps // 10)),
     )
     try:
-        rc = run_demo(cfg, out, summary=summary, seaweed=seaweedfs, show_cli=not no_cli, plot=not no_plot)
+        rc = run_demo(cfg, out, summary=summary, seaweed=seaweedfs, show_cli=not no_cli, plot=plot)
     except DemoError as e:
         raise click.UsageError(str(e)) from e
     sys.exit(rc)

@@ -62,15 +62,20 @@ def prepare_out(out: str) -> None:
     open(os.path.join(out, MARKER), "w").close()
 
 
+def make_console() -> Console:
+    """The demo's console. To a pipe or file (no TTY, no COLUMNS): rules and tables 120 columns
+    wide, but text lines are never wrapped (``soft_wrap``), so each result stays on one line."""
+    if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+        return Console(width=120, soft_wrap=True)
+    return Console()
+
+
 def ckptstore_cli(args: list[str], console: Console) -> int:
-    """Run ``ckptstore ARGS`` and show its output; a subcommand that is not there yet is reported, not fatal."""
+    """Run ``ckptstore ARGS`` and show its output."""
     cmd = [sys.executable, "-m", "ckptstore.cli", *args]
     console.print(f"[bold]$ ckptstore {' '.join(args)}[/bold]", highlight=False)
     p = subprocess.run(cmd, capture_output=True, text=True)
     text = (p.stdout + p.stderr).rstrip()
-    if p.returncode == 2 and "No such command" in text:
-        console.print(f"  ckptstore {args[0]}: not available yet in this build", highlight=False)
-        return p.returncode
     for line in text.splitlines():
         console.print("  " + line, highlight=False, markup=False, soft_wrap=True)
     console.print(f"  [dim](exit {p.returncode})[/dim]", highlight=False)
@@ -108,8 +113,7 @@ def goodput_table(gp: Goodput, ref: Goodput) -> Table:
 def run_demo(cfg: DemoConfig, out: str, *, summary: str | None = None, seaweed: bool = False,
              show_cli: bool = True, plot: bool = True, console: Console | None = None) -> int:
     if console is None:
-        wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-        console = Console(width=120) if wide else Console()
+        console = make_console()
     t_start = time.time()
     validate(cfg)
     prepare_out(out)

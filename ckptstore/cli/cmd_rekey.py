@@ -1,32 +1,25 @@
-"""``ckptstore rekey``: rotate the master key of a store (attached to ``ckptstore`` by ``cli.py``).
+"""``ckptstore rekey``: rotate the master key of a store.
 
-Thin: parse, call :func:`ckptstore.rekey.rekey`, print, exit with :attr:`RekeyReport.exit_code`
-(0 done; 4 a damaged wrapped key or manifest; 5 a version wrapped by another key; 7 storage error;
-1 a version changed meanwhile — run again; 2 usage).
+Exits with :attr:`ckptstore.rekey.RekeyReport.exit_code` (0 done; 4 a damaged wrapped key or
+manifest; 5 a version wrapped by another key; 7 storage error; 1 a version changed meanwhile —
+run again; 2 usage).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
 
-from . import rekey as _rekey
-from .cli import handle_errors, open_store, store_options
-
-COMMANDS = ("rekey",)
+from ._common import emit_json, key_file_option, load_key, open_store, store_options
 
 
 @click.command("rekey")
 @store_options
-@click.option("--key-file", "old_key_file", required=True, type=click.Path(dir_okay=False, exists=True),
-              help="The current master key (32 raw bytes or their base64).")
-@click.option("--new-key-file", required=True, type=click.Path(dir_okay=False, exists=True),
-              help="The new master key (32 raw bytes or their base64).")
+@key_file_option("--key-file", "old_key_file", required=True, what="The current master key")
+@key_file_option("--new-key-file", required=True, what="The new master key (e.g. from 'ckptstore keygen')")
 @click.option("--version", "version_name", default=None, metavar="V", help="Only this version.")
 @click.option("--dry-run", is_flag=True, help="Check every version and say what would be re-wrapped; write nothing.")
-@handle_errors
 def rekey(root, remote, endpoint_url, as_json, old_key_file, new_key_file, version_name, dry_run):
     """Re-wrap the data keys of every committed version under a new master key.
 
@@ -35,14 +28,14 @@ def rekey(root, remote, endpoint_url, as_json, old_key_file, new_key_file, versi
     and the new key reads every version. Versions whose wrapped key or manifest is damaged are
     reported (exit 4) and left unchanged.
     """
-    from .codec.crypto import load_key_file
+    from .. import rekey as _rekey
 
-    old = load_key_file(old_key_file)
-    new = load_key_file(new_key_file)
+    old = load_key(old_key_file)
+    new = load_key(new_key_file)
     st = open_store(root, remote, endpoint_url)
     report = _rekey.rekey(st, old, new, version=version_name, dry_run=dry_run)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        emit_json(report.to_json())
     else:
         click.echo(f"master key {report.old_key_id} -> {report.new_key_id}" + (" (dry run: nothing written)" if dry_run else ""))
         for e in report.entries:

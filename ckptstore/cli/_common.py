@@ -1,0 +1,250 @@
+"""What every ``ckptstore`` command shares: the store options, opening the store, output helpers,
+and the one place where a :class:`~ckptstore.errors.CkptStoreError` becomes an exit code.
+
+Kept free of torch (and of the heavier ckptstore modules) so that ``ckptstore --help`` and the
+catalogue commands start fast; commands import what they need inside their bodies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+
+import click
+
+from ..errors import CkptStoreError, StorageError, StoreNotFoundError
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
+
+#: How a master key file looks; shown in the ``--help`` of every command that takes one.
+KEY_FILE_FORMAT = ("A key file holds one AES-256 master key: 32 raw bytes, or their base64 on one line "
+                   "(what 'ckptstore keygen' writes).")
+
+#: Where a CLI user supplies the master key (replaces the library's ``key=`` in key error hints).
+KEY_SOURCES = "--key-file, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
+
+
+# -- errors → exit codes (the one place) ---------------------------------------------------------------
+class Group(click.Group):
+    """The ``ckptstore`` group: a :class:`CkptStoreError` raised by any command is printed as
+    ``error: <message>`` on stderr and the process exits with the error's ``exit_code``."""
+
+    def invoke(self, ctx: click.Context):
+        from ..codec import crypto
+
+        setup_logging()
+        library_words, crypto.KEY_SOURCES = crypto.KEY_SOURCES, KEY_SOURCES
+        try:
+            return super().invoke(ctx)
+        except CkptStoreError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(e.exit_code)
+        finally:
+            crypto.KEY_SOURCES = library_words
+
+
+# -- library warnings ------------------------------------------------------------------------------------
+class _WarningHandler(logging.Handler):
+    """Prints each distinct ckptstore warning once per command as ``warning: <message>`` on the
+    current stderr (looked up at emit time, so it follows click's test runner too)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: set[str] = set()
+        self.muted = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.muted:
+            return
+        msg = record.getMessage()
+        if msg in self.seen:
+            return
+        self.seen.add(msg)
+        click.echo(f"{record.levelname.lower()}: {msg}", err=True)
+
+
+_handler: _WarningHandler | None = None
+
+
+def setup_logging() -> None:
+    """Route the library's ``ckptstore`` logger through :class:`_WarningHandler` (once per process;
+    the seen-set is reset for every command)."""
+    global _handler
+    if _handler is None:
+        _handler = _WarningHandler()
+        logging.getLogger("ckptstore").addHandler(_handler)
+    _handler.seen.clear()
+    _handler.muted = 0
+
+
+@contextlib.contextmanager
+def reported_here():
+    """Mute library warnings while a command gathers findings it prints itself (the invalid
+    manifests of ``list``, ``gc`` and ``scrub``), so each is reported once, in the command's words."""
+    if _handler is not None:
+        _handler.muted += 1
+    try:
+        yield
+    finally:
+        if _handler is not None:
+            _handler.muted -= 1
+
+
+# -- the store options ---------------------------------------------------------------------------------
+def store_options(f):
+    """``ROOT``, ``--remote URL``, ``--endpoint-url``, ``--json`` shared by every store command."""
+    f = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")(f)
+    f = click.option("--endpoint-url", default=None, help="S3 endpoint (default: the boto3 chain, e.g. AWS_ENDPOINT_URL).")(f)
+    f = click.option("--remote", default=None, metavar="URL", help="S3 tier, s3://bucket/prefix.")(f)
+    f = click.argument("root", metavar="ROOT")(f)
+    return f
+
+
+def key_file_option(*names: str, required: bool = False, what: str = "Master key file"):
+    """A ``--key-file``-style option whose help states the key file format."""
+    hint = "" if required else " (else CKPTSTORE_KEY / CKPTSTORE_KEY_FILE)"
+    return click.option(*names, default=None, required=required, type=click.Path(dir_okay=False, exists=required),
+                        help=f"{what}{hint}. {KEY_FILE_FORMAT}")
+
+
+def load_key(path: str):
+    """The 32-byte master key in ``path`` (format: :data:`KEY_FILE_FORMAT`)."""
+    from ..codec import crypto
+
+    return crypto.load_key_file(path)
+
+
+def open_store(root: str, remote: str | None, endpoint_url: str | None, key=None):
+    """The :class:`~ckptstore.Store` at ``ROOT`` / ``--remote``, after checking that the tiers named
+    are initialised stores (README "Command line", docs/FORMAT.md "An initialised store"):
+
+    * ``ROOT`` ``''`` means *no local tier* (an S3-only store; ``--remote`` is then required);
+    * a local ``ROOT`` must be an existing, readable directory (it may be empty). With a
+      ``--remote`` that is a store, a ``ROOT`` that does not exist only draws a warning and the
+      store is opened without a local tier (a node that never saved locally);
+    * a ``--remote`` prefix must hold at least one object under ``versions/``. A remote that cannot
+      be listed is left to the command (``scrub`` reports it as not checked, exit 12).
+
+    Raises :class:`StoreNotFoundError` (exit 9) or :class:`StorageError` (exit 7, unreadable).
+    """
+    from ..store import Store
+
+    local = root if root else None
+    if local is None and not remote:
+        raise click.UsageError("ROOT is '' (no local tier) and no --remote is given: name at least one tier")
+    missing = local is not None and not os.path.lexists(local)
+    if local is not None and not (missing and remote):
+        _check_local_root(local)
+    st = Store(None if missing else local, remote=remote, endpoint_url=endpoint_url, key=key)
+    if st.remote is not None:
+        _check_remote(st.remote)
+        if missing:
+            click.echo(f"warning: the local root {local!r} does not exist; using the remote tier only", err=True)
+    return st
+
+
+def _check_remote(tier) -> None:
+    from ..manifest import layout
+
+    try:
+        first = next(iter(tier.list(layout.VERSIONS + "/")), None)
+    except StorageError:
+        return  # unreachable: the command says so in its own terms
+    if first is None:
+        raise StoreNotFoundError(
+            f"no ckptstore store at {tier.url}: nothing under {layout.VERSIONS}/ there "
+            "(a typo in --remote, or nothing was ever saved to it)"
+        )
+
+
+def _check_local_root(root: str) -> None:
+    if not os.path.exists(root):
+        raise StoreNotFoundError(
+            f"no ckptstore store at {root!r}: the directory does not exist (a typo? "
+            "pass '' as ROOT for an S3-only store with --remote)"
+        )
+    if not os.path.isdir(root):
+        raise StoreNotFoundError(f"no ckptstore store at {root!r}: not a directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise StorageError(f"cannot read the store directory {root!r}: permission denied")
+    try:
+        os.listdir(root)
+    except OSError as e:
+        raise StorageError(f"cannot read the store directory {root!r}: {e.strerror}") from None
+
+
+# -- output ------------------------------------------------------------------------------------------------
+def human(n: int | float | None) -> str:
+    """``1536`` → ``"1.5 KiB"``; None → ``"-"``."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def emit_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+@contextlib.contextmanager
+def progress(description: str, unit: str = "bytes"):
+    """Yields ``(set_total, advance)``; draws a rich progress bar only when stderr is a TTY."""
+    if not sys.stderr.isatty():
+        yield (lambda n: None), (lambda n: None)
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+
+    cols = [TextColumn("{task.description}"), BarColumn()]
+    cols += [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
+    cols.append(TimeRemainingColumn())
+    with Progress(*cols, console=Console(stderr=True), transient=True) as prog:
+        task = prog.add_task(description, total=None)
+        yield (lambda n: prog.update(task, total=n)), (lambda n: prog.advance(task, n))
+
+
+def pin_note(tier, version: str) -> str | None:
+    """The ``--note`` stored with the pin of ``version`` in ``tier`` (None: not pinned there;
+    ``""``: pinned without a note)."""
+    from ..errors import ObjectNotFoundError
+    from ..manifest import layout
+
+    try:
+        data = tier.get(layout.pin_key(version))
+    except ObjectNotFoundError:
+        return None
+    try:
+        note = json.loads(data).get("note", "")
+    except (ValueError, AttributeError):
+        return ""
+    return note if isinstance(note, str) else str(note)
+
+
+def pin_notes(st, version: str, tiers=None) -> dict[str, str]:
+    """``{tier: note}`` for every tier (of ``tiers``, default all) where ``version`` is pinned."""
+    out = {}
+    for n, t in st.tiers.items():
+        if tiers is not None and n not in tiers:
+            continue
+        note = pin_note(t, version)
+        if note is not None:
+            out[n] = note
+    return out
+
+
+def one_note(notes: dict[str, str]) -> str | None:
+    """The pin note to show for a version: the first non-empty one (None when not pinned)."""
+    if not notes:
+        return None
+    return next((v for v in notes.values() if v), "")

@@ -1,0 +1,43 @@
+"""``ckptstore list``: the committed versions, oldest first, with the tiers that hold each."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import emit_json, human, one_note, open_store, pin_notes, reported_here, store_options
+
+
+@click.command("list")
+@store_options
+def list_cmd(root, remote, endpoint_url, as_json):
+    """List committed versions, oldest first, with the tiers that hold each.
+
+    Invalid manifests are reported once each on stderr (in --json also under "problems").
+    """
+    st = open_store(root, remote, endpoint_url)
+    with reported_here():
+        recs = st.versions()
+    if as_json:
+        versions = []
+        for r in recs:
+            d = r.to_json()
+            d["pin_note"] = one_note(pin_notes(st, r.version, r.tiers)) if r.pinned else None
+            versions.append(d)
+        emit_json({"versions": versions, "problems": [list(p) for p in st.problems]})
+    else:
+        _print_table(recs)
+    for tier, key, why in st.problems:
+        click.echo(f"warning: {tier} tier: ignored invalid manifest {key}: {why}", err=True)
+
+
+def _print_table(recs) -> None:
+    if not recs:
+        click.echo("no committed versions")
+        return
+    click.echo(f"{'VERSION':<24} {'STEP':>8} {'CREATED (UTC)':<20} {'RANKS':>5} {'LOGICAL':>10} {'STORED':>10} {'TIERS':<13} FLAGS")
+    for r in recs:
+        flags = ",".join(x for x, on in (("pinned", r.pinned), ("damaged", r.damaged), ("encrypted", r.encrypted)) if on)
+        click.echo(
+            f"{r.version:<24} {('-' if r.step is None else r.step):>8} {r.created.strftime('%Y-%m-%d %H:%M:%S'):<20} "
+            f"{r.world_size:>5} {human(r.nbytes):>10} {human(r.stored_bytes):>10} {'+'.join(sorted(r.tiers)):<13} {flags}"
+        )

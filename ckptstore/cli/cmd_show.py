@@ -1,0 +1,121 @@
+"""``ckptstore show``: one committed version in detail (gathered per tier, then printed)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ._common import emit_json, human, one_note, open_store, pin_note, store_options
+
+
+@click.command("show")
+@store_options
+@click.argument("version")
+@click.option("--objects", "list_objects", is_flag=True, help="Also list every stored object.")
+def show(root, remote, endpoint_url, as_json, version, list_objects):
+    """Summarise one committed VERSION: step, time, ranks, tiers, sizes, codecs, encryption, pin
+    (with its note), damage marks, metadata."""
+    st = open_store(root, remote, endpoint_url)
+    rec = st.get(version)
+    m = st.manifest(version, next(n for n in st.tiers if n in rec.tiers)).manifest
+    per_tier = _per_tier(st, version, rec.attempt)
+    info = _info(version, rec, m, per_tier)
+    if as_json:
+        if list_objects:
+            info["object_list"] = [o.to_json() for o in m.all_objects()]
+        emit_json(info)
+        return
+    for k, v in _rows(info, m):
+        click.echo(f"{k + ':':<15} {v}")
+    for n, d in per_tier.items():
+        click.echo(f"{n + ' tier:':<15} " + _tier_line(d))
+    if list_objects:
+        for o in m.all_objects():
+            click.echo(f"  {o.name}  {human(o.size)}  {o.frames} frames  rank {'-' if o.rank is None else o.rank}  xxh3 {o.digest}")
+
+
+def _per_tier(st, version: str, current_attempt: str) -> dict[str, dict]:
+    """What each tier holds of ``version``: attempt, pin (and note), damage mark (and reason)."""
+    from ..manifest import catalogue, layout
+
+    out = {}
+    for n, t in st.tiers.items():
+        try:
+            pm = catalogue.read_manifest(t, version).manifest
+        except Exception:  # noqa: BLE001 - not committed (or unreadable) there
+            continue
+        note = pin_note(t, version)
+        damaged = t.exists(layout.damaged_key(version))
+        out[n] = {
+            "attempt": pm.attempt,
+            "current": pm.attempt == current_attempt,
+            "pinned": note is not None,
+            "pin_note": note,
+            "damaged": damaged,
+            "damage_reason": catalogue.damage_note(t, version) if damaged else None,
+        }
+    return out
+
+
+def _info(version: str, rec, m, per_tier: dict) -> dict:
+    """The JSON form of ``show`` (also the source of the text rows)."""
+    ratio = (m.nbytes / m.stored_bytes) if m.stored_bytes else None
+    return {
+        "version": version,
+        "attempt": m.attempt,
+        "step": m.step,
+        "created": m.created,
+        "world_size": m.world_size,
+        "tiers": sorted(rec.tiers),
+        "nbytes": m.nbytes,
+        "stored_bytes": m.stored_bytes,
+        "compression_ratio": round(ratio, 4) if ratio else None,
+        "encrypted": m.encrypted,
+        "key_id": (m.encryption or {}).get("key_id"),
+        "encryption": (m.encryption or {}).get("alg"),
+        "codecs": sorted(m.codecs),
+        "user": m.user,
+        "format": m.format,
+        "writer": m.writer,
+        "objects": len(m.all_objects()),
+        "pinned": rec.pinned,
+        "pin_note": one_note({n: d["pin_note"] for n, d in per_tier.items() if d["pinned"]}),
+        "damaged": rec.damaged,
+        "per_tier": per_tier,
+    }
+
+
+def _rows(info: dict, m) -> list[tuple[str, object]]:
+    ratio = info["compression_ratio"]
+    if info["pinned"]:
+        pinned = "yes" + (f" ({info['pin_note']})" if info["pin_note"] else "") + ": retention never deletes it"
+    else:
+        pinned = "no"
+    return [
+        ("version", info["version"]),
+        ("attempt", m.attempt),
+        ("step", "-" if m.step is None else m.step),
+        ("created", m.created),
+        ("world size", m.world_size),
+        ("tiers", "+".join(info["tiers"])),
+        ("logical size", f"{human(m.nbytes)} ({m.nbytes} bytes)"),
+        ("stored size", f"{human(m.stored_bytes)} ({m.stored_bytes} bytes)"),
+        ("compression", f"{m.nbytes / m.stored_bytes:.2f}x" if ratio else "-"),
+        ("encryption", f"{m.encryption['alg']}, key id {m.encryption['key_id']}" if m.encrypted else "none (not encrypted)"),
+        ("codec chains", ", ".join(sorted(m.codecs)) or "raw"),
+        ("objects", f"{len(m.objects)} shard(s) + DCP metadata"),
+        ("writer", m.writer or "-"),
+        ("user metadata", json.dumps(m.user, sort_keys=True) if m.user else "-"),
+        ("pinned", pinned),
+        ("integrity", "marked DAMAGED by scrub (see the tier lines)" if info["damaged"] else "not marked damaged"),
+    ]
+
+
+def _tier_line(d: dict) -> str:
+    parts = [f"attempt {d['attempt']}" + ("" if d["current"] else " (older copy)")]
+    if d["pinned"]:
+        parts.append("pinned" + (f" ({d['pin_note']})" if d["pin_note"] else ""))
+    if d["damaged"]:
+        parts.append(f"DAMAGED: {d['damage_reason']}")
+    return ", ".join(parts)

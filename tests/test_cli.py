@@ -1,0 +1,406 @@
+"""The ``ckptstore`` command line, from the user's side: wiring, exit codes, messages, keygen, demo
+set-up, packaging. Library behaviour behind the commands is tested in the modules' own files."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+import ckptstore
+from ckptstore.cli import main as cli_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMANDS = ("list", "show", "pin", "unpin", "gc", "scrub", "rekey", "keygen", "demo")
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+def save(root, version, seed, **kw):
+    g = torch.Generator().manual_seed(seed)
+    w = ckptstore.StorageWriter(str(root), step=seed, frame_size=4096, **kw)
+    dcp.save({"w": torch.randn(6000, generator=g), "meta": {"seed": seed}}, checkpoint_id=version, storage_writer=w)
+
+
+def cli(*args, **kw):
+    return CliRunner().invoke(cli_main, [str(a) for a in args], catch_exceptions=False, **kw)
+
+
+def cli_json(*args):
+    r = cli(*args, "--json")
+    return r.exit_code, json.loads(r.stdout)
+
+
+def python(code: str, *args, cwd=None, timeout=120, env=None):
+    """Run ``code`` in a fresh interpreter that imports this checkout's ckptstore."""
+    e = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env=e)
+
+
+BLOCK = """
+import sys, importlib.abc
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in BLOCKED or any(name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError(f"No module named {name!r} (blocked by the test)")
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def blocked(modules, body: str) -> str:
+    return f"BLOCKED = {set(modules)!r}\n" + BLOCK + textwrap.dedent(body)
+
+
+def damage(root, version, name="r00000.ckd"):
+    (att,) = os.listdir(os.path.join(root, "versions", version, "attempts"))
+    p = os.path.join(root, "versions", version, "attempts", att, name)
+    b = bytearray(open(p, "rb").read())
+    b[len(b) // 2] ^= 0xFF
+    open(p, "wb").write(bytes(b))
+    return f"attempts/{att}/{name}"
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """A local store with v1, v2, v3 (pristine; tests copy it)."""
+    root = tmp_path_factory.mktemp("three") / "s"
+    for i in (1, 2, 3):
+        save(root, f"v{i}", i)
+    return str(root)
+
+
+@pytest.fixture
+def store(three, tmp_path):
+    import shutil
+
+    root = tmp_path / "s"
+    shutil.copytree(three, root)
+    return str(root)
+
+
+# -- issue 13.4: explicit wiring; a broken command module fails loudly ---------------------------------------
+def test_help_lists_every_command():
+    r = cli("--help")
+    assert r.exit_code == 0
+    listed = {line.split()[0] for line in r.stdout.split("Commands:")[1].splitlines() if line.strip()}
+    assert set(COMMANDS) <= listed, listed
+
+
+@pytest.mark.parametrize("module", ["ckptstore.cli.cmd_gc", "ckptstore.cli.cmd_scrub", "ckptstore.cli.cmd_show"])
+def test_a_broken_command_module_fails_the_cli_loudly(module):
+    # before: cli.py imported ops_cli through importlib and skipped it on ImportError: gc, scrub, show
+    # and pin vanished from --help and the CLI exited 0
+    p = python(blocked({module, "ckptstore.ops_cli"}, """
+        from ckptstore.cli import main
+        main(["--help"], prog_name="ckptstore")
+    """))
+    assert p.returncode != 0, p.stdout
+    assert "blocked by the test" in p.stderr
+
+
+def test_cli_start_does_not_import_torch(tmp_path):
+    (tmp_path / "empty").mkdir()
+    p = python("""
+import sys
+from ckptstore.cli import main
+try:
+    main(["list", sys.argv[1]], prog_name="ckptstore")
+except SystemExit as e:
+    assert not e.code, e.code
+print("TORCH" if any(m == "torch" or m.startswith("torch.") for m in sys.modules) else "NO-TORCH")
+""", tmp_path / "empty")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "NO-TORCH"
+
+
+def test_python_dash_m_runs_the_cli(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "ckptstore.cli", "--version"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("ckptstore, version")
+
+
+# -- issue 12.6: no store is an error; an empty store is fine; '' is "no local tier" --------------------------
+@pytest.mark.parametrize("cmd", [["list"], ["show", "{root}", "v1"], ["gc", "--dry-run"], ["scrub"]])
+def test_missing_root_is_an_error(tmp_path, cmd):
+    root = str(tmp_path / "typo")
+    args = [a.format(root=root) for a in cmd]
+    args = [args[0], root, *[a for a in args[1:] if a != root]]
+    r = cli(*args)
+    assert r.exit_code == 9, r.output
+    assert "does not exist" in r.stderr and "typo" in r.stderr
+    assert not os.path.exists(root)
+
+
+def test_empty_existing_root_is_an_empty_store(tmp_path):
+    root = tmp_path / "empty"
+    root.mkdir()
+    for args in (["list"], ["gc", "--dry-run"], ["scrub"]):
+        r = cli(args[0], root, *args[1:])
+        assert r.exit_code == 0, r.output
+    assert "no committed versions" in cli("list", root).stdout
+
+
+def test_a_file_as_root_is_an_error(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    r = cli("list", f)
+    assert r.exit_code == 9 and "not a directory" in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every directory")
+def test_unreadable_root_is_an_error(tmp_path):
+    root = tmp_path / "locked"
+    root.mkdir()
+    root.chmod(0)
+    try:
+        r = cli("list", root)
+        assert r.exit_code == 7 and "permission denied" in r.stderr
+    finally:
+        root.chmod(0o700)
+
+
+def test_empty_root_is_not_the_current_directory(store, tmp_path):
+    # before: Store('') opened the current directory as the local tier
+    p = subprocess.run([sys.executable, "-m", "ckptstore.cli", "list", ""], capture_output=True, text=True,
+                       cwd=store, env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    assert p.returncode == 2, p.stdout
+    assert "v1" not in p.stdout and "no --remote" in p.stderr
+
+
+@pytest.mark.s3
+def test_s3_prefix_that_is_no_store_is_an_error(tmp_path, s3_url):
+    for args in (["list"], ["gc", "--dry-run"], ["scrub"], ["show", "v1"]):
+        r = cli(args[0], "", "--remote", s3_url, *args[1:])
+        assert r.exit_code == 9, r.output
+        assert "no ckptstore store at s3://" in r.stderr
+
+
+@pytest.mark.s3
+def test_empty_root_with_remote_is_s3_only(store, tmp_path, s3_url):
+    from ckptstore.tiers import make_remote
+
+    remote = make_remote(s3_url)
+    for d, _dn, fns in os.walk(store):
+        for f in fns:
+            p = os.path.join(d, f)
+            remote.put(os.path.relpath(p, store).replace(os.sep, "/"), open(p, "rb").read())
+    p = subprocess.run([sys.executable, "-m", "ckptstore.cli", "list", "", "--remote", s3_url, "--json"],
+                       capture_output=True, text=True, cwd=store, env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert [(v["version"], v["tiers"]) for v in json.loads(p.stdout)["versions"]] == [
+        (f"v{i}", ["remote"]) for i in (1, 2, 3)]
+    r = cli("scrub", "", "--remote", s3_url)
+    assert r.exit_code == 0 and "local" not in r.stdout
+
+
+# -- issue 12.10: messages ----------------------------------------------------------------------------------------
+def test_scrub_lines_do_not_repeat_the_path(store):
+    name = damage(store, "v2")
+    first = cli("scrub", store, "--repair")
+    again = cli("scrub", store)
+    assert first.exit_code == again.exit_code == 10
+    for out in (first.stdout, again.stdout):
+        for line in out.splitlines():
+            assert line.count("r00000.ckd") <= 1, line
+        assert "marked: marked" not in out
+    assert f"damaged: {name}: corrupt: frame " in again.stdout
+    assert "[marked damaged now]" in first.stdout and "marked damaged: " in again.stdout
+
+
+def test_show_does_not_call_damage_retention(store):
+    damage(store, "v2")
+    assert cli("scrub", store, "--repair").exit_code == 10
+    out = cli("show", store, "v2").stdout
+    assert "retention:" not in out
+    assert "integrity:      marked DAMAGED" in out and "pinned:         no" in out
+    assert out.count("r00000.ckd") == 1
+
+
+def test_list_reports_a_bad_manifest_once(store):
+    open(os.path.join(store, "versions", "v1", "manifest.json"), "w").write("{bad")
+    r = cli("list", store)
+    assert r.exit_code == 0
+    assert r.stderr.count("versions/v1/manifest.json") == 1, r.stderr
+
+
+def test_damaged_version_error_advises_repair_only_with_another_tier(store):
+    damage(store, "v2")
+    assert cli("scrub", store, "--repair").exit_code == 10
+    st = ckptstore.Store(store)
+    with pytest.raises(ckptstore.DamagedVersionError) as ei:
+        st.check_not_damaged("v2", st.local)
+    assert "--repair" not in str(ei.value) and "no other tier" in str(ei.value)
+
+
+# -- issue 12.11: pins, durations, the gc plan ------------------------------------------------------------
+def test_pin_note_is_shown_everywhere(store):
+    assert cli("pin", store, "v1", "--note", "best run").exit_code == 0
+    assert "pinned:         yes (best run)" in cli("show", store, "v1").stdout
+    code, out = cli_json("show", store, "v1")
+    assert out["pin_note"] == "best run" and out["per_tier"]["local"]["pin_note"] == "best run"
+    code, out = cli_json("list", store)
+    assert [(v["version"], v["pin_note"]) for v in out["versions"]] == [("v1", "best run"), ("v2", None), ("v3", None)]
+    r = cli("gc", store, "--dry-run", "--keep-last", "1")
+    assert "pin note: best run" in r.stdout
+    code, out = cli_json("gc", store, "--dry-run", "--keep-last", "1")
+    assert out["pin_notes"] == {"local": {"v1": "best run"}}
+
+
+def test_unpin_of_an_unpinned_version_says_so(store):
+    r = cli("unpin", store, "v1")
+    assert r.exit_code == 0 and r.stdout.strip() == "v1 was not pinned; nothing changed"
+    cli("pin", store, "v1")
+    r = cli("unpin", store, "v1")
+    assert r.exit_code == 0 and r.stdout.strip() == "unpinned v1"
+
+
+def test_duration_options_fail_alike(store):
+    a = cli("gc", store, "--keep-within", "7days")
+    b = cli("gc", store, "--grace", "abc")
+    assert a.exit_code == b.exit_code == 2
+    ea = [ln for ln in a.stderr.splitlines() if ln.startswith("Error:")]
+    eb = [ln for ln in b.stderr.splitlines() if ln.startswith("Error:")]
+    assert ea == ["Error: Invalid value for '--keep-within': not a duration: '7days' (use e.g. 7d, 12h, 1d12h, 90m, 30s, 2w)"]
+    assert eb == ["Error: Invalid value for '--grace': not a duration: 'abc' (use e.g. 7d, 12h, 1d12h, 90m, 30s, 2w)"]
+    assert cli("gc", store, "--dry-run", "--keep-within", "7d", "--grace", "0").exit_code == 0
+
+
+def test_gc_plan_keeps_survivors_apart_and_counts_version_copies(store):
+    open(os.path.join(store, "versions", "v1", "manifest.json"), "w").write("{bad")  # its objects survive
+    r = cli("gc", store, "--dry-run", "--keep-last", "1", "--grace", "0")
+    assert r.exit_code == 0
+    lines = r.stdout.splitlines()
+    removing = lines[lines.index("would remove:") + 1:]
+    removing = removing[:next(i for i, ln in enumerate(removing) if not ln.startswith("  "))]
+    assert removing and not any(ln.strip().startswith("keep") for ln in removing), r.stdout
+    assert "left alone (not removed):" in lines
+    assert lines[-1].startswith("1 version copy un-committed (1 in the local tier), ")
+
+
+# -- issue 12.12: keys, wrapping, demo help ---------------------------------------------------------------------
+def test_keygen_writes_a_0600_key_file_and_never_overwrites(tmp_path):
+    from ckptstore.codec.crypto import load_key_file
+
+    f = tmp_path / "k"
+    old = os.umask(0o022)
+    try:
+        r = cli("keygen", f)
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
+    text = f.read_bytes()
+    assert text.endswith(b"\n") and len(base64.b64decode(text.strip(), validate=True)) == 32
+    assert load_key_file(str(f)) == base64.b64decode(text.strip())
+    r = cli("keygen", f)
+    assert r.exit_code == 6 and "already exists" in r.stderr and f.read_bytes() == text
+    r = cli("keygen")
+    assert r.exit_code == 0 and len(base64.b64decode(r.stdout.strip())) == 32 and r.stdout.strip().encode() != text.strip()
+
+
+@pytest.mark.parametrize("cmd", ["scrub", "rekey", "keygen"])
+def test_key_file_format_is_in_help(cmd):
+    out = " ".join(cli(cmd, "--help").stdout.split())
+    assert "32 raw bytes, or their base64 on one line" in out
+
+
+def test_wrong_key_hint_names_the_cli_options(tmp_path):
+    from ckptstore.codec import crypto
+
+    root = tmp_path / "e"
+    save(root, "e1", 1, key=bytes(range(32)))
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(base64.b64encode(bytes(range(1, 33))) + b"\n")
+    r = cli("scrub", root, "--deep", "--key-file", wrong)
+    assert r.exit_code == 12
+    assert "key=" not in r.output and "(--key-file, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE)" in r.output
+    assert crypto.KEY_SOURCES.startswith("key=")  # the library's own words are back after the command
+
+
+def test_demo_console_does_not_wrap_in_a_pipe():
+    p = python("""
+from ckptstore.demo.orchestrate import make_console
+c = make_console()
+c.print("[bold green]PASS[/bold green]: " + "word " * 60, highlight=False)
+c.rule("x")
+""")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("PASS: word") and lines[0].count("word") == 60
+    assert len(lines[1]) == 120
+
+
+def test_demo_help_has_text_for_every_option():
+    from ckptstore.demo.cli import demo
+
+    bare = [p.name for p in demo.params if isinstance(p, __import__("click").Option) and not p.help]
+    assert bare == []
+
+
+# -- issue 12.9: the demo extra; py.typed ---------------------------------------------------------------------
+def test_demo_without_torchdata_says_how_to_install(tmp_path):
+    out = tmp_path / "out"
+    p = python(blocked({"torchdata"}, """
+        import sys
+        from ckptstore.cli import main
+        main(["demo", "--out", sys.argv[1], "--steps", "4"], prog_name="ckptstore")
+    """), out, timeout=90)
+    assert p.returncode == 2, (p.stdout, p.stderr[-2000:])
+    assert "pip install 'ckptstore[demo]'" in p.stderr and "torchdata" in p.stderr
+    assert not out.exists()  # no work done
+
+
+def test_demo_without_matplotlib_only_skips_the_plot():
+    p = python(blocked({"matplotlib"}, """
+        from ckptstore.demo.cli import check_extra
+        print(check_extra(plot=True))
+    """))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "False"
+    assert p.stderr.strip().splitlines() == [
+        "note: matplotlib is not installed, so the plot is skipped (pip install 'ckptstore[demo]' adds it)"]
+
+
+def test_package_ships_py_typed():
+    import tomllib
+
+    assert os.path.isfile(os.path.join(REPO, "ckptstore", "py.typed"))
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        py = tomllib.load(f)
+    assert "py.typed" in py["tool"]["setuptools"]["package-data"]["ckptstore"]
+
+
+# -- issue 12.15: set-up scripts and packaging metadata --------------------------------------------------------
+def test_setup_scripts_choose_torch_one_way():
+    for name in ("setup.sh", "demo.sh"):
+        path = os.path.join(REPO, "scripts", name)
+        assert subprocess.run(["bash", "-n", path]).returncode == 0
+        text = open(path).read()
+        assert "CKPTSTORE_TORCH_INDEX" in text, name
+    setup = open(os.path.join(REPO, "scripts", "setup.sh")).read()
+    assert "Sourced by" not in setup and "--index-url" in setup
+    demo = open(os.path.join(REPO, "scripts", "demo.sh")).read()
+    assert "scripts/setup.sh" in demo  # one place installs torch
+
+
+def test_license_is_an_spdx_string():
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        py = tomllib.load(f)
+    assert py["project"]["license"] == "Apache-2.0"
+    assert any(r.replace(" ", "").startswith("setuptools>=77") for r in py["build-system"]["requires"])
+
+
+def test_testing_doc_does_not_call_a_fixed_bug_known():
+    text = open(os.path.join(REPO, "docs", "TESTING.md")).read()
+    assert "known bug" not in text
