@@ -219,8 +219,10 @@ def test_cli_show_and_usage_errors(tmp_path):
     assert r.exit_code == 0 and "no retention rule given" in r.stdout
     r = cli("scrub", root)
     assert r.exit_code == 0 and "OK" in r.stdout
+    (tmp_path / "empty").mkdir()  # an existing, empty root is an initialised (empty) store
     code, out = cli_json("scrub", tmp_path / "empty")
     assert code == 0 and out["versions"] == []
+    assert cli("scrub", tmp_path / "missing").exit_code == 9  # a root that does not exist is an error
 
 
 # -- Ctrl-C while close() waits for uploads ------------------------------------------------------------------------
