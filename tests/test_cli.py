@@ -20,7 +20,7 @@ import ckptstore
 from ckptstore.cli import main as cli_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ("list", "show", "pin", "unpin", "gc", "scrub", "rekey", "keygen", "demo")
+COMMANDS = ("list", "show", "pin", "unpin", "gc", "drop", "scrub", "rekey", "keygen", "demo")
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
@@ -239,6 +239,35 @@ def test_damaged_version_error_advises_repair_only_with_another_tier(store):
     with pytest.raises(ckptstore.DamagedVersionError) as ei:
         st.check_not_damaged("v2", st.local)
     assert "--repair" not in str(ei.value) and "no other tier" in str(ei.value)
+
+
+def test_a_damaged_newest_version_can_be_dropped(store):
+    """Issue 12.10: the newest version, damaged with no other tier, could be neither repaired nor removed."""
+    damage(store, "v3")
+    assert cli("scrub", store, "--repair").exit_code == 10
+    assert cli("gc", store, "--keep-last", "1", "--grace", "0").exit_code == 0
+    assert "v3" in [v["version"] for v in cli_json("list", store)[1]["versions"]]  # gc never removes the newest
+    r = cli("drop", store, "v3")  # no terminal, no --yes: refused, nothing removed
+    assert r.exit_code == 2 and "--yes" in r.output
+    r = cli("drop", store, "v3", "--dry-run")
+    assert r.exit_code == 0 and "uncommit" in r.stdout and "dry run" in r.stdout
+    assert [v["version"] for v in cli_json("list", store)[1]["versions"]] == ["v2", "v3"]
+    r = cli("drop", store, "v3", "--yes")
+    assert r.exit_code == 0, r.output
+    assert [v["version"] for v in cli_json("list", store)[1]["versions"]] == ["v2"]
+    assert not os.path.exists(os.path.join(store, "versions", "v3"))
+    assert cli("scrub", store).exit_code == 0
+    assert cli("drop", store, "v3", "--yes").exit_code == 3  # gone
+    save(store, "v3", 33)  # the name is free again
+    assert ckptstore.Store(store).latest().version == "v3"
+
+
+def test_drop_refuses_a_pinned_version_without_force(store):
+    assert cli("pin", store, "v2").exit_code == 0
+    r = cli("drop", store, "v2", "--yes")
+    assert r.exit_code == 1 and "pinned" in r.output
+    assert cli("drop", store, "v2", "--yes", "--force").exit_code == 0
+    assert [v["version"] for v in cli_json("list", store)[1]["versions"]] == ["v1", "v3"]
 
 
 # -- issue 12.11: pins, durations, the gc plan ------------------------------------------------------------
