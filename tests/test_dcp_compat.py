@@ -225,3 +225,54 @@ def test_failed_load_logs_no_metadata_fallback(tmp_path):
         lg.removeHandler(h)
     assert any(isinstance(e, ckptstore.VersionNotFoundError) for e in errs), errs
     assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 12 item 8: no silent fallback to another tier; opt-in read-repair of the local copy
+@pytest.mark.s3
+def test_fallback_read_is_warned_counted_and_repairable(tmp_path, s3_url):
+    root = str(tmp_path)
+    sd = {"w": torch.randn(64, 64), "cfg": {"lr": 0.5}}
+    w = ckptstore.StorageWriter(root, remote=s3_url, durability="remote", frame_size=4096)
+    dcp.save(sd, checkpoint_id="v1", storage_writer=w)
+    w.close()
+    m = ckptstore.Store(root).manifest("v1").manifest
+    shard = next(o.name for o in m.objects)
+    path = os.path.join(root, layout.object_key("v1", shard))
+    good = open(path, "rb").read()
+    with open(path, "r+b") as f:  # flip one payload byte in the middle of the local shard
+        f.seek(len(good) // 2)
+        b = f.read(1)
+        f.seek(len(good) // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+
+    records: list[logging.LogRecord] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    h = Catch(level=logging.WARNING)
+    logging.getLogger("ckptstore").addHandler(h)
+    try:
+        tgt = {"w": torch.zeros(64, 64), "cfg": {"lr": 0.0}}
+        r = ckptstore.StorageReader(root, remote=s3_url)
+        dcp.load(tgt, checkpoint_id="v1", storage_reader=r)
+        assert torch.equal(tgt["w"], sd["w"]) and tgt["cfg"] == {"lr": 0.5}
+        assert r.stats["fallback_reads"] >= 1 and r.stats["repaired"] == 0
+        msgs = [x.getMessage() for x in records]
+        assert any(shard in s and "local" in s and "remote tier" in s and "read_repair" in s for s in msgs), msgs
+        assert open(path, "rb").read() != good  # not repaired without the opt-in
+
+        records.clear()
+        r = ckptstore.StorageReader(root, remote=s3_url, read_repair=True)
+        dcp.load(tgt, checkpoint_id="v1", storage_reader=r)
+        assert torch.equal(tgt["w"], sd["w"]) and r.stats["repaired"] == 1
+        assert open(path, "rb").read() == good  # the local copy holds the verified remote bytes
+        assert any("repaired" in x.getMessage() for x in records)
+
+        r = ckptstore.StorageReader(root, remote=s3_url)
+        dcp.load(tgt, checkpoint_id="v1", storage_reader=r)
+        assert r.stats == {"fallback_reads": 0, "repaired": 0}
+    finally:
+        logging.getLogger("ckptstore").removeHandler(h)

@@ -141,6 +141,7 @@ class StorageReader(_DCPStorageReader):
         self._deferred: Exception | None = None
         self._alt: list | None = None
         self._alt_lock = threading.Lock()
+        self._repaired: set[str] = set()
         self.rank = 0
         self.is_coordinator = True
 
@@ -290,10 +291,9 @@ class StorageReader(_DCPStorageReader):
         if not isinstance(self.tier, LocalTier):
             return
         with self._alt_lock:
-            repaired = self.__dict__.setdefault("_repaired", set())
-            if obj in repaired:
+            if obj in self._repaired:  # once per object and load, whichever thread fails first
                 return
-            repaired.add(obj)
+            self._repaired.add(obj)
         entry = self._objects.get(obj)
         if entry is None:
             return
