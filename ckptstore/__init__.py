@@ -14,6 +14,7 @@ from .errors import (  # noqa: E402
     StorageError,
     StorageFullError,
     UnsupportedFormatError,
+    UnsupportedStateError,
     VersionExistsError,
     VersionNotFoundError,
 )
@@ -50,4 +51,5 @@ __all__ = [
     "StorageError",
     "StorageFullError",
     "UnsupportedFormatError",
+    "UnsupportedStateError",
 ]

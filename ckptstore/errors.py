@@ -43,6 +43,7 @@ __all__ = [
     "StorageFullError",
     "DtypeMismatchError",
     "StateDictKeysError",
+    "UnsupportedStateError",
 ]
 
 
@@ -150,5 +151,12 @@ class DtypeMismatchError(CkptStoreError, TypeError):
 
 class StateDictKeysError(CkptStoreError, ValueError):
     """The state dict being loaded and the checkpoint disagree on their keys."""
+
+    exit_code = 1
+
+
+class UnsupportedStateError(CkptStoreError, TypeError):
+    """The state dict holds something ckptstore cannot store so that it loads again (refused at save,
+    before anything is committed)."""
 
     exit_code = 1

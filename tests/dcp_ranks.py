@@ -180,3 +180,23 @@ def s3_load(rank, world, root, remote, version, seed, key=None):
         and sd["i32"].tolist() == full["i32"].tolist()
         and sd["meta"] == full["meta"]
     )
+
+
+# ---- equal values, different pickles (issue 12 item 5) ---------------------------------------
+TAGS = {f"tag-{i:02d}" for i in range(12)}
+
+
+def equal_sets_save(rank, world, root):
+    """Each rank runs with its own PYTHONHASHSEED: equal sets pickle to different bytes."""
+    out = {"hash": hash("ckptstore"), "equal": None, "different": None}
+    sd = {"cfg": {"tags": set(TAGS), "n": 12}, "w": torch.ones(3)}
+    try:
+        dcp.save(sd, checkpoint_id="same", storage_writer=ckptstore.StorageWriter(root))
+    except BaseException as e:  # CheckpointException is a BaseException
+        out["equal"] = str(e)
+    sd = {"cfg": {"tags": set(TAGS) | {f"rank-{rank}"}, "n": 12}, "w": torch.ones(3)}
+    try:
+        dcp.save(sd, checkpoint_id="different", storage_writer=ckptstore.StorageWriter(root))
+    except BaseException as e:
+        out["different"] = str(e)
+    return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import io
+import logging
 import os
 import pickle
 import threading
@@ -52,7 +53,11 @@ from ..errors import (
 from ..manifest import layout
 from ..manifest.schema import Manifest, ObjectEntry
 from ..store import Store
+from ._checks import install_log_filter, reject_unknown_kwargs
 from ._types import ItemLocation
+
+log = logging.getLogger("ckptstore")
+install_log_filter()
 
 _BATCH_BYTES = 32 << 20  # decoded bytes fetched per pipeline stage
 _GROUP_BYTES = 8 << 20  # stored bytes per fetch task (ranged reads are coalesced within it)
@@ -71,6 +76,13 @@ class StorageReader(_DCPStorageReader):
         allow_partial_load: allow the checkpoint to hold keys the destination state dict lacks.
         allow_unencrypted: accept an unencrypted version although a key is configured.
         threads: decode threads (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
+        read_repair: when an object fails verification in the tier read first (local) and the
+            verified copy of another tier (S3) is used instead, also rewrite the local copy from
+            those verified bytes (temp file + atomic replace). Off by default.
+
+    Every read served by another tier than the one chosen is logged as a warning (logger
+    ``ckptstore``) naming the object and both tiers, and counted in :attr:`stats`
+    (``fallback_reads``, ``repaired``), which add up over the loads of this reader.
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionNotFoundError`,
     :class:`IntegrityError` / :class:`ManifestError`, :class:`KeyMismatchError`,
@@ -89,8 +101,13 @@ class StorageReader(_DCPStorageReader):
         allow_unencrypted: bool = False,
         threads: int | None = None,
         endpoint_url: str | None = None,
+        read_repair: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__()
+        reject_unknown_kwargs(type(self), kwargs)
+        self.read_repair = read_repair
+        self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0}
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
@@ -124,6 +141,7 @@ class StorageReader(_DCPStorageReader):
         self._deferred: Exception | None = None
         self._alt: list | None = None
         self._alt_lock = threading.Lock()
+        self._repaired: set[str] = set()
         self.rank = 0
         self.is_coordinator = True
 
@@ -210,16 +228,23 @@ class StorageReader(_DCPStorageReader):
             return self._alt
 
     def _with_fallback(self, obj: str, read):
-        """``read(tier)`` on the chosen tier, then on the other tiers holding the same attempt."""
+        """``read(tier)`` on the chosen tier, then on the other tiers holding the same attempt.
+
+        A read served by another tier is never silent: warned, counted, optionally repaired.
+        """
         try:
             return read(self.tier)
         except (IntegrityError, ObjectNotFoundError) as e:
             last: Exception = e
+        first = last
         for tier in self._alt_tiers():
             try:
-                return read(tier)
+                out = read(tier)
             except (IntegrityError, ObjectNotFoundError) as e:
                 last = e
+                continue
+            self._fell_back(obj, tier, first)
+            return out
         if isinstance(last, ObjectNotFoundError):
             raise IntegrityError(f"object {obj!r} of version {self.version!r} is missing from every tier: {last}", object=obj)
         raise last
@@ -240,6 +265,50 @@ class StorageReader(_DCPStorageReader):
             md = Metadata(state_dict_metadata={}, storage_data={})
             md.storage_meta = StorageMeta(load_id=self.load_id)
             return md
+
+    def _tier_name(self, tier) -> str:
+        for name, t in self._store.tiers.items():
+            if t is tier:
+                return name
+        return type(tier).__name__
+
+    def _fell_back(self, obj: str, tier, cause: Exception) -> None:
+        with self._alt_lock:
+            self.stats["fallback_reads"] += 1
+        log.warning(
+            "ckptstore: object %r of version %r failed in the %s tier (%s); read it from the %s tier instead%s",
+            obj, self.version, self._tier_name(self.tier), cause, self._tier_name(tier),
+            "" if self.read_repair else " (pass read_repair=True to StorageReader to rewrite the local copy, "
+            "or run 'ckptstore scrub --repair')",
+        )
+        if self.read_repair:
+            self._repair(obj, tier)
+
+    def _repair(self, obj: str, good_tier) -> None:
+        """Rewrite ``obj`` in the chosen (local) tier from ``good_tier``'s copy, verified in full first."""
+        from ..tiers import LocalTier
+
+        if not isinstance(self.tier, LocalTier):
+            return
+        with self._alt_lock:
+            if obj in self._repaired:  # once per object and load, whichever thread fails first
+                return
+            self._repaired.add(obj)
+        entry = self._objects.get(obj)
+        if entry is None:
+            return
+        key = layout.object_key(self.version, obj)
+        try:
+            data = good_tier.get(key)
+            self._decode_whole(entry, data)  # every frame, the header digest and the size
+            self.tier.put(key, data)  # temp file, fsync, atomic replace
+        except CkptStoreError as e:
+            log.warning("ckptstore: read-repair of %r in version %r failed: %s", obj, self.version, e)
+            return
+        with self._alt_lock:
+            self.stats["repaired"] += 1
+        log.warning("ckptstore: repaired %r of version %r in the %s tier from the %s tier",
+                    obj, self.version, self._tier_name(self.tier), self._tier_name(good_tier))
 
     def _read_metadata(self) -> Metadata:
         if self._metadata is not None:
@@ -356,6 +425,7 @@ class StorageReader(_DCPStorageReader):
                 f"version {self.version!r} holds {len(unread)} key(s) that no rank's state dict asks for: {shown}. "
                 "They would be dropped silently (e.g. per-rank entries saved on more ranks than are loading). "
                 "Load them explicitly, or pass allow_partial_load=True to StorageReader"
+                + (_OPTIM_HINT if any(".state." in k for k in unread) else "")
             )
         return plans
 
@@ -488,6 +558,13 @@ class StorageReader(_DCPStorageReader):
         planner.commit_tensor(ri, target)
 
 
+_OPTIM_HINT = (
+    ". For optimizers, save and load optim state through torch.distributed.checkpoint.state_dict's "
+    "get_state_dict/set_state_dict (a fresh optimizer's state_dict() has no state entries to load into; "
+    "see the README)"
+)
+
+
 def _contig_strides(shape) -> tuple:
     strides = []
     acc = 1
@@ -497,8 +574,23 @@ def _contig_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+class RefusedClassError(pickle.UnpicklingError):
+    """The pickle refers to a class outside the allow-list (``qualname``: ``module.name``)."""
+
+    def __init__(self, module: str, name: str):
+        self.qualname = f"{module}.{name}"
+        super().__init__(f"DCP metadata refers to {self.qualname}, which is not allowed")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Only the classes DCP metadata is made of (plus torch dtypes/``Size`` and our records).
+
+    That is every class torch ≥ 2.6 DCP itself puts in ``Metadata`` (``metadata.py``:
+    ``ChunkStorageMetadata``, ``TensorStorageMetadata``, ``BytesStorageMetadata``,
+    ``TensorProperties`` with ``_MEM_FORMAT_ENCODING``, ``MetadataIndex``, ``StorageMeta``;
+    ``torch.dtype``/``Size``/``layout``/``memory_format``), and the sharded-tensor
+    ``TensorProperties``/``MEM_FORMAT_ENCODING`` that older DCP wrote. The writer checks every
+    Metadata against this list before committing (``_checks.check_metadata_loads``).
 
     Names must be plain (no dots: protocol 4 resolves dotted names through attributes) and resolve
     to classes, except torch dtypes/layouts and ``torch.serialization._get_layout``.
@@ -518,11 +610,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("builtins", "frozenset"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
+        ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+        ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     }
 
     def find_class(self, module: str, name: str):
         if "." in name or not name.isidentifier():
-            raise pickle.UnpicklingError(f"DCP metadata refers to {module}:{name}, which is not allowed")
+            raise RefusedClassError(module, name)
         if (module, name) in self._EXACT:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
@@ -531,7 +625,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = super().find_class(module, name)
             if isinstance(obj, type):
                 return obj
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not allowed")
+        raise RefusedClassError(module, name)
 
 
 def _restricted_loads(blob: bytes, what: str):

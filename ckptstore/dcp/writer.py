@@ -54,6 +54,7 @@ from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest
+from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
 from .staging import Stager
 
 DEFAULT_FRAME_SIZE = 2 << 20  # bytes; a multiple of every element size (≤ 16). 2 MiB: AES-GCM and
@@ -68,7 +69,7 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` in C order as a flat memoryview (copies only if non-contiguous/non-CPU)."""
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # lazy conjugate/negative views: materialise
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous() or t.storage_offset() < 0:
@@ -133,6 +134,7 @@ class StorageWriter(_DCPStorageWriter):
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        reject_unknown_kwargs(type(self), kwargs)
         if compression not in ("auto", "none"):
             raise ValueError("compression must be 'auto' or 'none'")
         if durability not in ("local", "remote"):
@@ -226,7 +228,7 @@ class StorageWriter(_DCPStorageWriter):
             )
         if not self.overwrite and self._tier.exists(layout.manifest_key(self.version)):
             raise VersionExistsError(
-                f"version {self.version!r} already exists in {self.root}; choose a new checkpoint_id "
+                f"Checkpoint already exists: version {self.version!r} in {self.root}; choose a new checkpoint_id "
                 "or pass overwrite=True to replace it"
             )
 
@@ -277,7 +279,7 @@ class StorageWriter(_DCPStorageWriter):
         if not self.allow_divergent_replicas and world > 1:  # one rank cannot diverge from itself
             for item in self._local_items:
                 data = planner.resolve_data(item)
-                mv = data.getbuffer() if isinstance(data, io.BytesIO) else tensor_bytes(data)
+                mv = value_digest(planner, item, data) if isinstance(data, io.BytesIO) else tensor_bytes(data)
                 rd = ReplicaDigest(item.index.fqn, pd.rank, xxh3(mv))
                 results.append(WriteResult(MetadataIndex(_SENTINEL + "replica/" + item.index.fqn), 0, rd))
         return results
@@ -386,7 +388,9 @@ class StorageWriter(_DCPStorageWriter):
             cipher = FrameCipher(data_key)
         codec = FrameCodec(self.version, attempt, cipher, compress=self.compression, level=self.level)
         meta_name = layout.metadata_name(attempt)
+        metadata.storage_meta = self.storage_meta()  # as FileSystemWriter records it
         blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        check_metadata_loads(blob, self.version)  # never commit what the reader refuses
         meta_entry = self._write_small_object(codec, meta_name, blob)
         reports.sort(key=lambda r: r.rank)
         objects = [ObjectEntry(r.name, r.size, r.digest, r.frames, r.rank, r.nbytes) for r in reports]

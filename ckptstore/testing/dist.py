@@ -7,6 +7,7 @@ function) because ranks are spawned processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -49,14 +50,30 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
             pass
 
 
+@contextlib.contextmanager
+def _spawn_env(env: dict):
+    """Set ``env`` in this process while a rank is spawned, so the new interpreter starts with it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | list | None = None, timeout: float = 240) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = free_port()
     envs = env if isinstance(env, list) else [dict(env or {})] * world_size
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, envs[r], q), daemon=False) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    for r, p in enumerate(procs):
+        with _spawn_env(envs[r]):  # e.g. PYTHONHASHSEED must be set when the interpreter starts
+            p.start()
     for p in procs:
         p.join(timeout)
     results: dict[int, Any] = {}

@@ -1,0 +1,102 @@
+"""Run PyTorch's own DCP test files against ckptstore (FileSystemWriter/Reader swapped).
+
+PyTorch's test files are not part of ckptstore: put them in a directory of your own (e.g. copies of
+``test/distributed/checkpoint/test_file_system_checkpoint_cpu.py`` from the PyTorch release that
+matches the installed torch) and run::
+
+    PYTHONPATH=$PWD python tests/compat/run_torch_dcp_tests.py /tmp/torch_dcp_tests [-k EXPR]
+
+Each file runs twice: with DCP's own FileSystemWriter/Reader (the baseline: cases that fail there
+fail for reasons of the installed torch, not ckptstore) and with ckptstore swapped in by
+``tests/compat/shim`` (a ``sitecustomize`` so that spawned ranks get the swap too). The report
+lists every case with both outcomes and the totals; exit status 0 when every case that passes on
+the baseline also passes with ckptstore, except those listed in ``EXPECTED_DIFFERENCES`` (each one a
+deliberate difference documented in docs/TESTING.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+# case id (file::class::name) -> why ckptstore deliberately behaves differently (docs/TESTING.md)
+EXPECTED_DIFFERENCES: dict[str, str] = {}
+
+
+def run(files: list[str], shim: bool, extra: list[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(HERE, "shim"), REPO] + [p for p in [env.get("PYTHONPATH")] if p] + [os.path.join(HERE, "fallback")]
+    )
+    env["CKPTSTORE_DCP_SHIM"] = "1" if shim else "0"
+    probe = ("import torch.distributed.checkpoint as d, ckptstore; "
+             "print(issubclass(d.FileSystemWriter, ckptstore.StorageWriter), issubclass(d.FileSystemReader, ckptstore.StorageReader))")
+    active = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.split()
+    if active != ([str(shim)] * 2):
+        raise SystemExit(f"the ckptstore shim is {'not ' if shim else ''}active where it should {'' if shim else 'not '}be: {active}")
+    with tempfile.TemporaryDirectory() as d:
+        xml = os.path.join(d, "report.xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
+               "--rootdir", os.path.dirname(files[0]), "-o", "addopts=", f"--junitxml={xml}", *extra, *files]
+        subprocess.run(cmd, env=env, cwd=os.path.dirname(files[0]))
+        out: dict[str, str] = {}
+        if not os.path.exists(xml):
+            return out
+        for tc in ET.parse(xml).iter("testcase"):
+            cid = f"{tc.get('classname')}::{tc.get('name')}"
+            status = "passed"
+            for child in tc:
+                if child.tag in ("failure", "error"):
+                    status = "failed"
+                    msg = (child.get("message") or "").strip().splitlines()
+                    status += f" ({msg[0][:160]})" if msg else ""
+                elif child.tag == "skipped":
+                    status = "skipped"
+            out[cid] = status
+        return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tests_dir", help="directory holding PyTorch's DCP test files (test_*.py)")
+    ap.add_argument("--shim-only", action="store_true", help="skip the baseline run")
+    a, pytest_args = ap.parse_known_args()  # the rest goes to pytest (e.g. -k EXPR)
+    a.pytest_args = pytest_args
+    files = sorted(os.path.join(os.path.abspath(a.tests_dir), f) for f in os.listdir(a.tests_dir)
+                   if f.startswith("test_") and f.endswith(".py"))
+    if not files:
+        print(f"no test_*.py in {a.tests_dir}", file=sys.stderr)
+        return 2
+    base = {} if a.shim_only else run(files, False, a.pytest_args)
+    ours = run(files, True, a.pytest_args)
+    ok = True
+    print("\n== PyTorch DCP tests: DCP FileSystemWriter/Reader (baseline) vs ckptstore ==")
+    for cid in sorted(set(base) | set(ours)):
+        b, o = base.get(cid, "-"), ours.get(cid, "-")
+        note = ""
+        if b == "passed" and not o.startswith("passed"):
+            note = EXPECTED_DIFFERENCES.get(cid, "")
+            note = f"  [deliberate: {note}]" if note else "  [REGRESSION]"
+            ok = ok and bool(EXPECTED_DIFFERENCES.get(cid))
+        print(f"{cid}\n    baseline: {b}\n    ckptstore: {o}{note}")
+    ran = [c for c in ours if ours[c] != "skipped"]
+    passed = [c for c in ran if ours[c] == "passed"]
+    base_passed = [c for c in base if base[c] == "passed"]
+    print(f"\nckptstore: {len(ran)} cases run, {len(passed)} passed, {len(ran) - len(passed)} failed, "
+          f"{len(ours) - len(ran)} skipped")
+    if base:
+        both = [c for c in base_passed if ours.get(c) == "passed"]
+        print(f"baseline (DCP FileSystemWriter): {len(base_passed)} of {len(base)} passed; "
+              f"ckptstore passes {len(both)} of those {len(base_passed)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
