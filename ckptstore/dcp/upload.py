@@ -157,8 +157,9 @@ class Uploader:
         return key
 
     # -- catch-up ---------------------------------------------------------------------------
-    def catch_up(self, exclude: str | None = None) -> list[str]:
-        """Stage versions committed locally but not remotely (a crash cut their remote commit).
+    def catch_up(self, exclude: str | None = None, only: "list[str] | None" = None) -> list[str]:
+        """Stage versions committed locally but not remotely (a crash cut their remote commit), or
+        only the versions named in ``only``.
 
         Only versions whose every object is present in the local root are staged (on a multi-node
         job other nodes' ranks hold their own objects); returns the versions scheduled.
@@ -173,7 +174,7 @@ class Uploader:
             return []
         todo = []
         for v, e in sorted(local.items(), key=lambda kv: kv[1].manifest.created):
-            if v == exclude or v in remote:
+            if v == exclude or v in remote or (only is not None and v not in only):
                 continue
             m = e.manifest
             if not all(self.local.exists(layout.object_key(v, o.name)) for o in m.all_objects()):
