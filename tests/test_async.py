@@ -107,7 +107,7 @@ def test_process_executor_exit_without_close_is_loud(tmp_path, s3_url, s3_env):
         print("training done", flush=True)
         """
     )
-    env = dict(os.environ, **s3_env, **_ro_env(), PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, **s3_env, **_ro_env(), "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert "training done" in p.stdout, p.stderr[-3000:]
     assert "NOT uploaded before exit" in p.stderr and "v1" in p.stderr, p.stderr[-3000:]

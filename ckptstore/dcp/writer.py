@@ -432,7 +432,9 @@ class StorageWriter(_DCPStorageWriter):
         rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw, tuple(sorted(sink.codecs)))
         results.append(WriteResult(MetadataIndex(_SENTINEL + f"object/{pd.rank}"), total_raw, rep))
         if self._remote is not None:
-            self._upload_rank_object(s, rep)
+            failed = self._upload_rank_object(s, rep)
+            if failed is not None:
+                results.append(WriteResult(MetadataIndex(_SENTINEL + f"upload/{pd.rank}"), 0, failed))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -440,6 +442,7 @@ class StorageWriter(_DCPStorageWriter):
         if s.attempt is None:  # a rank-less save (empty plans everywhere)
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
         reports, replicas, storage_md = _collect(results)
+        upload_failures = [storage_md.pop(k) for k in [k for k, v in storage_md.items() if isinstance(v, _UploadFailure)]]
         self._check_replicas(replicas)
         metadata.storage_data = storage_md
         m, body = self._seal_manifest(s, metadata, reports, world_size=len(results))
@@ -449,6 +452,14 @@ class StorageWriter(_DCPStorageWriter):
         )
         _faults.point("commit.after_manifest")
         self.last_manifest = m
+        if upload_failures:  # PROCESS + durability="local": the local version stands, the future fails
+            from .upload import UploadError
+
+            self._after_commit(m)
+            raise UploadError(
+                f"version {s.version!r} is committed locally but not uploaded to {self.remote_url}: "
+                + "; ".join(f"rank {f.rank}: {f.error}" for f in sorted(upload_failures, key=lambda f: f.rank))
+            )
         if self._remote is not None:
             try:
                 self._commit_remote(m, body)
@@ -527,11 +538,17 @@ class StorageWriter(_DCPStorageWriter):
         if up is not None:
             up.shutdown()
 
-    def _upload_rank_object(self, s: _Save, rep: ObjectReport) -> None:
+    def _upload_rank_object(self, s: _Save, rep: ObjectReport) -> _UploadFailure | None:
         entry = ObjectEntry(rep.name, rep.size, rep.digest, rep.frames, rep.rank, rep.nbytes)
         fut = self.uploader.upload_object(s.version, entry, rep.rank)
-        if self._sync_remote:
+        if self.durability == "remote":
             fut.result()
+        elif self._in_subprocess:  # PROCESS, durability="local": commit locally, then report it
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - travels to the coordinator in the write results
+                return _UploadFailure(rep.rank, f"{type(e).__name__}: {e}")
+        return None
 
     def _commit_remote(self, m: Manifest, body: bytes) -> None:
         with self._lock:
@@ -643,6 +660,14 @@ def _check_shipped_at_exit() -> None:  # pragma: no cover - exercised by subproc
             w.close()
         except Exception as e:  # noqa: BLE001 - report every writer
             print(f"ckptstore: NOT uploaded before exit: {e}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _UploadFailure:
+    """A rank's failed upload (PROCESS executor, durability="local"), reported to the coordinator."""
+
+    rank: int
+    error: str
 
 
 def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict[str, dict[int, int]], dict]:
