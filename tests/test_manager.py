@@ -106,3 +106,24 @@ def test_readme_training_loop_example_runs_as_written(tmp_path):
         p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
         assert p.returncode == 0, p.stderr[-3000:]
         assert want in p.stdout, p.stdout
+
+
+def test_advise_young_daly_and_command():
+    import math
+
+    from click.testing import CliRunner
+
+    from ckptstore.advise import advise, advise_cmd, goodput, optimal_interval, parse_duration
+
+    c, m = 10.0, 6 * 3600.0
+    assert abs(advise(cost_s=c, mtbf_s=m).young_s - math.sqrt(2 * c * m)) < 1e-9  # Young 1974
+    t = optimal_interval(c, m)
+    assert abs(t - math.sqrt(2 * c * m)) / t < 0.03  # Daly's refinement stays close for C << M
+    assert goodput(t, c, m) > max(goodput(t / 3, c, m), goodput(3 * t, c, m))  # it is the optimum
+    assert parse_duration("6h") == m and parse_duration("90m") == 5400 and parse_duration("45") == 45
+    a = advise(cost_s=2.0, mtbf_s=m, restart_s=120, step_time_s=0.5)
+    assert a.interval_steps == round(a.interval_s / 0.5) and 0.9 < a.goodput < 1.0
+    r = CliRunner().invoke(advise_cmd, ["--mtbf", "6h", "--cost", "2", "--restart", "120", "--step-time", "0.5"])
+    assert r.exit_code == 0 and "checkpoint every" in r.output and "steps" in r.output, r.output
+    r = CliRunner().invoke(advise_cmd, ["--mtbf", "soon", "--cost", "2"])
+    assert r.exit_code == 2 and "not a duration" in r.output
