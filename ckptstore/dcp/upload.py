@@ -17,6 +17,12 @@ interpreter exit) waits for it, bounded by ``upload_timeout`` seconds, and repor
 uploaded. ``durability="remote"``: ``write_data`` waits for the rank's upload and ``finish`` for the
 remote commit, so the DCP future resolves only once the version is committed remotely, and any
 upload failure reaches the caller as a ``CheckpointException`` naming the rank.
+
+``AsyncCheckpointerType.PROCESS``: DCP's checkpoint subprocess answers and then has nobody to wait
+for its threads, so there the save waits for the uploads and the remote commit whatever the
+durability; with ``durability="local"`` a failed upload keeps the local commit and fails the future
+with :class:`UploadError`. The training process's writer (``close()``, or interpreter exit) stages
+again and reports any version committed locally in its lifetime but not remotely.
 """
 
 from __future__ import annotations

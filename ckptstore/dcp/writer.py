@@ -3,9 +3,10 @@ two-phase manifest commit.
 
 Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.StorageWriter``):
 
-0. (all ranks) ``reset(checkpoint_id)`` — only when a ``checkpoint_id`` is passed; sets the version
-   name and clears per-checkpoint state. ``storage_meta()`` returns
-   ``StorageMeta(checkpoint_id=version, save_id=...)``.
+0. (all ranks) ``reset(checkpoint_id)`` — only when a ``checkpoint_id`` is passed; starts a new
+   per-save state (``_Save``: version, attempt, data key, plan items) for the calling thread, so
+   overlapping saves through one writer never share it (see the class docstring).
+   ``storage_meta()`` returns ``StorageMeta(checkpoint_id=version, save_id=...)``.
 1. (all ranks) ``set_up_storage_writer(is_coordinator, rank=, use_collectives=)`` — validates the
    version name and fails fast with :class:`VersionExistsError` unless ``overwrite=True``.
 2. (all ranks) ``prepare_local_plan`` — records the rank in ``plan.storage_data``.
@@ -227,6 +228,7 @@ class StorageWriter(_DCPStorageWriter):
     def __getstate__(self):
         if not self._in_subprocess and self._remote is not None and not self._shipped:
             self._shipped = True  # close()/exit here check that the subprocess's versions reached S3
+            self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
             _shipped.add(self)
         s = self.__dict__.copy()
         for k in ("_uploader", "_lock", "_tls"):
@@ -632,7 +634,7 @@ class StorageWriter(_DCPStorageWriter):
         from ..manifest import catalogue
         from .upload import UploadError
 
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        if getattr(self, "_ship_rank", 0) != 0:
             return
         local = {v: e for v, e in catalogue.scan(self._tier).items() if e.manifest.created >= self._born}
         missing = sorted(set(local) - set(catalogue.scan(self._remote)))
