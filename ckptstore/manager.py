@@ -237,6 +237,7 @@ class CheckpointManager:
         fut.add_done_callback(done)
 
     def _process_done(self, f, info: SaveInfo, t0: float) -> None:
+        self._writer._options_for.pop(info.version, None)  # the subprocess used its pickled copy
         e = f.exception()
         if e is not None:
             self._failed(info, e)
