@@ -30,10 +30,16 @@ def __getattr__(name: str):
         from . import dcp
 
         return getattr(dcp, name)
+    if name in ("CheckpointManager", "SaveInfo"):
+        from . import manager
+
+        return getattr(manager, name)
     raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
 
 
 __all__ = [
+    "CheckpointManager",
+    "SaveInfo",
     "StorageWriter",
     "StorageReader",
     "Store",

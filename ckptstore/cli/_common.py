@@ -248,3 +248,22 @@ def one_note(notes: dict[str, str]) -> str | None:
     if not notes:
         return None
     return next((v for v in notes.values() if v), "")
+
+
+class Duration(click.ParamType):
+    """A duration such as ``7d``, ``12h``, ``1d12h``, ``90m``, ``30s``, ``2w`` or ``0``, in seconds."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        from ..retention import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+DURATION = Duration()

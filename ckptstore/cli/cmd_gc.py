@@ -11,26 +11,7 @@ import sys
 
 import click
 
-from ._common import emit_json, human, open_store, pin_note, plural, progress, reported_here, store_options
-
-
-class Duration(click.ParamType):
-    """A duration such as ``7d``, ``12h``, ``1d12h``, ``90m``, ``30s``, ``2w`` or ``0``, in seconds."""
-
-    name = "duration"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, float):
-            return value
-        from ..retention import parse_duration
-
-        try:
-            return parse_duration(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
-
-
-DURATION = Duration()
+from ._common import DURATION, emit_json, human, open_store, pin_note, plural, progress, reported_here, store_options
 
 
 def _rule_options(tier: str | None):

@@ -17,6 +17,12 @@ interpreter exit) waits for it, bounded by ``upload_timeout`` seconds, and repor
 uploaded. ``durability="remote"``: ``write_data`` waits for the rank's upload and ``finish`` for the
 remote commit, so the DCP future resolves only once the version is committed remotely, and any
 upload failure reaches the caller as a ``CheckpointException`` naming the rank.
+
+``AsyncCheckpointerType.PROCESS``: DCP's checkpoint subprocess answers and then has nobody to wait
+for its threads, so there the save waits for the uploads and the remote commit whatever the
+durability; with ``durability="local"`` a failed upload keeps the local commit and fails the future
+with :class:`UploadError`. The training process's writer (``close()``, or interpreter exit) stages
+again and reports any version committed locally in its lifetime but not remotely.
 """
 
 from __future__ import annotations
@@ -154,8 +160,9 @@ class Uploader:
         return key
 
     # -- catch-up ---------------------------------------------------------------------------
-    def catch_up(self, exclude: str | None = None) -> list[str]:
-        """Stage versions committed locally but not remotely (a crash cut their remote commit).
+    def catch_up(self, exclude: str | None = None, only: "list[str] | None" = None) -> list[str]:
+        """Stage versions committed locally but not remotely (a crash cut their remote commit), or
+        only the versions named in ``only``.
 
         Only versions whose every object is present in the local root are staged (on a multi-node
         job other nodes' ranks hold their own objects); returns the versions scheduled.
@@ -170,7 +177,7 @@ class Uploader:
             return []
         todo = []
         for v, e in sorted(local.items(), key=lambda kv: kv[1].manifest.created):
-            if v == exclude or v in remote:
+            if v == exclude or v in remote or (only is not None and v not in only):
                 continue
             m = e.manifest
             if not all(self.local.exists(layout.object_key(v, o.name)) for o in m.all_objects()):

@@ -3,9 +3,10 @@ two-phase manifest commit.
 
 Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.StorageWriter``):
 
-0. (all ranks) ``reset(checkpoint_id)`` — only when a ``checkpoint_id`` is passed; sets the version
-   name and clears per-checkpoint state. ``storage_meta()`` returns
-   ``StorageMeta(checkpoint_id=version, save_id=...)``.
+0. (all ranks) ``reset(checkpoint_id)`` — only when a ``checkpoint_id`` is passed; starts a new
+   per-save state (``_Save``: version, attempt, data key, plan items) for the calling thread, so
+   overlapping saves through one writer never share it (see the class docstring).
+   ``storage_meta()`` returns ``StorageMeta(checkpoint_id=version, save_id=...)``.
 1. (all ranks) ``set_up_storage_writer(is_coordinator, rank=, use_collectives=)`` — validates the
    version name and fails fast with :class:`VersionExistsError` unless ``overwrite=True``.
 2. (all ranks) ``prepare_local_plan`` — records the rank in ``plan.storage_data``.
@@ -25,13 +26,17 @@ A crash anywhere before the link leaves only objects no manifest references (gar
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures as cf
 import dataclasses
 import io
 import os
 import pickle
+import sys
+import threading
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -79,6 +84,23 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+@dataclasses.dataclass(eq=False)
+class _Save:
+    """Everything one DCP call sequence (reset → … → finish) needs; never shared between saves."""
+
+    version: str | None
+    step: int | None
+    user_metadata: dict
+    save_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    rank: int = 0
+    is_coordinator: bool = True
+    use_collectives: bool = True
+    started: bool = False  # set_up_storage_writer ran: the next DCP sequence needs a new _Save
+    local_items: list = dataclasses.field(default_factory=list)
+    attempt: str | None = None
+    wrapped: tuple = (None, None)  # (wrapped data key, key id) drawn by the coordinator
+
+
 class StorageWriter(_DCPStorageWriter):
     """Write DCP checkpoints into a ckptstore.
 
@@ -90,14 +112,17 @@ class StorageWriter(_DCPStorageWriter):
         version: version name when ``dcp.save`` is called without ``checkpoint_id``.
         overwrite: replace an existing version atomically instead of raising
             :class:`VersionExistsError`.
-        step: training step recorded in the manifest (for ``list`` and retention).
+        step: training step recorded in the manifest (for ``list`` and retention); per save with
+            :meth:`save_options`.
         user_metadata: free-form JSON-serialisable dict recorded in the manifest.
         threads: encoder threads per rank (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
         frame_size: raw bytes per frame (default 2 MiB); big tensors are split into frames.
         compression: ``"auto"`` (zstd / byte-grouped floats, kept only when ≥ 3 % smaller) or ``"none"``.
         level: zstd level (default 1, fastest).
         durability: ``"local"`` (the save completes at the local commit; upload continues) or
-            ``"remote"`` (the save completes at the remote commit). Only with ``remote``.
+            ``"remote"`` (the save completes at the remote commit). Only with ``remote``. Under
+            ``AsyncCheckpointerType.PROCESS`` a save always completes at the remote commit: DCP's
+            checkpoint subprocess cannot keep uploading after it has answered.
         endpoint_url: S3 endpoint, overriding the boto3 chain.
         upload_timeout: seconds ``close()``/exit and the remote commit wait for uploads (default 1 h).
         retention: a :class:`ckptstore.retention.RetentionPolicy` applied by the coordinator right
@@ -106,6 +131,27 @@ class StorageWriter(_DCPStorageWriter):
             locally never deletes a version not yet committed in the remote tier.
         allow_divergent_replicas: when two ranks hold different values under one non-sharded key,
             save rank 0's copy (DCP's behaviour) instead of raising :class:`StateDictKeysError`.
+        max_staged: how many ``async_save`` host copies may exist at once (default 2); ``stage()``
+            waits for an earlier save to finish writing when that many are held (back-pressure).
+
+    Overlapping saves (any number in flight through one writer, e.g. ``dcp.async_save`` called again
+    before the previous future resolved):
+
+    - **Concurrent**: each DCP call sequence ``reset → storage_meta → set_up_storage_writer →
+      prepare_local_plan → prepare_global_plan → write_data → finish`` runs on one thread and gets
+      its own per-save state (version, attempt, data key, plan items) created by ``reset()`` (or by
+      ``storage_meta()`` when DCP is called without ``checkpoint_id``) and found through that
+      thread; encoding, writing and the local commit of different saves run in parallel.
+    - **Queued**: ``stage()`` waits while ``max_staged`` host copies are held; uploads and remote
+      commits share one uploader pool (``threads`` workers) in submission order.
+    - **Not the writer's to order**: DCP's planning collectives. Overlapping saves on one process
+      group may interleave differently on different ranks and hang; give each in-flight save its own
+      ``process_group=`` (or use :class:`ckptstore.CheckpointManager`, which runs them one at a time
+      on its own group).
+
+    A future that resolves without error means the version is committed (locally; remotely with
+    ``durability="remote"`` or the PROCESS executor); a failed save leaves only objects that no
+    manifest references, so saving its name again works.
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionExistsError`,
     :class:`InvalidNameError`, :class:`StorageFullError`, :class:`StorageError`,
@@ -131,6 +177,7 @@ class StorageWriter(_DCPStorageWriter):
         allow_divergent_replicas: bool = False,
         upload_timeout: float = 3600.0,
         retention: Any = None,
+        max_staged: int = 2,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -141,6 +188,8 @@ class StorageWriter(_DCPStorageWriter):
             raise ValueError("durability must be 'local' or 'remote'")
         if frame_size < 4096 or frame_size % 16:
             raise ValueError("frame_size must be a multiple of 16 bytes and at least 4096")
+        if max_staged < 1:
+            raise ValueError("max_staged must be at least 1")
         self.root = os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
@@ -158,35 +207,97 @@ class StorageWriter(_DCPStorageWriter):
         self.retention = retention
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
-        self.options = kwargs
-        self.version = check_version(version) if version is not None else None
+        self._default_version = check_version(version) if version is not None else None
         self._tier = LocalTier(self.root)
         self._remote = make_remote(remote, endpoint_url=endpoint_url) if remote else None
-        self._stager = Stager()
+        self._stager = Stager(max_staged, timeout=upload_timeout)
         self._uploader = None
         self._caught_up = False
-        self._reset_state()
+        self._in_subprocess = False  # this copy runs in DCP's checkpoint subprocess (PROCESS)
+        self._shipped = False  # a copy of this writer was sent to DCP's checkpoint subprocess
+        self._born = utcnow()
+        self._options_for: dict[str, tuple] = {}
+        self._remote_futs: dict[str, cf.Future] = {}
+        self.last_manifest: Manifest | None = None
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._lock = threading.Lock()
+        self._tls = threading.local()
 
     # -- pickling (AsyncCheckpointerType.PROCESS): configuration only, no pools or clients ------
     def __getstate__(self):
+        if not self._in_subprocess and self._remote is not None and not self._shipped:
+            self._shipped = True  # close()/exit here check that the subprocess's versions reached S3
+            self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+            _shipped.add(self)
         s = self.__dict__.copy()
-        s["_uploader"] = None
-        s["_pool"] = None
+        for k in ("_uploader", "_lock", "_tls"):
+            s.pop(k, None)
+        s["_remote_futs"] = {}
+        s["_in_subprocess"] = True
         return s
 
     def __setstate__(self, s):
         self.__dict__.update(s)
+        self._uploader = None
+        self._init_runtime()
 
-    def _reset_state(self) -> None:
-        self.save_id = uuid.uuid4().hex
-        self.rank = 0
-        self.is_coordinator = True
-        self.use_collectives = True
-        self.world_size = 1
-        self._local_items: list = []
-        self.attempt: str | None = None
-        self._wrapped: tuple = (None, None)
-        self.last_manifest: Manifest | None = None
+    # -- per-save state --------------------------------------------------------------------------
+    def _new_save(self, version: str | None) -> _Save:
+        step, user = self.step, self.user_metadata
+        if version is not None:
+            with self._lock:
+                step, user = self._options_for.pop(version, (step, user))
+        s = _Save(version, step, dict(user))
+        self._tls.save = s
+        return s
+
+    def _cur(self, *, starting: bool = False) -> _Save:
+        """This thread's save; a new one when DCP starts a sequence without ``reset()``."""
+        s = getattr(self._tls, "save", None)
+        if s is None or (starting and s.started):
+            s = self._new_save(self._default_version)
+        return s
+
+    def save_options(self, version: str, *, step: int | None = None, user_metadata: dict | None = None) -> None:
+        """Record ``step``/``user_metadata`` for the next save of ``version`` (for callers that run
+        overlapping saves through one writer, where setting ``writer.step`` would race)."""
+        with self._lock:
+            self._options_for[check_version(version)] = (
+                self.step if step is None else step,
+                self.user_metadata if user_metadata is None else dict(user_metadata),
+            )
+
+    # The attributes below read (and, for tests, set) the calling thread's save.
+    @property
+    def version(self) -> str | None:
+        s = getattr(self._tls, "save", None)
+        return s.version if s is not None else self._default_version
+
+    @version.setter
+    def version(self, v: str | None) -> None:
+        self._default_version = v
+
+    @property
+    def attempt(self) -> str | None:
+        return self._cur().attempt
+
+    @attempt.setter
+    def attempt(self, a: str | None) -> None:
+        self._cur().attempt = a
+
+    @property
+    def save_id(self) -> str:
+        return self._cur().save_id
+
+    @property
+    def rank(self) -> int:
+        return self._cur().rank
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self._cur().is_coordinator
 
     # -- DCP contract --------------------------------------------------------------------------
     @classmethod
@@ -199,175 +310,169 @@ class StorageWriter(_DCPStorageWriter):
             return False
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self._reset_state()
+        version = self._default_version
         if checkpoint_id is not None:
-            self.version = check_version(os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id)
+            version = check_version(os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id)
+        self._new_save(version)
 
     @property
     def checkpoint_id(self) -> str | None:
         return self.version
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.version, save_id=self.save_id)
+        s = self._cur(starting=True)
+        return StorageMeta(checkpoint_id=s.version, save_id=s.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.use_collectives = kwargs.get("use_collectives", True)
+        s = self._cur(starting=True)
+        s.started = True
+        s.is_coordinator = is_coordinator
+        s.use_collectives = kwargs.get("use_collectives", True)
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank = int(rank)
-        if self.version is None:
+        s.rank = int(rank)
+        if s.version is None:
             raise CkptStoreError(
                 "no version name: pass checkpoint_id= to dcp.save/async_save or version= to StorageWriter"
             )
-        if not self.use_collectives and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if not s.use_collectives and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise CkptStoreError(
                 "ckptstore commits one manifest per version and needs rank coordination; "
                 "call dcp.save/async_save with use_collectives=True (the default)"
             )
-        if not self.overwrite and self._tier.exists(layout.manifest_key(self.version)):
+        if not self.overwrite and self._tier.exists(layout.manifest_key(s.version)):
             raise VersionExistsError(
-                f"Checkpoint already exists: version {self.version!r} in {self.root}; choose a new checkpoint_id "
+                f"Checkpoint already exists: version {s.version!r} in {self.root}; choose a new checkpoint_id "
                 "or pass overwrite=True to replace it"
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
-        return dataclasses.replace(plan, storage_data=LocalPlanData(rank=self.rank))
+        s = self._cur()
+        s.local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
+        return dataclasses.replace(plan, storage_data=LocalPlanData(rank=s.rank))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        s = self._cur()
         attempt = layout.new_attempt()
         wrapped = kid = None
         if self._master is not None:
-            wrapped = wrap_key(self._master, new_data_key(), self.version, attempt)
+            wrapped = wrap_key(self._master, new_data_key(), s.version, attempt)
             kid = key_id(self._master)
         out = []
         for i, p in enumerate(plans):
             sd = p.storage_data
             rank = sd.rank if isinstance(sd, LocalPlanData) else i
             out.append(dataclasses.replace(p, storage_data=PlanData(rank, attempt, wrapped, kid)))
-        self.attempt = attempt
-        self._wrapped = (wrapped, kid)
+        s.attempt = attempt
+        s.wrapped = (wrapped, kid)
         return out
 
-    def _codec(self, pd: PlanData) -> FrameCodec:
+    def _codec(self, s: _Save, pd: PlanData) -> FrameCodec:
         cipher = None
         if pd.wrapped_key is not None:
             if self._master is None:
-                raise KeyMismatchError(f"rank {self.rank} has no master key but the coordinator encrypts; give every rank the same key")
-            cipher = FrameCipher(unwrap_key(self._master, pd.wrapped_key, self.version, pd.attempt, pd.key_id))
-        return FrameCodec(self.version, pd.attempt, cipher, compress=self.compression, level=self.level)
+                raise KeyMismatchError(f"rank {s.rank} has no master key but the coordinator encrypts; give every rank the same key")
+            cipher = FrameCipher(unwrap_key(self._master, pd.wrapped_key, s.version, pd.attempt, pd.key_id))
+        return FrameCodec(s.version, pd.attempt, cipher, compress=self.compression, level=self.level)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        s = self._cur()
+        staged: list[int] = []  # storage address of the first staged tensor: which host copy to free
         try:
-            results = self._write_data(plan, planner)
+            results = self._write_data(s, plan, planner, staged)
         finally:
-            self._stager.release()
+            self._stager.release(staged[0] if staged else None)
+        if self._in_subprocess and not s.is_coordinator:
+            self._drop_uploader()
         fut: Future = Future()
         fut.set_result(results)
         return fut
 
-    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    def _write_data(self, s: _Save, plan: SavePlan, planner: SavePlanner, staged: list) -> list[WriteResult]:
         pd: PlanData = plan.storage_data
-        self.attempt = pd.attempt
-        codec = self._codec(pd)
+        s.attempt = pd.attempt
         results: list[WriteResult] = []
         if plan.items:
-            results.extend(self._write_object(plan, planner, pd, codec))
+            results.extend(self._write_object(s, plan, planner, pd, staged))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if not self.allow_divergent_replicas and world > 1:  # one rank cannot diverge from itself
-            for item in self._local_items:
+            for item in s.local_items:
                 data = planner.resolve_data(item)
                 mv = value_digest(planner, item, data) if isinstance(data, io.BytesIO) else tensor_bytes(data)
                 rd = ReplicaDigest(item.index.fqn, pd.rank, xxh3(mv))
                 results.append(WriteResult(MetadataIndex(_SENTINEL + "replica/" + item.index.fqn), 0, rd))
         return results
 
-    def _write_object(self, plan, planner, pd: PlanData, codec: FrameCodec) -> list[WriteResult]:
+    def _write_object(self, s: _Save, plan, planner, pd: PlanData, staged: list) -> list[WriteResult]:
+        """Phase 1 for this rank: every plan item's frames, in order, into one object."""
         name = layout.shard_name(pd.attempt, pd.rank)
-        key = layout.object_key(self.version, name)
-        fs = self.frame_size
-        window = max(2, 2 * self.threads)
-        pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-enc")
-        w = self._tier.open_writer(key)
-        offset = 0
-        digest = xxh3_stream()
-        codecs: set[str] = set()
-        nframes = 0
-        total_raw = 0
         per_item: list[tuple[Any, list, int, str | None, tuple | None]] = []
-        try:
-            pending: collections.deque = collections.deque()
 
-            def drain(limit: int) -> None:
-                nonlocal offset, nframes
-                while len(pending) > limit:
-                    refs, idx, fut = pending.popleft()
-                    head, payload, h = fut.result()
-                    _faults.point("write.frame")
-                    w.write(head)
-                    w.write(payload)
-                    digest.update(head)
-                    length = len(head) + len(payload)
-                    raw_len = fut.raw_len
-                    refs.append(FrameRef(offset, length, raw_len, h, idx))
-                    codecs.add(_chain_of(head))
-                    offset += length
-                    nframes += 1
-
-            frame_index = 0
+        def chunks():
             for item in plan.items:
                 data = planner.resolve_data(item)
                 if isinstance(data, io.BytesIO):
-                    mv = data.getbuffer()
-                    dtype = shape = None
-                    width = 0
+                    mv, dtype, shape, width = data.getbuffer(), None, None, 0
                 else:
+                    if not staged and data.numel():
+                        staged.append(data.untyped_storage().data_ptr())
                     dtype, shape = _dtype_name(data.dtype), tuple(data.shape)
                     width = _FLOAT_WIDTH.get(data.dtype, 0)
                     mv = tensor_bytes(data)
-                n = len(mv)
-                total_raw += n
                 refs: list = []
-                per_item.append((item, refs, n, dtype, shape))
-                for start in range(0, max(n, 1), fs) if n else [0]:
-                    chunk = mv[start : start + fs]
-                    fut = pool.submit(codec.encode, name, frame_index, chunk, width)
-                    fut.raw_len = len(chunk)
-                    pending.append((refs, frame_index, fut))
-                    frame_index += 1
-                    drain(window)
-            drain(0)
+                per_item.append((item, refs, len(mv), dtype, shape))
+                yield from _split(mv, self.frame_size, width, refs)
+
+        sink = _ObjectSink(self._tier, layout.object_key(s.version, name), "write.frame")
+        with cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
+            _write_frames(sink, self._codec(s, pd), name, chunks(), pool, window=max(2, 2 * self.threads))
             _faults.point("write.commit")
-            w.commit()
-        except BaseException:
-            w.abort()
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
         results = [
             WriteResult(item.index, n, ItemLocation(name, tuple(refs), n, dtype, shape)) for item, refs, n, dtype, shape in per_item
         ]
-        rep = ObjectReport(name, offset, f"{digest.intdigest():016x}", nframes, pd.rank, total_raw, tuple(sorted(codecs)))
+        total_raw = sum(n for _, _, n, _, _ in per_item)
+        rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw, tuple(sorted(sink.codecs)))
         results.append(WriteResult(MetadataIndex(_SENTINEL + f"object/{pd.rank}"), total_raw, rep))
         if self._remote is not None:
-            self._upload_rank_object(rep)
+            failed = self._upload_rank_object(s, rep)
+            if failed is not None:
+                results.append(WriteResult(MetadataIndex(_SENTINEL + f"upload/{pd.rank}"), 0, failed))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        reports: list[ObjectReport] = []
-        replicas: dict[str, dict[int, int]] = {}
-        storage_md: dict = {}
-        for per_rank in results:
-            for wr in per_rank:
-                sd = wr.storage_data
-                if isinstance(sd, ObjectReport):
-                    reports.append(sd)
-                elif isinstance(sd, ReplicaDigest):
-                    replicas.setdefault(sd.fqn, {})[sd.rank] = sd.digest
-                else:
-                    storage_md[wr.index] = sd
+        s = self._cur()
+        if s.attempt is None:  # a rank-less save (empty plans everywhere)
+            raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
+        reports, replicas, storage_md = _collect(results)
+        upload_failures = [storage_md.pop(k) for k in [k for k, v in storage_md.items() if isinstance(v, _UploadFailure)]]
+        self._check_replicas(replicas)
+        metadata.storage_data = storage_md
+        m, body = self._seal_manifest(s, metadata, reports, world_size=len(results))
+        commit_manifest(
+            self._tier, s.version, body, overwrite=self.overwrite, fault="commit.manifest",
+            hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
+        )
+        _faults.point("commit.after_manifest")
+        self.last_manifest = m
+        if upload_failures:  # PROCESS + durability="local": the local version stands, the future fails
+            from .upload import UploadError
+
+            self._after_commit(m)
+            raise UploadError(
+                f"version {s.version!r} is committed locally but not uploaded to {self.remote_url}: "
+                + "; ".join(f"rank {f.rank}: {f.error}" for f in sorted(upload_failures, key=lambda f: f.rank))
+            )
+        if self._remote is not None:
+            try:
+                self._commit_remote(m, body)
+            finally:
+                if self._in_subprocess:
+                    self._drop_uploader()
+        self._after_commit(m)
+
+    @staticmethod
+    def _check_replicas(replicas: dict[str, dict[int, int]]) -> None:
         for fqn, by_rank in replicas.items():
             if len(set(by_rank.values())) > 1:
                 raise StateDictKeysError(
@@ -376,103 +481,97 @@ class StorageWriter(_DCPStorageWriter):
                     f"ranks' values would be lost). Save per-rank state under per-rank keys, e.g. "
                     f"f'{fqn}.rank{{rank}}', or pass allow_divergent_replicas=True to keep only one copy"
                 )
-        metadata.storage_data = storage_md
-        attempt = self.attempt
-        if attempt is None:  # a rank-less save (empty plans everywhere)
-            raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
-        pd_wrapped, pd_kid = self._plan_key
-        data_key = None
-        cipher = None
-        if pd_wrapped is not None:
-            data_key = unwrap_key(self._master, pd_wrapped, self.version, attempt, pd_kid)
+
+    def _seal_manifest(self, s: _Save, metadata: Metadata, reports: list, world_size: int) -> tuple[Manifest, bytes]:
+        """Phase 2 up to the commit: write the DCP metadata object, build and seal the manifest."""
+        wrapped, kid = s.wrapped
+        data_key = cipher = None
+        if wrapped is not None:
+            data_key = unwrap_key(self._master, wrapped, s.version, s.attempt, kid)
             cipher = FrameCipher(data_key)
-        codec = FrameCodec(self.version, attempt, cipher, compress=self.compression, level=self.level)
-        meta_name = layout.metadata_name(attempt)
-        metadata.storage_meta = self.storage_meta()  # as FileSystemWriter records it
+        codec = FrameCodec(s.version, s.attempt, cipher, compress=self.compression, level=self.level)
+        metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
         blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        check_metadata_loads(blob, self.version)  # never commit what the reader refuses
-        meta_entry = self._write_small_object(codec, meta_name, blob)
+        check_metadata_loads(blob, s.version)  # never commit what the reader refuses
+        meta_entry, meta_codecs = self._write_small_object(s, codec, layout.metadata_name(s.attempt), blob)
         reports.sort(key=lambda r: r.rank)
         objects = [ObjectEntry(r.name, r.size, r.digest, r.frames, r.rank, r.nbytes) for r in reports]
-        codecs = sorted({c for r in reports for c in r.codecs} | set(meta_entry[1]))
+        codecs = sorted({c for r in reports for c in r.codecs} | set(meta_codecs))
         m = Manifest(
-            version=self.version,
-            attempt=attempt,
+            version=s.version,
+            attempt=s.attempt,
             created=utcnow(),
-            world_size=len(results),
+            world_size=world_size,
             objects=objects,
-            metadata_object=meta_entry[0],
+            metadata_object=meta_entry,
             nbytes=sum(r.nbytes for r in reports),
-            stored_bytes=sum(o.size for o in objects) + meta_entry[0].size,
-            step=self.step,
-            user=self.user_metadata,
-            encryption=None if pd_wrapped is None else {"alg": "AES-256-GCM", "key_id": pd_kid, "wrapped_key": pd_wrapped},
+            stored_bytes=sum(o.size for o in objects) + meta_entry.size,
+            step=s.step,
+            user=s.user_metadata,
+            encryption=None if wrapped is None else {"alg": "AES-256-GCM", "key_id": kid, "wrapped_key": wrapped},
             codecs=[c for c in codecs if c],
             writer=f"ckptstore {_version()} torch {torch.__version__}",
         )
-        body = m.to_bytes(data_key)
-        commit_manifest(
-            self._tier, self.version, body, overwrite=self.overwrite, fault="commit.manifest",
-            hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
-        )
-        _faults.point("commit.after_manifest")
-        self.last_manifest = m
-        if self._remote is not None:
-            self._commit_remote(m, body)
-        self._after_commit(m)
+        return m, m.to_bytes(data_key)
 
-    @property
-    def _plan_key(self) -> tuple[str | None, str | None]:
-        return getattr(self, "_wrapped", (None, None))
-
-    def _write_small_object(self, codec: FrameCodec, name: str, blob: bytes) -> tuple[ObjectEntry, tuple]:
-        key = layout.object_key(self.version, name)
-        w = self._tier.open_writer(key)
-        digest = xxh3_stream()
-        off = 0
-        codecs = set()
-        n = 0
-        try:
-            mv = memoryview(blob)
-            for i, start in enumerate(range(0, max(len(mv), 1), self.frame_size)):
-                head, payload, _h = codec.encode(name, i, mv[start : start + self.frame_size], 0)
-                _faults.point("write.metadata")
-                w.write(head)
-                w.write(payload)
-                digest.update(head)
-                off += len(head) + len(payload)
-                codecs.add(_chain_of(head))
-                n += 1
-            w.commit()
-        except BaseException:
-            w.abort()
-            raise
-        return ObjectEntry(name, off, f"{digest.intdigest():016x}", n, None, len(blob)), tuple(codecs)
+    def _write_small_object(self, s: _Save, codec: FrameCodec, name: str, blob: bytes) -> tuple[ObjectEntry, tuple]:
+        refs: list = []
+        with _ObjectSink(self._tier, layout.object_key(s.version, name), "write.metadata") as sink:
+            _write_frames(sink, codec, name, _split(memoryview(blob), self.frame_size, 0, refs))
+        return ObjectEntry(name, sink.offset, sink.hexdigest(), sink.frames, None, len(blob)), tuple(sink.codecs)
 
     # -- remote tier ---------------------------------------------------------------------------
     @property
     def uploader(self):
-        if self._uploader is None and self._remote is not None:
-            from .upload import Uploader
+        with self._lock:
+            if self._uploader is None and self._remote is not None:
+                from .upload import Uploader
 
-            self._uploader = Uploader(
-                self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout, retention=self.retention
-            )
-        return self._uploader
+                self._uploader = Uploader(
+                    self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout, retention=self.retention
+                )
+            return self._uploader
 
-    def _upload_rank_object(self, rep: ObjectReport) -> None:
+    @property
+    def _sync_remote(self) -> bool:
+        """Wait for uploads inside the save: ``durability="remote"``, or in DCP's checkpoint
+        subprocess, which cannot keep uploading after it has answered."""
+        return self.durability == "remote" or self._in_subprocess
+
+    def _drop_uploader(self) -> None:
+        with self._lock:
+            up, self._uploader = self._uploader, None
+        if up is not None:
+            up.shutdown()
+
+    def _upload_rank_object(self, s: _Save, rep: ObjectReport) -> _UploadFailure | None:
         entry = ObjectEntry(rep.name, rep.size, rep.digest, rep.frames, rep.rank, rep.nbytes)
-        fut = self.uploader.upload_object(self.version, entry, rep.rank)
+        fut = self.uploader.upload_object(s.version, entry, rep.rank)
         if self.durability == "remote":
             fut.result()
+        elif self._in_subprocess:  # PROCESS, durability="local": commit locally, then report it
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - travels to the coordinator in the write results
+                return _UploadFailure(rep.rank, f"{type(e).__name__}: {e}")
+        return None
 
     def _commit_remote(self, m: Manifest, body: bytes) -> None:
-        if not self._caught_up:  # once per writer: finish remote commits a crash cut off
-            self._caught_up = True
+        with self._lock:
+            catch_up, self._caught_up = not (self._caught_up or self._in_subprocess), True
+        if catch_up:  # once per writer: finish remote commits a crash cut off
             self.uploader.catch_up(exclude=m.version)
         fut = self.uploader.commit(m, body, self.overwrite)
-        if self.durability == "remote":
+        with self._lock:
+            self._remote_futs[m.version] = fut
+        if self._sync_remote:
             fut.result()
+
+    def remote_commit_future(self, version: str):
+        """The ``concurrent.futures.Future`` of ``version``'s remote commit made by this writer (the
+        coordinator), or None; handed out once."""
+        with self._lock:
+            return self._remote_futs.pop(version, None)
 
     def wait_uploads(self, timeout: float | None = None) -> None:
         """Block until this writer's pending uploads and remote commits finish.
@@ -499,7 +598,8 @@ class StorageWriter(_DCPStorageWriter):
         return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into reusable host buffers (what ``async_save`` blocks on)."""
+        """Copy ``state_dict`` into host buffers (what ``async_save`` blocks on); waits while
+        ``max_staged`` earlier copies are still being written."""
         return self._stager.stage(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -507,13 +607,144 @@ class StorageWriter(_DCPStorageWriter):
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending uploads (bounded by ``timeout`` or ``upload_timeout`` seconds) and
-        release resources; raises ``UploadError`` naming what was not uploaded."""
-        if self._uploader is not None:
-            try:
-                self.wait_uploads(self.upload_timeout if timeout is None else timeout)
-            finally:
-                self._uploader.shutdown()
-                self._uploader = None
+        release resources; raises ``UploadError`` naming what was not uploaded — including versions
+        that DCP's checkpoint subprocess (PROCESS executor) committed locally but not remotely."""
+        timeout = self.upload_timeout if timeout is None else timeout
+        try:
+            if self._shipped:
+                self._check_shipped(timeout)
+            if self._uploader is not None:
+                self.wait_uploads(timeout)
+        finally:
+            _shipped.discard(self)
+            self._drop_uploader()
+
+    def _check_shipped(self, timeout: float) -> None:
+        """PROCESS executor: the subprocess commits remotely before its future resolves; a version it
+        committed locally in this writer's lifetime but not remotely failed to upload. The
+        coordinator (rank 0) stages those again from here and raises for what still fails."""
+        from ..manifest import catalogue
+        from .upload import UploadError
+
+        if getattr(self, "_ship_rank", 0) != 0:
+            return
+        local = {v: e for v, e in catalogue.scan(self._tier).items() if e.manifest.created >= self._born}
+        missing = sorted(set(local) - set(catalogue.scan(self._remote)))
+        if not missing:
+            return
+        up = self.uploader
+        up.catch_up(only=missing)
+        left = up.wait(timeout)
+        still = sorted(set(missing) - set(catalogue.scan(self._remote)))
+        if still:
+            raise UploadError(
+                f"versions {still} were committed locally by DCP's checkpoint subprocess but not in "
+                f"{self.remote_url}; they are intact locally (the next save with this remote stages them, "
+                "or run the save again with working credentials):\n  " + "\n  ".join(left)
+            )
+
+
+_shipped: "weakref.WeakSet[StorageWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _check_shipped_at_exit() -> None:  # pragma: no cover - exercised by subprocess tests
+    for w in list(_shipped):
+        try:
+            w.close()
+        except Exception as e:  # noqa: BLE001 - report every writer
+            print(f"ckptstore: NOT uploaded before exit: {e}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _UploadFailure:
+    """A rank's failed upload (PROCESS executor, durability="local"), reported to the coordinator."""
+
+    rank: int
+    error: str
+
+
+def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict[str, dict[int, int]], dict]:
+    """Split the ranks' write results into object reports, replica digests and DCP storage data."""
+    reports: list[ObjectReport] = []
+    replicas: dict[str, dict[int, int]] = {}
+    storage_md: dict = {}
+    for per_rank in results:
+        for wr in per_rank:
+            sd = wr.storage_data
+            if isinstance(sd, ObjectReport):
+                reports.append(sd)
+            elif isinstance(sd, ReplicaDigest):
+                replicas.setdefault(sd.fqn, {})[sd.rank] = sd.digest
+            else:
+                storage_md[wr.index] = sd
+    return reports, replicas, storage_md
+
+
+def _split(mv: memoryview, frame_size: int, width: int, refs: list):
+    """(chunk, element width, refs list) for each frame of ``mv``; one empty frame when empty."""
+    n = len(mv)
+    for start in range(0, n, frame_size) if n else [0]:
+        yield mv[start : start + frame_size], width, refs
+
+
+class _ObjectSink:
+    """One object being written: appends encoded frames, tracks size, digest and codec chains;
+    commits on a clean exit from ``with``, aborts on any exception."""
+
+    def __init__(self, tier, key: str, fault: str) -> None:
+        self._w = tier.open_writer(key)
+        self._fault = fault
+        self._digest = xxh3_stream()
+        self.offset = 0
+        self.frames = 0
+        self.codecs: set[str] = set()
+
+    def append(self, head: bytes, payload, h: int, raw_len: int, index: int) -> FrameRef:
+        _faults.point(self._fault)
+        self._w.write(head)
+        self._w.write(payload)
+        self._digest.update(head)
+        ref = FrameRef(self.offset, len(head) + len(payload), raw_len, h, index)
+        self.codecs.add(_chain_of(head))
+        self.offset += ref.length
+        self.frames += 1
+        return ref
+
+    def hexdigest(self) -> str:
+        return f"{self._digest.intdigest():016x}"
+
+    def __enter__(self) -> "_ObjectSink":
+        return self
+
+    def __exit__(self, et, e, tb) -> None:
+        if et is None:
+            self._w.commit()
+        else:
+            self._w.abort()
+
+
+def _write_frames(sink: _ObjectSink, codec: FrameCodec, name: str, chunks, pool=None, window: int = 0) -> None:
+    """The one frame-writing loop: encode each (chunk, width, refs) — in ``pool``, at most ``window``
+    frames ahead — and append the frames to ``sink`` in order, recording a FrameRef in ``refs``."""
+    pending: collections.deque = collections.deque()
+
+    def drain(limit: int) -> None:
+        while len(pending) > limit:
+            refs, index, raw_len, job = pending.popleft()
+            head, payload, h = job.result() if pool is not None else job
+            refs.append(sink.append(head, payload, h, raw_len, index))
+
+    try:
+        for index, (chunk, width, refs) in enumerate(chunks):
+            job = pool.submit(codec.encode, name, index, chunk, width) if pool is not None else codec.encode(name, index, chunk, width)
+            pending.append((refs, index, len(chunk), job))
+            drain(window if pool is not None else 0)
+        drain(0)
+    finally:
+        for _refs, _i, _n, job in pending:  # an error: do not leave encodes running
+            if pool is not None:
+                job.cancel()
 
 
 def _chain_of(head: bytes) -> str:

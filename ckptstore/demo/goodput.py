@@ -38,6 +38,20 @@ class Goodput:
     init: float = 0.0  # process start -> ready to load (imports, process group, model)
     load: float = 0.0  # loading the checkpoint
     saves: int = 0
+    steps: int = 0  # steps whose results are in the final model
+    restarts: int = 0
+
+    def advice(self, mtbf_s: float = 6 * 3600.0):
+        """The goodput-maximising checkpoint interval (:mod:`ckptstore.advise`, Young/Daly) for this
+        run's measured costs — blocking per save, restart cost per crash, step time — at ``mtbf_s``."""
+        from ..advise import advise
+
+        if not self.saves or not self.steps:
+            return None
+        return advise(
+            cost_s=self.blocked / self.saves, mtbf_s=mtbf_s,
+            restart_s=self.recovery / self.restarts if self.restarts else 0.0, step_time_s=self.useful / self.steps,
+        )
 
     @property
     def goodput(self) -> float:
@@ -46,6 +60,8 @@ class Goodput:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["goodput"] = self.goodput
+        a = self.advice()
+        d["advice_mtbf_6h"] = None if a is None else a.to_json()
         return d
 
 
@@ -53,11 +69,13 @@ def account(job: Job, h: History) -> Goodput:
     wall = job.t1 - job.t0
     useful = blocked = lost = recovery = 0.0
     restart = init = load = 0.0
+    steps = restarts = 0
     for (a, r, s), e in h.steps.items():
         if r != 0:
             continue
         if h.effective.get(s) == a:
             useful += e["t1"] - e["t0"]
+            steps += 1
         else:
             lost += e["t1"] - e["t0"]
     saves = 0
@@ -80,6 +98,7 @@ def account(job: Job, h: History) -> Goodput:
             (e["t"] for e in h.events if e["attempt"] == a - 1), default=first["t0"]
         )
         recovery += first["t0"] - prev_end
+        restarts += 1
         starts = [e["t"] for e in h.of_kind("proc_start", a, rank=None)]
         if starts:
             restart += min(starts) - prev_end
@@ -88,4 +107,4 @@ def account(job: Job, h: History) -> Goodput:
             init += res["t0"] - (min(starts) if starts else prev_end)
             load += res["t1"] - res["t0"]
     other = wall - useful - blocked - lost - recovery - startup
-    return Goodput(wall, useful, blocked, lost, recovery, startup, other, restart, init, load, saves)
+    return Goodput(wall, useful, blocked, lost, recovery, startup, other, restart, init, load, saves, steps, restarts)

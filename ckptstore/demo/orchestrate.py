@@ -169,6 +169,9 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
 
     gp, ref_gp = account(run_job_, run_h), account(ref_job, ref_h)
     console.print(goodput_table(gp, ref_gp))
+    if (adv := gp.advice()) is not None:  # ckptstore advise, from this run's measured costs
+        console.print(f"interval advice for an MTBF of 6 h (measured {gp.blocked / gp.saves:.2f} s blocked/save, "
+                      f"{gp.recovery / max(gp.restarts, 1):.1f} s restart): {adv}", highlight=False)
 
     committed = [(r.version, r.step, r.created.timestamp() if r.created else None)
                  for r in backend.versions(run_job_.store_root, run_job_.remote)]

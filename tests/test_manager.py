@@ -1,0 +1,131 @@
+"""Issue 11: ckptstore.CheckpointManager — the training-loop API (real gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ckptstore.testing.dist import run_ranks, run_ranks_raw
+
+import async_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _check_loop(outs, steps):
+    for o in outs:
+        assert o["versions"] == [f"step-{s}" for s in range(1, steps + 1)], o  # all committed, in order
+        assert o["loaded"] == list(range(1, steps + 1))  # every committed version loads
+        assert o["latest_step"] == steps and o["model_same"]
+        assert o["stats_saves"] == steps and o["infos"] == steps
+        assert "checkpoint every" in o["advice"]
+    assert [o["data_rank"] for o in outs] == list(range(len(outs)))  # per-rank state came back per rank
+
+
+def test_manager_saves_every_step_while_loop_runs_collectives_2_ranks(tmp_path):
+    steps = 6
+    _check_loop(run_ranks(async_ranks.manager_loop, 2, str(tmp_path), steps, timeout=150), steps)
+
+
+@pytest.mark.slow
+def test_manager_saves_every_step_while_loop_runs_collectives_4_ranks(tmp_path):
+    steps = 20
+    _check_loop(run_ranks(async_ranks.manager_loop, 4, str(tmp_path), steps, timeout=300), steps)
+
+
+def test_manager_process_executor_every_step(tmp_path):
+    """PROCESS executor, saves due every step: never two in flight, no hang, all committed in order."""
+    steps = 3
+    _check_loop(run_ranks(async_ranks.manager_loop, 2, str(tmp_path), steps, "process", timeout=240), steps)
+
+
+@pytest.mark.slow
+def test_manager_restore_after_sigkill_mid_save_is_bit_exact(tmp_path):
+    root = str(tmp_path)
+    codes = run_ranks_raw(async_ranks.killed_training, 2, root, 5, timeout=120)
+    assert all(c == -9 for c in codes.values()), codes
+    import ckptstore
+
+    newest = ckptstore.Store(root).latest()
+    assert newest is not None and 1 <= newest.step <= 5
+    outs = run_ranks(async_ranks.resumed_training, 2, root, timeout=120)
+    assert [o[0] for o in outs] == [newest.step] * 2, outs  # the newest committed version, on both ranks
+    for _step, ok in outs:
+        assert all(ok.values()), ok
+
+
+def test_manager_single_process_without_dist(tmp_path):
+    import torch
+
+    from ckptstore import CheckpointManager
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    mgr = CheckpointManager(str(tmp_path), interval_steps=2, on_save=seen.append)
+    assert mgr.restore({"model": model, "optim": opt}) is None
+    assert [mgr.save(s, {"model": model, "optim": opt, "extra": {"lr": 0.1}}) for s in (1, 2, 3)] == [False, True, False]
+    assert mgr.save(3, {"model": model, "optim": opt, "extra": {"lr": 0.1}}, force=True)
+    mgr.close()
+    assert [i.version for i in seen] == ["step-2", "step-3"] and all(i.local_commit_s is not None for i in seen)
+    assert mgr.latest() == "step-3"
+    m2 = torch.nn.Linear(4, 2)
+    state = {"model": m2, "optim": torch.optim.SGD(m2.parameters(), lr=0.1), "extra": {"lr": 0.0}}
+    assert CheckpointManager(str(tmp_path)).restore(state) == 3
+    assert torch.equal(m2.weight, model.weight) and state["extra"] == {"lr": 0.1}
+
+
+def _readme_example() -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    m = re.search(r"## Training loop.*?```python\n(.*?)```", text, re.S)
+    assert m, "README has no 'Training loop' section with a python block"
+    return m.group(1)
+
+
+def test_readme_training_loop_example_runs_as_written(tmp_path):
+    """The README's 5-line example, run as written inside a tiny training script."""
+    example = _readme_example()
+    lines = [ln for ln in example.strip().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(lines) <= 8, example
+    script = (
+        "import torch\n"
+        "model = torch.nn.Linear(8, 2)\n"
+        "optimizer = torch.optim.AdamW(model.parameters())\n"
+        "def train_step():\n"
+        "    model(torch.randn(4, 8)).sum().backward(); optimizer.step(); optimizer.zero_grad()\n"
+        f"root = {str(tmp_path)!r}\n"
+        "steps = 7\n" + example + "\nprint('resumed', mgr.latest())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for want in ("resumed step-6", "resumed step-6"):  # the second run restores and continues
+        p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert want in p.stdout, p.stdout
+
+
+def test_advise_young_daly_and_command():
+    import math
+
+    from click.testing import CliRunner
+
+    from ckptstore.advise import advise, goodput, optimal_interval
+    from ckptstore.cli import main as cli_main
+    from ckptstore.retention import parse_duration
+
+    c, m = 10.0, 6 * 3600.0
+    assert abs(advise(cost_s=c, mtbf_s=m).young_s - math.sqrt(2 * c * m)) < 1e-9  # Young 1974
+    t = optimal_interval(c, m)
+    assert abs(t - math.sqrt(2 * c * m)) / t < 0.03  # Daly's refinement stays close for C << M
+    assert goodput(t, c, m) > max(goodput(t / 3, c, m), goodput(3 * t, c, m))  # it is the optimum
+    assert parse_duration("6h") == m and parse_duration("90m") == 5400 and parse_duration("45") == 45
+    a = advise(cost_s=2.0, mtbf_s=m, restart_s=120, step_time_s=0.5)
+    assert a.interval_steps == round(a.interval_s / 0.5) and 0.9 < a.goodput < 1.0
+    r = CliRunner().invoke(cli_main, ["advise", "--mtbf", "6h", "--cost", "2", "--restart", "120", "--step-time", "0.5"])
+    assert r.exit_code == 0 and "checkpoint every" in r.output and "steps" in r.output, r.output
+    r = CliRunner().invoke(cli_main, ["advise", "--mtbf", "soon", "--cost", "2"])
+    assert r.exit_code == 2 and "not a duration" in r.output
