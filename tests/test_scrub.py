@@ -192,7 +192,7 @@ def test_scrub_local_only_marks_damaged(four_ranks, tmp_path):
     code, out = cli_json("show", root, "v1")
     assert code == 0 and out["damaged"] is True and "truncated" in out["per_tier"]["local"]["damage_reason"]
     r = cli("show", root, "v1")
-    assert "damaged" in r.stdout and "DAMAGED" in r.stdout
+    assert "marked DAMAGED by scrub" in r.stdout and "DAMAGED: " in r.stdout and "truncated" in r.stdout
     # the mark stays through later scrubs; a second scrub --repair does not rewrite it
     code, out = cli_json("scrub", root, "--repair", "--version", "v1")
     assert code == S.EXIT_DAMAGE and [v["version"] for v in out["versions"]] == ["v1"]
