@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import os
 from typing import Callable, Iterable, Mapping
 
 from . import _faults
@@ -203,26 +202,11 @@ def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
     entries = catalogue.scan(tier, problems)
     invalid = [(key, why) for _t, key, why in problems]
     uploads: list[Upload] = []
-    lister = getattr(tier, "list_multipart_uploads", None)
-    if callable(lister):
-        for u in lister(layout.VERSIONS + "/"):
+    if tier.supports_multipart:
+        for u in tier.list_multipart_uploads(layout.VERSIONS + "/"):
             uploads.append(_upload(u))
         uploads.sort(key=lambda u: (u.key, u.upload_id))
-    empty_dirs: list[ObjectInfo] = []
-    top = tier.local_path(layout.VERSIONS)
-    if top is not None and os.path.isdir(top):
-        root = os.path.dirname(top)
-        for dirpath, dirnames, filenames in os.walk(top, topdown=False):
-            if dirpath == top or filenames:
-                continue
-            try:
-                if os.listdir(dirpath):
-                    continue
-                mt = os.stat(dirpath).st_mtime
-            except OSError:
-                continue
-            empty_dirs.append(ObjectInfo(os.path.relpath(dirpath, root).replace(os.sep, "/"), 0, mt))
-        empty_dirs.sort(key=lambda i: i.key)
+    empty_dirs = sorted(tier.list_empty_dirs(layout.VERSIONS + "/"), key=lambda i: i.key)
     return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs)
 
 
@@ -489,7 +473,7 @@ def apply(
             elif a.op == ABORT_UPLOAD:
                 tier.abort_multipart_upload(a.key, a.upload_id)
             elif a.op == RMDIR:
-                if not _rmdir(tier, a.key):
+                if not tier.remove_empty_dir(a.key):
                     note(a, "skipped", "no longer an empty directory")
                     continue
             else:  # pragma: no cover
@@ -530,27 +514,6 @@ def _garbage_blocker(tier: Tier, a: Action) -> str | None:
     if st.size != a.size or (a.mtime is not None and abs(st.mtime - a.mtime) >= 1.0):
         return "changed since the plan was made (still being written?)"
     return None
-
-
-def _rmdir(tier: Tier, key: str) -> bool:
-    path = tier.local_path(key)
-    if path is None:
-        return False
-    top = tier.local_path(layout.VERSIONS)
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    d = os.path.dirname(path)
-    while d != top and d.startswith(top + os.sep):
-        try:
-            os.rmdir(d)
-        except OSError:
-            break
-        d = os.path.dirname(d)
-    return True
 
 
 def remove_version(tier: Tier, version: str, manifest: Manifest, *, tier_name: str | None = None,

@@ -340,14 +340,9 @@ def garbage(tier) -> list[str]:
         ref |= {d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED}
         ref |= {d + o.name for o in e.manifest.all_objects()}
     left = sorted(i.key for i in tier.list("") if i.key not in ref)
-    lister = getattr(tier, "list_multipart_uploads", None)
-    if lister is not None:
-        left += [f"multipart upload {u.key} ({u.upload_id})" for u in lister("")]
-    top = tier.local_path("versions")
-    if top is not None and os.path.isdir(top):
-        for d, dns, fns in os.walk(top):
-            if d != top and not dns and not fns:
-                left.append("empty dir " + os.path.relpath(d, tier.root))
+    if tier.supports_multipart:
+        left += [f"multipart upload {u.key} ({u.upload_id})" for u in tier.list_multipart_uploads("")]
+    left += ["empty dir " + d.key for d in tier.list_empty_dirs(layout.VERSIONS + "/")]
     return left
 
 
