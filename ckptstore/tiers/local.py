@@ -13,6 +13,7 @@ import errno
 import os
 import secrets
 import shutil
+import stat
 from typing import Callable, Iterator, Sequence
 
 from .. import _faults
@@ -30,14 +31,16 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 TMP_PREFIX = ".tmp-"
 
 
-def _oserror(e: OSError, what: str, key: str) -> Exception:
+def _oserror(e: OSError, what: str, key: str, *, object_key: bool = True) -> Exception:
+    """The typed error for ``e``; a missing path is :class:`ObjectNotFoundError` only when ``key``
+    names an object (``object_key``), not a directory the tier needs."""
     if isinstance(e, CkptStoreError):
         return e
     if e.errno in _FULL:
         return StorageFullError(
             f"local disk full while {what} {key!r} ({e.strerror}); free space or run 'ckptstore gc'"
         )
-    if isinstance(e, FileNotFoundError):
+    if object_key and isinstance(e, FileNotFoundError):
         return ObjectNotFoundError(f"object {key!r} not found in local tier", object=key)
     return StorageError(f"local tier: {what} {key!r} failed: {e}")
 
@@ -51,7 +54,7 @@ def fsync_dir(path: str) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        raise _oserror(e, "syncing directory", path) from e
+        raise _oserror(e, "syncing directory", path, object_key=False) from e
 
 
 def makedirs_synced(d: str) -> None:
@@ -71,7 +74,7 @@ def makedirs_synced(d: str) -> None:
         except FileExistsError:
             pass
         except OSError as e:
-            raise _oserror(e, "creating directory", m) from e
+            raise _oserror(e, "creating directory", m, object_key=False) from e
         fsync_dir(os.path.dirname(m))
 
 
@@ -223,6 +226,8 @@ class LocalTier(Tier):
             st = os.stat(self._path(key))
         except OSError as e:
             raise _oserror(e, "stat of", key) from e
+        if stat.S_ISDIR(st.st_mode):  # a directory is not an object (as on S3)
+            raise ObjectNotFoundError(f"object {key!r} not found in local tier (it is a directory)", object=key)
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
