@@ -650,3 +650,24 @@ def test_local_fsync_dir_errors_are_typed(tmp_path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(StorageError):
         makedirs_synced(str(tmp_path / "file" / "sub"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the demo's --seaweedfs launcher is the test server
+
+
+@pytest.mark.s3
+def test_demo_seaweedfs_uses_the_test_server(seaweed, tmp_path, monkeypatch):
+    from ckptstore.demo.seaweed import seaweedfs
+    from ckptstore.tiers.s3 import S3Tier
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    log = str(tmp_path / "seaweedfs.log")
+    with seaweedfs(bucket="demo-bucket", log_path=log) as sw:
+        assert os.environ["AWS_ENDPOINT_URL"] == sw["endpoint"] and sw["log"] == log
+        t = S3Tier(sw["url"])
+        t.put("k", b"v")
+        assert t.get("k") == b"v"
+        t.close()
+    assert "AWS_ENDPOINT_URL" not in os.environ  # restored
+    assert os.path.getsize(log) > 0
