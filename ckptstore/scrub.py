@@ -278,7 +278,7 @@ def verify_stream(read, size: int, entry: ObjectEntry, codec: FrameCodec | None 
     bad = walk.mismatch(entry.frames, entry.digest, entry.nbytes)
     if bad is not None:
         return bad[0], bad[1], walk.frames
-    return None, "", frames
+    return None, "", walk.frames
 
 
 def check_object(tier: Tier, tier_name: str, version: str, entry: ObjectEntry, codec: FrameCodec | None = None,
