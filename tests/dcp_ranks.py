@@ -180,3 +180,18 @@ def s3_load(rank, world, root, remote, version, seed, key=None):
         and sd["i32"].tolist() == full["i32"].tolist()
         and sd["meta"] == full["meta"]
     )
+
+
+def load_then_destroy(rank, world, root, version, seed, remote=None):
+    """``load_sharded`` (or from ``remote`` only), then ``destroy_process_group()`` at once, as a
+    training script's last lines do; returns the names of ckptstore threads still alive after it."""
+    import threading
+
+    if remote is None:
+        ok = load_sharded(rank, world, root, version, seed)
+        good = ok["dt"] and ok["dbig"]
+    else:
+        good = s3_load(rank, world, root, remote, version, seed)
+    dist.destroy_process_group()
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptstore-"))
+    return good, left

@@ -371,6 +371,7 @@ class StorageReader(_DCPStorageReader):
                 pending = nxt
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            self._store.close()  # tier pools and clients: no thread outlives the load
         fut: Future = Future()
         fut.set_result(None)
         return fut

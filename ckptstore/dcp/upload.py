@@ -242,7 +242,11 @@ class Uploader:
         return left
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=False)
+        """Stop the pool; its threads are joined unless an upload is still running (after a
+        timed-out :meth:`wait`), which is then left to finish or to the exit-time report."""
+        with self._lock:
+            running = any(not f.done() for _w, f in self._pending)
+        self._pool.shutdown(wait=not running, cancel_futures=False)
 
 
 @atexit.register

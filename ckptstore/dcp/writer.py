@@ -522,6 +522,7 @@ class StorageWriter(_DCPStorageWriter):
             finally:
                 self._uploader.shutdown()
                 self._uploader = None
+                self._remote.close()  # its pool and client (re-created on the next use)
 
 
 def _chain_of(head: bytes) -> str:
