@@ -28,6 +28,7 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.testing.tier_conformance import TierConformanceTests
+from helpers import small_tmpfs
 from ckptstore.tiers.local import LocalTier
 
 MiB = 1 << 20
@@ -36,24 +37,6 @@ GiB = 1 << 30
 
 # ------------------------------------------------------------------------------------------------
 # conformance
-
-
-@contextlib.contextmanager
-def small_tmpfs(where, size: str = "2m", nr_inodes: int | None = None):
-    """A real small file system (tmpfs) mounted at ``where``; skips unless the tests run as root."""
-    os.makedirs(where, exist_ok=True)
-    opts = f"size={size}" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
-    try:
-        p = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot mount a tmpfs here: {e}")
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {p.stderr.strip()}")
-    try:
-        yield str(where)
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def fill_bytes(fs: str) -> str:

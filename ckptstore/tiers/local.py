@@ -120,10 +120,7 @@ class _LocalWriter(ObjectWriter):
             self._f.close()
         except OSError:
             pass
-        try:
-            os.unlink(self._path)
-        except OSError:
-            pass
+        _unlink_quietly(self._path)
 
 
 class LocalTier(Tier):
@@ -186,10 +183,7 @@ class LocalTier(Tier):
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
             raise _oserror(e, "writing", key) from e
         return path, tmp
 
@@ -212,10 +206,7 @@ class LocalTier(Tier):
         except OSError as e:
             raise _oserror(e, "linking", key) from e
         finally:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
         fsync_dir(os.path.dirname(path))
 
     def open_writer(self, key) -> ObjectWriter:
@@ -286,10 +277,7 @@ class LocalTier(Tier):
         except OSError as e:
             raise _oserror(e, "replacing", key) from e
         finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(tmp)  # gone after the rename
         fsync_dir(os.path.dirname(path))
 
     def list_empty_dirs(self, prefix: str = "") -> Iterator[ObjectInfo]:
@@ -351,6 +339,13 @@ class LocalTier(Tier):
             except BaseException:
                 w.abort()
                 raise
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _pread_all(fd: int, n: int, off: int) -> bytes:
