@@ -272,7 +272,6 @@ class LocalTier(Tier):
                 os.fsync(f.fileno())
                 size = os.fstat(f.fileno()).st_size
                 verify(lambda off, n: _pread_all(f.fileno(), n, off), size)
-            _faults.point("local.replace")
             os.replace(tmp, path)
         except OSError as e:
             raise _oserror(e, "replacing", key) from e
