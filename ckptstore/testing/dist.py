@@ -3,7 +3,8 @@
 The one rank runner of the tests:
 
 * :class:`Ranks` starts one job (``fn(rank, world_size, *args)`` on every rank) and
-  :meth:`Ranks.wait` returns ``{rank: exitcode}``, killing ranks still alive at the deadline;
+  :meth:`Ranks.wait` returns ``{rank: exitcode}``, killing ranks once ``timeout`` seconds pass
+  with no rank exiting;
   :attr:`Ranks.results` then holds ``{rank: ("ok", value) | ("err", traceback)}`` for the ranks
   that reported.
 * :func:`run_ranks` returns the per-rank return values, or raises :class:`RankFailure` with every
@@ -22,9 +23,9 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing as _mp
+from multiprocessing.connection import wait as _wait_any
 import os
 import socket
-import time
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -97,10 +98,15 @@ class Ranks:
         self.results: dict[int, tuple[str, Any]] = {}
 
     def wait(self, timeout: float = 240) -> dict[int, int]:
-        """Join every rank (killing those alive at ``timeout``); returns ``{rank: exitcode}``."""
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            p.join(max(0.1, deadline - time.monotonic()))
+        """Join every rank; returns ``{rank: exitcode}``. Ranks still alive once ``timeout``
+        seconds pass with no rank exiting are killed (and listed in :attr:`timed_out`)."""
+        alive = {p.sentinel: p for p in self.procs}
+        while alive:
+            ready = _wait_any(list(alive), timeout=timeout)
+            if not ready:
+                break
+            for s in ready:
+                alive.pop(s).join()
         self.timed_out = {r for r, p in enumerate(self.procs) if p.is_alive()}
         for p in self.procs:
             if p.is_alive():
@@ -120,7 +126,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | list | None
     failures = {r: val for r, (status, val) in job.results.items() if status != "ok"}
     for r, code in codes.items():
         if r in job.timed_out:
-            failures.setdefault(r, f"timed out after {timeout:.0f}s")
+            failures.setdefault(r, f"timed out ({timeout:.0f} s without a rank exiting)")
         elif r not in job.results:
             failures[r] = f"exited with code {code} without reporting"
         elif code != 0:  # e.g. killed by SIGABRT while tearing down after fn returned
