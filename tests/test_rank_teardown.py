@@ -27,12 +27,19 @@ from ckptstore.testing.dist import run_ranks
 import dcp_ranks
 
 
+_BEFORE: set = set()
+
+
 def _ckptstore_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptstore-"))
+    """ckptstore threads alive now that were not alive when the test started (other tests in this
+    process may leave tiers they never closed)."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptstore-") and t not in _BEFORE)
 
 
 @pytest.mark.s3
 def test_no_ckptstore_thread_outlives_save_close_or_load(tmp_path, s3_url):
+    _BEFORE.clear()
+    _BEFORE.update(threading.enumerate())
     root = str(tmp_path / "local")
     big = torch.randn(5 << 20)  # 20 MiB: a multipart upload (the S3 tier's pool) and parallel ranged reads
     sd = {"big": big, "small": torch.arange(10)}
