@@ -25,7 +25,7 @@
      superseded attempt of a committed version, from the newer of the object and the manifest), and
      only when their size and mtime are still what was planned (a growing file is skipped).
      Fault point ``gc.delete`` before each object deletion.
-   * stale incomplete multipart uploads (tiers with ``list_multipart_uploads``) older than grace
+   * stale incomplete multipart uploads (tiers that declare ``supports_multipart``) older than grace
      are aborted; empty local directories older than grace are removed.
 
 What the other tiers of the run protect (pins travel; locally, a version waits for its upload; an
@@ -211,26 +211,11 @@ def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
     entries = catalogue.scan(tier, problems)
     invalid = [(key, why) for _t, key, why in problems]
     uploads: list[Upload] = []
-    lister = getattr(tier, "list_multipart_uploads", None)
-    if callable(lister):
-        for u in lister(layout.VERSIONS + "/"):
+    if tier.supports_multipart:
+        for u in tier.list_multipart_uploads(layout.VERSIONS + "/"):
             uploads.append(_upload(u))
         uploads.sort(key=lambda u: (u.key, u.upload_id))
-    empty_dirs: list[ObjectInfo] = []
-    top = tier.local_path(layout.VERSIONS)
-    if top is not None and os.path.isdir(top):
-        root = os.path.dirname(top)
-        for dirpath, dirnames, filenames in os.walk(top, topdown=False):
-            if dirpath == top or filenames:
-                continue
-            try:
-                if os.listdir(dirpath):
-                    continue
-                mt = os.stat(dirpath).st_mtime
-            except OSError:
-                continue
-            empty_dirs.append(ObjectInfo(os.path.relpath(dirpath, root).replace(os.sep, "/"), 0, mt))
-        empty_dirs.sort(key=lambda i: i.key)
+    empty_dirs = sorted(tier.list_empty_dirs(layout.VERSIONS + "/"), key=lambda i: i.key)
     return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs)
 
 
@@ -501,7 +486,7 @@ def _apply_one(tier: Tier, a: Action, tiers: Mapping[str, Tier], blocked: set[tu
         tier.abort_multipart_upload(a.key, a.upload_id)
         return None
     if a.op == RMDIR:
-        return None if _rmdir(tier, a.key) else "no longer an empty directory"
+        return None if tier.remove_empty_dir(a.key) else "no longer an empty directory"
     raise ValueError(f"unknown gc action {a.op!r}")  # pragma: no cover
 
 
@@ -534,27 +519,6 @@ def _garbage_blocker(tier: Tier, a: Action) -> str | None:
     if st.size != a.size or (a.mtime is not None and abs(st.mtime - a.mtime) >= 1.0):
         return "changed since the plan was made (still being written?)"
     return None
-
-
-def _rmdir(tier: Tier, key: str) -> bool:
-    path = tier.local_path(key)
-    if path is None:
-        return False
-    top = tier.local_path(layout.VERSIONS)
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    d = os.path.dirname(path)
-    while d != top and d.startswith(top + os.sep):
-        try:
-            os.rmdir(d)
-        except OSError:
-            break
-        d = os.path.dirname(d)
-    return True
 
 
 def remove_version(tier: Tier, version: str, manifest: Manifest, *, tier_name: str | None = None,

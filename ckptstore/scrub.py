@@ -4,7 +4,7 @@ What is checked, for each version committed in a tier (its ``manifest.json`` par
 seal) and each object the manifest names (the DCP metadata object and every rank's shard):
 
 * **presence** and **size** (kinds ``missing``, ``truncated``, ``oversized``);
-* the **frame walk** without an index or key (:func:`ckptstore.codec.frame.iter_frames`: every
+* the **frame walk** without an index or key (:class:`ckptstore.codec.frame.FrameWalk`: every
   header checksum, frame index, payload XXH3-64; kind ``corrupt``);
 * the **object digest** — XXH3-64 over the concatenated frame headers, as recorded in the
   manifest's :class:`~ckptstore.manifest.schema.ObjectEntry` (kind ``digest``) — and the **frame
@@ -44,13 +44,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import secrets
-import shutil
 from typing import Callable
 
 from . import _faults
 from .codec.crypto import FrameCipher, resolve_key, unwrap_key
-from .codec.frame import FrameCodec, iter_frames, xxh3_stream
+from .codec.frame import FrameCodec, FrameWalk
 from .errors import (
     CkptStoreError,
     IntegrityError,
@@ -265,32 +263,22 @@ def verify_stream(read, size: int, entry: ObjectEntry, codec: FrameCodec | None 
         return "truncated", f"{size} bytes, the manifest says {entry.size} ({entry.size - size} missing)", []
     if size > entry.size:
         return "oversized", f"{size} bytes, the manifest says {entry.size}", []
-    digest = xxh3_stream()
-    frames: list = []
-    raw_total = 0
+    walk = FrameWalk(read, entry.size, entry.name)
     try:
-        for off, hd, _h in iter_frames(read, entry.size, entry.name):
-            length = hd.header_len + hd.stored_len
-            digest.update(read(off, hd.header_len))
-            frames.append((off, length, hd.index, hd.payload_xxh3, hd.raw_len))
-            raw_total += hd.raw_len
+        for off, hd, length in walk:
             if codec is not None:
                 try:
                     codec.decode(entry.name, read(off, length), None)
                 except (IntegrityError, KeyMismatchError) as e:
-                    return "undecodable", _about(entry.name, e), frames
+                    return "undecodable", _about(entry.name, e), walk.frames
             if on_bytes is not None:
                 on_bytes(length)
     except IntegrityError as e:
-        return "corrupt", _about(entry.name, e), frames
-    if len(frames) != entry.frames:
-        return "frame-count", f"{len(frames)} frames, the manifest says {entry.frames}", frames
-    got = f"{digest.intdigest():016x}"
-    if got != entry.digest:
-        return "digest", f"frame-header digest {got}, the manifest says {entry.digest}", frames
-    if raw_total != entry.nbytes:
-        return "digest", f"frames hold {raw_total} raw bytes, the manifest says {entry.nbytes}", frames
-    return None, "", frames
+        return "corrupt", _about(entry.name, e), walk.frames
+    bad = walk.mismatch(entry.frames, entry.digest, entry.nbytes)
+    if bad is not None:
+        return bad[0], bad[1], walk.frames
+    return None, "", walk.frames
 
 
 def _about(name: str, e: Exception) -> str:
@@ -464,44 +452,14 @@ def _repair_objects(tiers, holders, checks: dict[str, VersionCheck], codecs: dic
 
 def restore_object(src: Tier, dst: Tier, key: str, entry: ObjectEntry) -> None:
     """Copy ``key`` from ``src`` to ``dst``, replacing the damaged copy only with a verified one."""
-    from .tiers.local import TMP_PREFIX, fsync_dir, makedirs_synced
-
     _faults.point("scrub.repair")
-    dpath = dst.local_path(key)
-    spath = src.local_path(key)
-    if dpath is None:
-        if spath is not None:
-            dst.put_file(key, spath, size=entry.size)
-        else:
-            dst.put(key, src.get(key))
-        return
-    d = os.path.dirname(dpath)
-    makedirs_synced(d)
-    tmp = os.path.join(d, f"{TMP_PREFIX}{secrets.token_hex(8)}")
-    try:
-        if spath is not None:
-            with open(spath, "rb") as fi, open(tmp, "xb") as fo:
-                shutil.copyfileobj(fi, fo, 8 << 20)
-                fo.flush()
-                os.fsync(fo.fileno())
-        else:
-            src.get_file(key, tmp)
-        with open(tmp, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
 
-            def fetch(s, e):
-                return os.pread(f.fileno(), e - s, s)
-
-            kind, detail, _fr = verify_stream(_Window(fetch, size), size, entry)
+    def verify(fetch, size):
+        kind, detail, _fr = verify_stream(_Window(lambda s, e: fetch(s, e - s), size), size, entry)
         if kind is not None:
             raise IntegrityError(f"the {src.name} copy of {key} does not verify: {kind} {detail}", object=key)
-        os.replace(tmp, dpath)
-        fsync_dir(d)
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+
+    dst.put_verified(key, lambda path: src.get_file(key, path), verify)
 
 
 def _check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, master) -> None:
@@ -533,8 +491,8 @@ def _check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, 
             size, fetch, close = _open_object(tier, layout.object_key(vc.version, entry.name))
             try:
                 read = _Window(fetch, size)
-                blob = b"".join(bytes(codec.decode(entry.name, read(off, hd.header_len + hd.stored_len), None))
-                                for off, hd, _h in iter_frames(read, size, entry.name))
+                blob = b"".join(bytes(codec.decode(entry.name, read(off, length), None))
+                                for off, _hd, length in FrameWalk(read, size, entry.name))
             finally:
                 close()
             md = _restricted_loads(blob, entry.name)

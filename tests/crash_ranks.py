@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptstore
+from ckptstore.testing import dist
 
 BIG_ELEMS = (9 << 20) // 4  # 9 MiB of float32 per rank: > the 8 MiB S3 part size, so a multipart upload
 
@@ -144,67 +145,26 @@ class Watchdog:
 # ---- a fast rank runner ------------------------------------------------------------------------
 _PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "ckptstore", "ckptstore.cli",
             "ckptstore.testing.dist", "crash_ranks"]
-_ctx = None
 
 
-def _fork_entry(rank, world, port, fn, args, env, q):
-    from ckptstore.testing import dist
-
-    os.environ.clear()
-    os.environ.update(env)
-    dist._entry(rank, world, port, fn, args, {}, q)
+def _start_method() -> str:
+    return "spawn" if os.environ.get("CKPTSTORE_SPAWN") == "1" else "forkserver"
 
 
-class Job:
-    """Ranks of one job running in processes forked from a preloaded ``forkserver``; see
-    :func:`run_ranks_fast`. ``wait()`` returns ``{rank: exitcode}``; ``results`` then holds
-    ``{rank: ("ok", value) | ("err", traceback)}`` for the ranks that reported."""
+class Job(dist.Ranks):
+    """:class:`ckptstore.testing.dist.Ranks` forked from a ``forkserver`` that has torch and
+    ckptstore imported already (``CKPTSTORE_SPAWN=1``: plain spawn)."""
 
     def __init__(self, fn, world: int, *args, env: dict | list | None = None):
-        global _ctx
-        import multiprocessing as mp
-
-        from ckptstore.testing import dist
-
-        if _ctx is None:
-            _ctx = mp.get_context("forkserver")
-            _ctx.set_forkserver_preload(_PRELOAD)
-        self.q = _ctx.SimpleQueue()
-        port = dist.free_port()
-        envs = env if isinstance(env, list) else [dict(env or {})] * world
-        base = {k: v for k, v in os.environ.items() if k not in ("CKPTSTORE_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        self.procs = [_ctx.Process(target=_fork_entry, args=(r, world, port, fn, args, {**base, **envs[r]}, self.q))
-                      for r in range(world)]
-        for p in self.procs:
-            p.start()
-        self.results: dict = {}
+        super().__init__(fn, world, *args, env=env, start_method=_start_method(), preload=_PRELOAD)
 
     def wait(self, timeout: float = 60) -> dict[int, int]:
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        while not self.q.empty():
-            r, status, val = self.q.get()
-            self.results[r] = (status, val)
-        return {r: p.exitcode for r, p in enumerate(self.procs)}
+        return super().wait(timeout)
 
 
 def run_ranks_fast(fn, world: int, *args, env: dict | list | None = None, timeout: float = 60) -> dict[int, int]:
-    """``ckptstore.testing.dist.run_ranks_raw`` semantics (real gloo ranks in separate processes,
-    killed ranks tolerated, ``{rank: exitcode}``), but the processes are forked from a
-    ``forkserver`` that has torch and ckptstore imported already: ~1 s per job instead of ~5-15 s
-    of interpreter start and imports on a 2-core machine. Each rank gets this process's current
-    environment (so S3 settings made by fixtures reach it) plus its ``env``.
-    ``CKPTSTORE_SPAWN=1`` uses ``run_ranks_raw`` (plain spawn) instead.
-    """
-    from ckptstore.testing import dist
-
-    if os.environ.get("CKPTSTORE_SPAWN") == "1":
-        return dist.run_ranks_raw(fn, world, *args, env=env, timeout=timeout)
+    """``ckptstore.testing.dist.run_ranks_raw`` (killed ranks tolerated, ``{rank: exitcode}``) with
+    the ranks forked from the preloaded forkserver (see :class:`Job`)."""
     return Job(fn, world, *args, env=env).wait(timeout)
 
 
@@ -223,8 +183,6 @@ def run_cli_fast(args: list, env: dict, out: str, timeout: float = 120) -> tuple
     """Run the ``ckptstore`` CLI in a child process (forked from the preloaded forkserver, or a
     fresh interpreter with ``CKPTSTORE_SPAWN=1``); returns ``(exit code, stdout+stderr)``.
     A child killed by a fault point exits with -9."""
-    global _ctx
-    import multiprocessing as mp
     import subprocess
     import sys
 
@@ -234,10 +192,7 @@ def run_cli_fast(args: list, env: dict, out: str, timeout: float = 120) -> tuple
         p = subprocess.run([sys.executable, "-c", code, *map(str, args)], env={**base, **env}, capture_output=True,
                            text=True, timeout=timeout)
         return p.returncode, p.stdout + p.stderr
-    if _ctx is None:
-        _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(_PRELOAD)
-    p = _ctx.Process(target=_cli_entry, args=(args, {**base, **env}, out))
+    p = dist.context("forkserver", _PRELOAD).Process(target=_cli_entry, args=(args, {**base, **env}, out))
     p.start()
     p.join(timeout)
     if p.is_alive():
@@ -340,14 +295,9 @@ def garbage(tier) -> list[str]:
         ref |= {d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED}
         ref |= {d + o.name for o in e.manifest.all_objects()}
     left = sorted(i.key for i in tier.list("") if i.key not in ref)
-    lister = getattr(tier, "list_multipart_uploads", None)
-    if lister is not None:
-        left += [f"multipart upload {u.key} ({u.upload_id})" for u in lister("")]
-    top = tier.local_path("versions")
-    if top is not None and os.path.isdir(top):
-        for d, dns, fns in os.walk(top):
-            if d != top and not dns and not fns:
-                left.append("empty dir " + os.path.relpath(d, tier.root))
+    if tier.supports_multipart:
+        left += [f"multipart upload {u.key} ({u.upload_id})" for u in tier.list_multipart_uploads("")]
+    left += ["empty dir " + d.key for d in tier.list_empty_dirs(layout.VERSIONS + "/")]
     return left
 
 

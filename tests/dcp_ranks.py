@@ -25,30 +25,31 @@ def full_state(seed: int = 0) -> dict:
     }
 
 
-def save_sharded(rank, world, root, version, seed, key=None, frame_size=65536):
-    """DTensor sharded on dim 0 + plain replicated tensors + non-tensor state."""
+def sharded_state(world: int, seed: int, blank: bool = False) -> dict:
+    """``full_state(seed)`` with ``w`` and ``big`` as DTensors sharded on dim 0 (zeros if ``blank``)."""
     mesh = init_device_mesh("cpu", (world,))
     full = full_state(seed)
-    sd = {
-        "dt": distribute_tensor(full["w"], mesh, [Shard(0)]),
-        "dbig": distribute_tensor(full["big"], mesh, [Shard(0)]),
-        "i32": full["i32"],
+    fill = torch.zeros_like if blank else (lambda t: t)
+    return {
+        "dt": distribute_tensor(fill(full["w"]), mesh, [Shard(0)]),
+        "dbig": distribute_tensor(fill(full["big"]), mesh, [Shard(0)]),
+        "i32": torch.zeros(3, dtype=torch.int32) if blank else full["i32"],
         "meta": full["meta"],
     }
+
+
+def save_sharded(rank, world, root, version, seed, key=None, frame_size=65536):
+    """DTensor sharded on dim 0 + plain replicated tensors + non-tensor state."""
+    sd = sharded_state(world, seed)
     w = ckptstore.StorageWriter(root, key=key, step=seed, frame_size=frame_size)
     dcp.save(sd, checkpoint_id=version, storage_writer=w)
     return True
 
 
 def load_sharded(rank, world, root, version, seed, key=None):
-    mesh = init_device_mesh("cpu", (world,))
     full = full_state(seed)
-    sd = {
-        "dt": distribute_tensor(torch.zeros_like(full["w"]), mesh, [Shard(0)]),
-        "dbig": distribute_tensor(torch.zeros_like(full["big"]), mesh, [Shard(0)]),
-        "i32": torch.zeros(3, dtype=torch.int32),
-        "meta": {"epoch": 0, "args": {"lr": 0.0, "name": "", "tags": [], "note": 1}},
-    }
+    sd = sharded_state(world, seed, blank=True)
+    sd["meta"] = {"epoch": 0, "args": {"lr": 0.0, "name": "", "tags": [], "note": 1}}
     dcp.load(sd, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root, key=key))
     ok = {
         "dt": torch.equal(sd["dt"].full_tensor(), full["w"]),
@@ -147,14 +148,7 @@ def plain_save(rank, world, root, version, value):
 
 # ---- S3 -------------------------------------------------------------------------------------
 def s3_save(rank, world, root, remote, version, seed, durability="remote", key=None):
-    mesh = init_device_mesh("cpu", (world,))
-    full = full_state(seed)
-    sd = {
-        "dt": distribute_tensor(full["w"], mesh, [Shard(0)]),
-        "dbig": distribute_tensor(full["big"], mesh, [Shard(0)]),
-        "i32": full["i32"],
-        "meta": full["meta"],
-    }
+    sd = sharded_state(world, seed)
     w = ckptstore.StorageWriter(root, remote=remote, durability=durability, key=key, step=seed, frame_size=65536, upload_timeout=60)
     try:
         dcp.save(sd, checkpoint_id=version, storage_writer=w)
@@ -165,14 +159,9 @@ def s3_save(rank, world, root, remote, version, seed, durability="remote", key=N
 
 
 def s3_load(rank, world, root, remote, version, seed, key=None):
-    mesh = init_device_mesh("cpu", (world,))
     full = full_state(seed)
-    sd = {
-        "dt": distribute_tensor(torch.zeros_like(full["w"]), mesh, [Shard(0)]),
-        "dbig": distribute_tensor(torch.zeros_like(full["big"]), mesh, [Shard(0)]),
-        "i32": torch.zeros(3, dtype=torch.int32),
-        "meta": {"epoch": 0, "args": {"lr": 0.0, "name": "", "tags": ["", ""], "note": 1}},
-    }
+    sd = sharded_state(world, seed, blank=True)
+    sd["meta"] = {"epoch": 0, "args": {"lr": 0.0, "name": "", "tags": ["", ""], "note": 1}}
     dcp.load(sd, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root, remote=remote, key=key))
     return (
         torch.equal(sd["dt"].full_tensor(), full["w"])
@@ -200,3 +189,18 @@ def equal_sets_save(rank, world, root):
     except BaseException as e:
         out["different"] = str(e)
     return out
+
+
+def load_then_destroy(rank, world, root, version, seed, remote=None):
+    """``load_sharded`` (or from ``remote`` only), then ``destroy_process_group()`` at once, as a
+    training script's last lines do; returns the names of ckptstore threads still alive after it."""
+    import threading
+
+    if remote is None:
+        ok = load_sharded(rank, world, root, version, seed)
+        good = ok["dt"] and ok["dbig"]
+    else:
+        good = s3_load(rank, world, root, remote, version, seed)
+    dist.destroy_process_group()
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptstore-"))
+    return good, left

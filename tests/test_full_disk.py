@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import os
-import subprocess
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -26,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 import ckptstore
 
 import crash_ranks
+from helpers import small_tmpfs
 
 PAGE = 4096
 RESULTS: list[str] = []
@@ -40,19 +40,8 @@ def full_disk_report():
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    d = tmp_path / "fs"
-    d.mkdir()
-    try:
-        p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot mount a tmpfs here: {e}")
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {p.stderr.strip()}")
-    try:
-        yield str(d)
-    finally:
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with small_tmpfs(tmp_path / "fs", size="8m") as d:
+        yield d
 
 
 def _free(path) -> int:
@@ -156,20 +145,8 @@ def _gc_ok(root) -> bool:
 
 @pytest.fixture
 def tmpfs_inodes(tmp_path):
-    d = tmp_path / "fsi"
-    d.mkdir()
-    try:
-        p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=200", "tmpfs", str(d)], capture_output=True,
-                           text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot mount a tmpfs here: {e}")
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {p.stderr.strip()}")
-    try:
-        yield str(d)
-    finally:
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with small_tmpfs(tmp_path / "fsi", size="8m", nr_inodes=200) as d:
+        yield d
 
 
 def _free_inodes(path) -> int:

@@ -452,6 +452,8 @@ def test_multipart_uploads_aborted_after_grace(tmp_path):
     class UploadsTier(LocalTier):
         """A local tier that also tracks multipart uploads (as the S3 tier does)."""
 
+        supports_multipart = True
+
         def __init__(self, root, uploads):
             super().__init__(root)
             self.uploads = uploads

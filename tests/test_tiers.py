@@ -6,6 +6,8 @@ through botocore's own event hooks (``before-send``), never by mocking the clien
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import itertools
 import os
@@ -26,6 +28,7 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.testing.tier_conformance import TierConformanceTests
+from helpers import small_tmpfs
 from ckptstore.tiers.local import LocalTier
 
 MiB = 1 << 20
@@ -36,9 +39,41 @@ GiB = 1 << 30
 # conformance
 
 
+def fill_bytes(fs: str) -> str:
+    """Write a filler file until ``fs`` has no free byte left; returns its path."""
+    filler = os.path.join(fs, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    return filler
+
+
 class TestLocalTier(TierConformanceTests):
     def make_tier(self):
         return LocalTier(self.tmp_path / "root")
+
+    def raw_get(self, tier, key):
+        with open(os.path.join(tier.root, *key.split("/")), "rb") as f:
+            return f.read()
+
+    def raw_set(self, tier, key, data):
+        path = os.path.join(tier.root, *key.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    @contextlib.contextmanager
+    def full_tier(self):
+        with small_tmpfs(self.tmp_path / "fs") as fs:
+            t = LocalTier(os.path.join(fs, "root"))
+            t.put("fu/seed", b"s")
+            filler = fill_bytes(fs)
+            yield t, lambda: os.unlink(filler)
 
 
 @pytest.mark.s3
@@ -51,6 +86,23 @@ class TestS3Tier(TierConformanceTests):
         from ckptstore.tiers.s3 import S3Tier
 
         return S3Tier(self.request.getfixturevalue("s3_url"))
+
+    def raw_get(self, tier, key):
+        return tier.client.get_object(Bucket=tier.bucket, Key=tier.prefix + key)["Body"].read()
+
+    def raw_set(self, tier, key, data):
+        tier.client.put_object(Bucket=tier.bucket, Key=tier.prefix + key, Body=data)
+
+    @contextlib.contextmanager
+    def transient_tier(self):
+        url = self.request.getfixturevalue("s3_url")
+        _s3(url).put("te/a", b"a")
+        t = _s3(url, max_attempts=2)  # retries happen (test_throttling_is_retried); keep them short
+        t.client.meta.events.register("before-send.s3", Injector(lambda n, r: True))  # 503 SlowDown, always
+        try:
+            yield t
+        finally:
+            t.close()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -542,3 +594,63 @@ def test_server_killed_mid_upload(seaweed, s3_url):
     for u in left:  # the abort could not reach the dead server
         t.abort_multipart_upload(u.key, u.upload_id)
     assert list(t.list_multipart_uploads("k/")) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# local tier: directory errors are typed too
+
+
+def test_local_no_inode_for_a_new_directory_is_storage_full(tmp_path):
+    """A full file system can refuse the directory before the file (mkdir → ENOSPC): that is a
+    StorageFullError like any other full-disk failure, not a bare OSError."""
+    from ckptstore.errors import StorageFullError
+
+    with small_tmpfs(tmp_path / "fs", size="4m", nr_inodes=16) as fs:
+        t = LocalTier(os.path.join(fs, "root"))
+        t.put("seed", b"s")
+        i = 0
+        with pytest.raises(OSError) as ei:
+            while True:
+                open(os.path.join(fs, f"inode{i}"), "x").close()
+                i += 1
+        assert ei.value.errno == errno.ENOSPC
+        for call in (lambda: t.put("v/new/dir/a", b"x"), lambda: t.put_if_absent("v2/b", b"x"),
+                     lambda: t.open_writer("v3/c")):
+            with pytest.raises(StorageFullError, match="disk full"):
+                call()
+        os.unlink(os.path.join(fs, "inode0"))
+        os.unlink(os.path.join(fs, "inode1"))
+        t.put("v/a", b"x")
+        assert t.get("v/a") == b"x"
+
+
+def test_local_fsync_dir_errors_are_typed(tmp_path):
+    from ckptstore.tiers.local import fsync_dir, makedirs_synced
+
+    with pytest.raises(StorageError) as ei:
+        fsync_dir(str(tmp_path / "missing"))
+    assert not isinstance(ei.value, ObjectNotFoundError)
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(StorageError):
+        makedirs_synced(str(tmp_path / "file" / "sub"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the demo's --seaweedfs launcher is the test server
+
+
+@pytest.mark.s3
+def test_demo_seaweedfs_uses_the_test_server(seaweed, tmp_path, monkeypatch):
+    from ckptstore.demo.seaweed import seaweedfs
+    from ckptstore.tiers.s3 import S3Tier
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    log = str(tmp_path / "seaweedfs.log")
+    with seaweedfs(bucket="demo-bucket", log_path=log) as sw:
+        assert os.environ["AWS_ENDPOINT_URL"] == sw["endpoint"] and sw["log"] == log
+        t = S3Tier(sw["url"])
+        t.put("k", b"v")
+        assert t.get("k") == b"v"
+        t.close()
+    assert "AWS_ENDPOINT_URL" not in os.environ  # restored
+    assert os.path.getsize(log) > 0

@@ -214,25 +214,73 @@ def _compress(raw: memoryview, level: int, float_width: int):
     return raw, []
 
 
-def iter_frames(read, size: int, what: str) -> Iterator[tuple[int, FrameHeader, int]]:
-    """Walk an object of ``size`` bytes without an index, verifying every header and payload.
+class FrameWalk:
+    """The one frame walker: every frame of an object, in order, without an index or a key.
 
-    ``read(offset, n) -> bytes``. Yields ``(offset, header, payload_xxh3_ok)``; raises
-    :class:`IntegrityError` at the first bad frame. Used by scrub (no key needed).
+    ``read(offset, n) -> bytes`` reads the stored object of ``size`` bytes (``what`` names it in
+    errors). Iterating yields ``(offset, header, length)`` for each frame after checking its header
+    checksum, its index (0, 1, 2, …), that it ends inside the object, and its payload XXH3; the
+    first bad frame raises :class:`IntegrityError`. While it walks it accumulates what a manifest
+    entry records of the object: :attr:`count` frames, :attr:`raw_len` decoded bytes, and
+    :meth:`digest` (XXH3-64 over the frame headers; see docs/FORMAT.md). :meth:`mismatch` compares
+    them with the entry after the walk. Used by the reader (metadata object), scrub and the
+    uploader.
     """
-    off = 0
-    expected_index = 0
-    while off < size:
-        head = read(off, min(FIXED_LEN + 8 + MAX_CODEC_LEN, size - off))
-        hd = parse_header(head, f"{what}@{off}")
-        if hd.index != expected_index:
-            raise IntegrityError(f"{what}: frame at offset {off} has index {hd.index}, expected {expected_index}", object=what)
-        end = off + hd.header_len + hd.stored_len
-        if end > size:
-            raise IntegrityError(f"{what}: frame {hd.index} runs past the end of the object (truncated)", object=what)
-        payload = read(off + hd.header_len, hd.stored_len)
-        if xxh3(payload) != hd.payload_xxh3:
-            raise IntegrityError(f"{what}: frame {hd.index} payload checksum mismatch", object=what)
+
+    def __init__(self, read, size: int, what: str):
+        self._read, self.size, self.what = read, size, what
+        self._digest = xxh3_stream()
+        self.count = 0
+        self.raw_len = 0
+        #: ``(offset, length, index, payload_xxh3, raw_len)`` of every frame walked so far
+        self.frames: list[tuple[int, int, int, int, int]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, FrameHeader, int]]:
+        read, size, what = self._read, self.size, self.what
+        off = 0
+        while off < size:
+            head = read(off, min(FIXED_LEN + 8 + MAX_CODEC_LEN, size - off))
+            hd = parse_header(head, f"{what}@{off}")
+            if hd.index != self.count:
+                raise IntegrityError(f"{what}: frame at offset {off} has index {hd.index}, expected {self.count}", object=what)
+            length = hd.header_len + hd.stored_len
+            if off + length > size:
+                raise IntegrityError(f"{what}: frame {hd.index} runs past the end of the object (truncated)", object=what)
+            if xxh3(read(off + hd.header_len, hd.stored_len)) != hd.payload_xxh3:
+                raise IntegrityError(f"{what}: frame {hd.index} payload checksum mismatch", object=what)
+            self._digest.update(memoryview(head)[: hd.header_len])
+            self.count += 1
+            self.raw_len += hd.raw_len
+            self.frames.append((off, length, hd.index, hd.payload_xxh3, hd.raw_len))
+            yield off, hd, length
+            off += length
+
+    def walk(self) -> "FrameWalk":
+        """Walk to the end (raises at the first bad frame); returns ``self``."""
+        for _ in self:
+            pass
+        return self
+
+    def digest(self) -> str:
+        """XXH3-64 (16 hex digits) over the headers of the frames walked so far."""
+        return f"{self._digest.intdigest():016x}"
+
+    def mismatch(self, frames: int, digest: str, nbytes: int | None = None) -> tuple[str, str] | None:
+        """``(kind, detail)`` when the walked object disagrees with its manifest entry
+        (``kind``: ``"frame-count"`` or ``"digest"``), else None."""
+        if self.count != frames:
+            return "frame-count", f"{self.count} frames, the manifest says {frames}"
+        if self.digest() != digest:
+            return "digest", f"frame-header digest {self.digest()}, the manifest says {digest}"
+        if nbytes is not None and self.raw_len != nbytes:
+            return "digest", f"frames hold {self.raw_len} raw bytes, the manifest says {nbytes}"
+        return None
+
+
+def iter_frames(read, size: int, what: str) -> Iterator[tuple[int, FrameHeader, int]]:
+    """Walk an object of ``size`` bytes without an index (see :class:`FrameWalk`).
+
+    Yields ``(offset, header, payload_xxh3)``; raises :class:`IntegrityError` at the first bad frame.
+    """
+    for off, hd, _length in FrameWalk(read, size, what):
         yield off, hd, hd.payload_xxh3
-        off = end
-        expected_index += 1

@@ -39,7 +39,7 @@ from torch.futures import Future
 from .._names import check_object_name, check_version
 from ..codec import FrameCodec, FrameRef
 from ..codec.crypto import FrameCipher, resolve_key, unwrap_key
-from ..codec.frame import xxh3_stream
+from ..codec.frame import FrameWalk
 from ..codec.stages import env_threads
 from ..errors import (
     CkptStoreError,
@@ -332,26 +332,12 @@ class StorageReader(_DCPStorageReader):
         return self._with_fallback(entry.name, lambda tier: self._decode_whole(entry, tier.get(key)))
 
     def _decode_whole(self, entry: ObjectEntry, data: bytes) -> bytes:
-        from ..codec.frame import parse_header
-
         if len(data) != entry.size:
             raise IntegrityError(f"{entry.name}: size {len(data)} != {entry.size} in the manifest", object=entry.name)
-        out = []
-        off = 0
-        digest = xxh3_stream()
-        i = 0
-        while off < len(data):
-            hd = parse_header(memoryview(data)[off:], entry.name)
-            end = off + hd.header_len + hd.stored_len
-            if end > len(data):
-                raise IntegrityError(f"{entry.name}: frame {i} truncated", object=entry.name)
-            digest.update(memoryview(data)[off : off + hd.header_len])
-            if hd.index != i:
-                raise IntegrityError(f"{entry.name}: frame {hd.index} found where frame {i} belongs", object=entry.name)
-            out.append(self.codec.decode(entry.name, memoryview(data)[off:end], None))
-            off = end
-            i += 1
-        if i != entry.frames or f"{digest.intdigest():016x}" != entry.digest:
+        mv = memoryview(data)
+        walk = FrameWalk(lambda off, n: mv[off : off + n], len(data), entry.name)
+        out = [self.codec.decode(entry.name, mv[off : off + length], None) for off, _hd, length in walk]
+        if walk.mismatch(entry.frames, entry.digest) is not None:
             raise IntegrityError(f"{entry.name}: frames do not match the manifest (count or header digest)", object=entry.name)
         blob = b"".join(out)
         if len(blob) != entry.nbytes:
@@ -455,6 +441,7 @@ class StorageReader(_DCPStorageReader):
                 pending = nxt
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            self._store.close()  # tier pools and clients: no thread outlives the load
         fut: Future = Future()
         fut.set_result(None)
         return fut

@@ -31,12 +31,13 @@ import atexit
 import concurrent.futures as cf
 import json
 import logging
+import os
 import threading
 import time
 import weakref
 
 from .. import _faults
-from ..codec.frame import FIXED_LEN, iter_frames, xxh3_stream
+from ..codec.frame import FrameWalk
 from ..errors import CkptStoreError, IntegrityError, StorageError
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
@@ -54,19 +55,9 @@ class UploadError(StorageError):
 
 def local_digest(local: Tier, key: str, size: int) -> tuple[str, int]:
     """Recompute (digest, frames) of a local object by walking its frames (checks payloads too)."""
-    path = local.local_path(key)
-    d = xxh3_stream()
-    n = 0
-    with open(path, "rb") as f:
-        import os
-
-        def read(off, length):
-            return os.pread(f.fileno(), length, off)
-
-        for off, hd, _ in iter_frames(read, size, key):
-            d.update(read(off, hd.header_len))
-            n += 1
-    return f"{d.intdigest():016x}", n
+    with open(local.local_path(key), "rb") as f:
+        walk = FrameWalk(lambda off, n: os.pread(f.fileno(), n, off), size, key).walk()
+    return walk.digest(), walk.count
 
 
 class Uploader:
@@ -239,8 +230,7 @@ class Uploader:
     def _abort_failed(self, deadline: float | None) -> list[str]:
         """Abort multipart uploads left behind by failed uploads (the tier aborts on failure, but
         the abort itself can fail while S3 is unreachable): retried here until ``deadline``."""
-        lister = getattr(self.remote, "list_multipart_uploads", None)
-        if lister is None:
+        if not self.remote.supports_multipart:
             return []
         with self._lock:
             keys = sorted(self._failed_keys)
@@ -249,7 +239,7 @@ class Uploader:
             delay = 0.2
             while True:
                 try:
-                    for mp in list(lister(key)):
+                    for mp in list(self.remote.list_multipart_uploads(key)):
                         if mp.key == key:
                             self.remote.abort_multipart_upload(mp.key, mp.upload_id)
                     with self._lock:
@@ -264,7 +254,11 @@ class Uploader:
         return left
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=False)
+        """Stop the pool; its threads are joined unless an upload is still running (after a
+        timed-out :meth:`wait`), which is then left to finish or to the exit-time report."""
+        with self._lock:
+            running = any(not f.done() for _w, f in self._pending)
+        self._pool.shutdown(wait=not running, cancel_futures=False)
 
 
 @atexit.register
@@ -283,4 +277,3 @@ def check_uploads(up: "Uploader | None", timeout: float | None) -> None:
         raise UploadError("uploads to the remote tier did not complete:\n  " + "\n  ".join(left))
 
 
-_ = FIXED_LEN

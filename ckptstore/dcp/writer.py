@@ -543,6 +543,7 @@ class StorageWriter(_DCPStorageWriter):
             up, self._uploader = self._uploader, None
         if up is not None:
             up.shutdown()
+            self._remote.close()  # its pool and client (re-created on the next use)
 
     def _upload_rank_object(self, s: _Save, rep: ObjectReport) -> _UploadFailure | None:
         entry = ObjectEntry(rep.name, rep.size, rep.digest, rep.frames, rep.rank, rep.nbytes)

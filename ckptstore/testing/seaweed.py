@@ -165,7 +165,8 @@ def _free_ports(n: int) -> list[int]:
 
 class SeaweedServer:
     """One ``weed mini`` process. ``dir`` defaults to a fresh temporary directory (removed by
-    :meth:`close` / the context manager; a given ``dir`` is kept)."""
+    :meth:`close` / the context manager; a given ``dir`` is kept). ``log_path`` (default
+    ``<dir>/weed.log``) receives the server's output; ``buckets`` are created at every start."""
 
     def __init__(
         self,
@@ -174,6 +175,7 @@ class SeaweedServer:
         weed: str | None = None,
         startup_timeout: float = 60.0,
         buckets: tuple[str, ...] = (),
+        log_path: str | os.PathLike | None = None,
     ):
         self.weed = weed or find_weed()
         self._own_dir = dir is None
@@ -182,7 +184,7 @@ class SeaweedServer:
         self.dir = os.fspath(dir)
         os.makedirs(self.dir, exist_ok=True)
         self.data_dir = os.path.join(self.dir, "data")
-        self.log_path = os.path.join(self.dir, "weed.log")
+        self.log_path = os.fspath(log_path) if log_path else os.path.join(self.dir, "weed.log")
         self.config_path = os.path.join(self.dir, "s3.json")
         self.startup_timeout = startup_timeout
         self.buckets = tuple(buckets)

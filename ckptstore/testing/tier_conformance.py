@@ -14,7 +14,17 @@ Subclass :class:`TierConformanceTests` in a test module, name the subclass ``Tes
             return S3Tier(self.request.getfixturevalue("s3_url"))
 
 ``make_tier`` may use ``self.tmp_path`` and ``self.request`` (pytest's ``request``, e.g.
-``self.request.getfixturevalue(...)``). Each test gets a fresh, empty tier. Class attributes tune
+``self.request.getfixturevalue(...)``). Each test gets a fresh, empty tier.
+
+Backdoor and error contract (zarr's ``get``/``set`` test hooks): a subclass also implements
+:meth:`~TierConformanceTests.raw_get` / :meth:`~TierConformanceTests.raw_set`, which read and
+plant stored bytes without going through the tier (the file itself, the bucket through its own
+client), and may implement :meth:`~TierConformanceTests.transient_tier` (a tier whose storage keeps
+failing in a way a retry may fix: every call must raise
+:class:`~ckptstore.errors.TransientStorageError`, never "not found") and
+:meth:`~TierConformanceTests.full_tier` (a tier on full storage: writes must raise
+:class:`~ckptstore.errors.StorageFullError` and leave nothing visible). The two default to a skip
+naming the reason. Class attributes tune
 the cost: ``list_count`` (keys in the pagination test), ``writer_size`` (bytes streamed through
 ``open_writer``; make it larger than the tier's part size to cover multipart), ``big_size``.
 """
@@ -22,6 +32,7 @@ the cost: ``list_count`` (keys in the pagination test), ``writer_size`` (bytes s
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import random
 import threading
@@ -29,7 +40,14 @@ import time
 
 import pytest
 
-from ..errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError
+from ..errors import (
+    IntegrityError,
+    InvalidNameError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageFullError,
+    TransientStorageError,
+)
 from ..tiers.base import Tier
 
 __all__ = ["TierConformanceTests"]
@@ -55,6 +73,26 @@ class TierConformanceTests:
     def make_tier(self) -> Tier:
         """Return a new, empty tier for one test."""
         raise NotImplementedError
+
+    def raw_get(self, tier: Tier, key: str) -> bytes:
+        """The stored bytes of ``key``, read around the tier (backdoor)."""
+        raise NotImplementedError
+
+    def raw_set(self, tier: Tier, key: str, data: bytes) -> None:
+        """Store ``data`` as ``key`` around the tier (backdoor), e.g. to plant damage."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def transient_tier(self):
+        """Yield a tier whose storage keeps answering with errors a retry may fix."""
+        pytest.skip(f"{type(self).__name__} has no transient-failure mechanism")
+        yield
+
+    @contextlib.contextmanager
+    def full_tier(self):
+        """Yield ``(tier, free)`` for a tier on full storage; ``free()`` makes room again."""
+        pytest.skip(f"{type(self).__name__} has no full-storage mechanism")
+        yield
 
     @pytest.fixture(autouse=True)
     def _conformance_setup(self, request, tmp_path):
@@ -296,3 +334,129 @@ class TierConformanceTests:
             tier.put(bad, b"x")
         with pytest.raises(InvalidNameError):
             tier.get(bad)
+
+    # --- backdoor: what the tier stores is what the caller gave, and nothing is cached ---
+
+    def test_backdoor_get_set(self, tier):
+        data = _data(70_000, 8)
+        tier.put("bd/a", data)
+        assert self.raw_get(tier, "bd/a") == data
+        planted = _data(5_000, 9)
+        self.raw_set(tier, "bd/b", planted)
+        assert tier.get("bd/b") == planted
+        assert tier.get("bd/b", 10, 20) == planted[10:20]
+        assert tier.stat("bd/b").size == len(planted)
+        assert sorted(i.key for i in tier.list("bd/")) == ["bd/a", "bd/b"]
+        flipped = bytes([data[0] ^ 1]) + data[1:]
+        self.raw_set(tier, "bd/a", flipped)  # damage planted after a read is seen by the next read
+        assert tier.get("bd/a") == flipped
+        assert tier.get_ranges("bd/a", [(0, 4)]) == [flipped[:4]]
+
+    def test_writer_stores_exact_bytes(self, tier):
+        data = _data(self.writer_size, 10)
+        with tier.open_writer("bdw/o") as w:
+            w.write(data[:1000])
+            w.write(memoryview(data)[1000:])
+        assert self.raw_get(tier, "bdw/o") == data
+
+    # --- verified replace (repair) ---
+
+    def test_put_verified(self, tier):
+        tier.put("pv/o", b"damaged copy")
+        good = _data(200_000, 11)
+
+        def fill(path, data=good):
+            with open(path, "wb") as f:
+                f.write(data)
+
+        seen = []
+
+        def verify(read, size):
+            seen.append(size)
+            if read(0, size) != good:
+                raise IntegrityError("copy does not verify", object="pv/o")
+
+        tier.put_verified("pv/o", fill, verify)
+        assert seen == [len(good)] and self.raw_get(tier, "pv/o") == good
+        # a copy that does not verify replaces nothing and leaves nothing behind
+        with pytest.raises(IntegrityError):
+            tier.put_verified("pv/o", lambda p: fill(p, b"bad"), verify)
+        assert self.raw_get(tier, "pv/o") == good
+        assert [i.key for i in tier.list("pv/")] == ["pv/o"]
+        tier.put_verified("pv/new/o", fill, verify)  # also creates
+        assert tier.get("pv/new/o") == good
+
+    # --- directories (local) / none (object stores) ---
+
+    def test_empty_dirs(self, tier):
+        w = tier.open_writer("ed/v1/a/obj")
+        w.write(b"partial")
+        w.abort()
+        tier.put("ed/v2/keep", b"k")
+        for d in tier.list_empty_dirs("ed/"):
+            assert d.size == 0 and d.key.startswith("ed/") and not tier.exists(d.key)
+            assert tier.remove_empty_dir(d.key) is True
+        assert list(tier.list_empty_dirs("ed/")) == []
+        assert tier.remove_empty_dir("ed/v2") is False  # not empty: kept
+        assert tier.get("ed/v2/keep") == b"k"
+        assert sorted(i.key for i in tier.list("ed/")) == ["ed/v2/keep"]
+
+    # --- optional features are declared ---
+
+    def test_multipart_declared(self, tier):
+        if tier.supports_multipart:
+            assert list(tier.list_multipart_uploads("mp/")) == []
+        else:
+            with pytest.raises(NotImplementedError):
+                list(tier.list_multipart_uploads("mp/"))
+
+    # --- error contract ---
+
+    def test_transient_errors_are_typed(self):
+        with self.transient_tier() as t:
+            w = None
+            for what, call in (
+                ("get", lambda: t.get("te/a")),
+                ("ranged get", lambda: t.get("te/a", 0, 10)),
+                ("get of a missing key", lambda: t.get("te/missing")),
+                ("stat", lambda: t.stat("te/a")),
+                ("exists", lambda: t.exists("te/a")),
+                ("list", lambda: list(t.list("te/"))),
+                ("put", lambda: t.put("te/b", b"b")),
+                ("put_if_absent", lambda: t.put_if_absent("te/c", b"c")),
+                ("delete", lambda: t.delete("te/a")),
+            ):
+                with pytest.raises(TransientStorageError) as ei:
+                    call()
+                assert not isinstance(ei.value, ObjectNotFoundError), what
+                assert str(ei.value), what
+            with pytest.raises(TransientStorageError):
+                w = t.open_writer("te/w")
+                w.write(b"x" * 1000)
+                w.commit()
+            if w is not None:
+                w.abort()
+
+    def test_full_storage_is_typed(self):
+        with self.full_tier() as (t, free):
+            before = sorted(i.key for i in t.list(""))
+            data = _data(256 << 10, 12)
+            for what, call in (
+                ("put", lambda: t.put("fu/a", data)),
+                ("put into a new directory", lambda: t.put("fu/new/dir/a", data)),
+                ("put_if_absent", lambda: t.put_if_absent("fu/b", data)),
+            ):
+                with pytest.raises(StorageFullError) as ei:
+                    call()
+                assert "full" in str(ei.value), what
+            w = None
+            with pytest.raises(StorageFullError):
+                w = t.open_writer("fu/w")
+                w.write(data)
+                w.commit()
+            if w is not None:
+                w.abort()
+            assert sorted(i.key for i in t.list("")) == before  # nothing partial is visible
+            free()
+            t.put("fu/new/dir/a", data)
+            assert t.get("fu/new/dir/a") == data

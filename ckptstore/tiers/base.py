@@ -10,6 +10,12 @@ Errors are translated once, here at the boundary: a missing key raises
 :class:`~ckptstore.errors.StorageError`; one that may pass on retry raises
 :class:`~ckptstore.errors.TransientStorageError`; a full disk raises
 :class:`~ckptstore.errors.StorageFullError`.
+
+Optional features are declared, not probed for (zarr's ``supports_*`` properties): a caller checks
+:attr:`Tier.supports_multipart` before it calls :meth:`Tier.list_multipart_uploads` /
+:meth:`Tier.abort_multipart_upload`, which raise :class:`NotImplementedError` on tiers without
+multipart uploads. Operations that only mean something for a directory tree
+(:meth:`Tier.list_empty_dirs`, :meth:`Tier.remove_empty_dir`) are no-ops elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
-from typing import Iterator, Sequence
+import tempfile
+from typing import Callable, Iterator, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +65,9 @@ class Tier(abc.ABC):
 
     name: str = "tier"
     url: str = ""
-    #: True when ``put`` of an existing key atomically replaces it (both our tiers do).
-    atomic_replace: bool = True
+    #: True when the tier has multipart uploads that can outlive a failed writer (S3): they are
+    #: listed with :meth:`list_multipart_uploads` and removed with :meth:`abort_multipart_upload`.
+    supports_multipart: bool = False
 
     @abc.abstractmethod
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -118,8 +126,54 @@ class Tier(abc.ABC):
             f.flush()
             os.fsync(f.fileno())
 
+    def put_verified(self, key: str, fill: Callable[[str], None],
+                     verify: Callable[[Callable[[int, int], bytes], int], None]) -> None:
+        """Replace ``key`` with a new copy, but only once the copy has been checked.
+
+        ``fill(path)`` writes the new copy into the local file ``path``; ``verify(read, size)``
+        checks it (``read(offset, n) -> bytes``) and raises to refuse it, in which case the stored
+        object is left as it was. Used by repair. Default: stage in a temporary local file, then
+        :meth:`put_file`.
+        """
+        fd, tmp = tempfile.mkstemp(prefix="ckptstore-repair-")
+        os.close(fd)
+        try:
+            fill(tmp)
+            with open(tmp, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                verify(lambda off, n: os.pread(f.fileno(), n, off), size)
+            self.put_file(key, tmp, size)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    # -- optional features ---------------------------------------------------------------------
+    def list_multipart_uploads(self, prefix: str = "") -> Iterator:
+        """Unfinished multipart uploads under ``prefix`` (only when :attr:`supports_multipart`)."""
+        raise NotImplementedError(f"the {self.name} tier has no multipart uploads")
+
+    def abort_multipart_upload(self, key: str, upload_id: str) -> None:
+        """Abort one multipart upload (only when :attr:`supports_multipart`)."""
+        raise NotImplementedError(f"the {self.name} tier has no multipart uploads")
+
+    def list_empty_dirs(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Empty directories under ``prefix`` (key, size 0, mtime); none on a flat object store."""
+        return iter(())
+
+    def remove_empty_dir(self, key: str) -> bool:
+        """Remove the empty directory ``key`` and any parents it leaves empty, below the
+        directory of ``key``'s first component. True when it is gone; False when it is not
+        empty (or the tier has no directories)."""
+        return False
+
     def local_path(self, key: str) -> str | None:
-        """A filesystem path for ``key`` when the tier is a local directory, else None."""
+        """A filesystem path for ``key`` when the tier is a local directory, else None.
+
+        A read-only fast path (``os.pread``, ``put_file`` from it): write and delete through the
+        tier's methods, which keep the durability and typed-error rules.
+        """
         return None
 
     def close(self) -> None:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from typing import Iterator, Sequence
+import shutil
+import stat
+from typing import Callable, Iterator, Sequence
 
 from .. import _faults
 from .._names import check_key
 from ..errors import (
+    CkptStoreError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
@@ -28,26 +31,35 @@ from .base import ObjectInfo, ObjectWriter, Tier
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _oserror(e: OSError, what: str, key: str) -> Exception:
+def _oserror(e: OSError, what: str, key: str, *, object_key: bool = True) -> Exception:
+    """The typed error for ``e``; a missing path is :class:`ObjectNotFoundError` only when ``key``
+    names an object (``object_key``), not a directory the tier needs."""
+    if isinstance(e, CkptStoreError):
+        return e
     if e.errno in _FULL:
         return StorageFullError(
             f"local disk full while {what} {key!r} ({e.strerror}); free space or run 'ckptstore gc'"
         )
-    if isinstance(e, FileNotFoundError):
+    if object_key and isinstance(e, FileNotFoundError):
         return ObjectNotFoundError(f"object {key!r} not found in local tier", object=key)
     return StorageError(f"local tier: {what} {key!r} failed: {e}")
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    """fsync directory ``path``; errors are typed (:class:`StorageFullError` / :class:`StorageError`)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise _oserror(e, "syncing directory", path, object_key=False) from e
 
 
 def makedirs_synced(d: str) -> None:
-    """Create ``d`` and its missing parents one by one, fsyncing each new entry's parent."""
+    """Create ``d`` and its missing parents one by one, fsyncing each new entry's parent.
+    Errors are typed (:class:`StorageFullError` / :class:`StorageError`)."""
     missing = []
     p = d
     while not os.path.isdir(p):
@@ -61,6 +73,8 @@ def makedirs_synced(d: str) -> None:
             os.mkdir(m)
         except FileExistsError:
             pass
+        except OSError as e:
+            raise _oserror(e, "creating directory", m, object_key=False) from e
         fsync_dir(os.path.dirname(m))
 
 
@@ -106,10 +120,7 @@ class _LocalWriter(ObjectWriter):
             self._f.close()
         except OSError:
             pass
-        try:
-            os.unlink(self._path)
-        except OSError:
-            pass
+        _unlink_quietly(self._path)
 
 
 class LocalTier(Tier):
@@ -172,10 +183,7 @@ class LocalTier(Tier):
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
             raise _oserror(e, "writing", key) from e
         return path, tmp
 
@@ -198,10 +206,7 @@ class LocalTier(Tier):
         except OSError as e:
             raise _oserror(e, "linking", key) from e
         finally:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
         fsync_dir(os.path.dirname(path))
 
     def open_writer(self, key) -> ObjectWriter:
@@ -212,6 +217,8 @@ class LocalTier(Tier):
             st = os.stat(self._path(key))
         except OSError as e:
             raise _oserror(e, "stat of", key) from e
+        if stat.S_ISDIR(st.st_mode):  # a directory is not an object (as on S3)
+            raise ObjectNotFoundError(f"object {key!r} not found in local tier (it is a directory)", object=key)
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
@@ -243,8 +250,74 @@ class LocalTier(Tier):
             raise _oserror(e, "deleting", key) from e
         d = os.path.dirname(path)
         fsync_dir(d)
-        # prune now-empty directories up to the root (best effort)
-        while d != self.root and d.startswith(self.root):
+        self._prune(d, self.root)
+
+    def get_file(self, key, path) -> None:
+        try:
+            with open(self._path(key), "rb") as src, open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+        except OSError as e:
+            raise _oserror(e, "copying", key) from e
+
+    def put_verified(self, key: str, fill: Callable[[str], None],
+                     verify: Callable[[Callable[[int, int], bytes], int], None]) -> None:
+        """The new copy is written to a ``.tmp-`` file next to ``key`` and fsync'd, checked, then
+        renamed over ``key`` (and the directory fsync'd); a refused copy is removed."""
+        path, tmp = self._write_tmp(key, b"")
+        try:
+            fill(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+                size = os.fstat(f.fileno()).st_size
+                verify(lambda off, n: _pread_all(f.fileno(), n, off), size)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise _oserror(e, "replacing", key) from e
+        finally:
+            _unlink_quietly(tmp)  # gone after the rename
+        fsync_dir(os.path.dirname(path))
+
+    def list_empty_dirs(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = os.path.join(self.root, *base.split("/")) if base else self.root
+        if not os.path.isdir(top):
+            return
+        for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
+            if dirpath == top or filenames:
+                continue
+            key = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            if not key.startswith(prefix):
+                continue
+            try:
+                if os.listdir(dirpath):
+                    continue
+                mt = os.stat(dirpath).st_mtime
+            except OSError:
+                continue
+            yield ObjectInfo(key, 0, mt)
+
+    def remove_empty_dir(self, key: str) -> bool:
+        path = self._path(key)
+        top = os.path.join(self.root, check_key(key).split("/")[0])
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            return True
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise _oserror(e, "removing directory", key) from e
+        self._made.discard(path)
+        d = os.path.dirname(path)
+        fsync_dir(d)
+        self._prune(d, top)
+        return True
+
+    def _prune(self, d: str, top: str) -> None:
+        """Remove now-empty directories from ``d`` up to (not including) ``top`` (best effort)."""
+        while d != top and d.startswith(top + os.sep):
             try:
                 os.rmdir(d)
             except OSError:
@@ -265,6 +338,13 @@ class LocalTier(Tier):
             except BaseException:
                 w.abort()
                 raise
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _pread_all(fd: int, n: int, off: int) -> bytes:

@@ -393,6 +393,7 @@ class S3Tier(Tier):
     """
 
     name = "remote"
+    supports_multipart = True
 
     def __init__(
         self,

@@ -1,0 +1,78 @@
+"""Issue 13 item 10: no hidden thread outlives a save or a load, and ranks tear down cleanly.
+
+A 3-rank load of a 2-rank save, with ``dist.destroy_process_group()`` right after ``dcp.load``,
+once ended with rank 0 killed by SIGABRT on a busy 2-core machine. The suspects were thread pools
+that outlived the call (``ckptstore-enc``/``-dec`` per save/load, ``ckptstore-s3`` per S3 tier,
+``ckptstore-up`` per uploader, which was shut down with ``wait=False``): now every pool is joined
+before the call that started it returns (``StorageWriter.close``, the end of ``read_data``).
+The rank runner fails a rank that returned and then died (exit code -6 for SIGABRT), and prints
+every thread's stack from a rank killed by a signal (``faulthandler``).
+
+``CKPTSTORE_TEARDOWN_REPEAT`` (default 10) sets how many times the slow test repeats the load;
+run it with the cores saturated (e.g. a second test run alongside) and a few hundred repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptstore
+from ckptstore.testing.dist import run_ranks
+
+import dcp_ranks
+
+
+_BEFORE: set = set()
+
+
+def _ckptstore_threads() -> list[str]:
+    """ckptstore threads alive now that were not alive when the test started (other tests in this
+    process may leave tiers they never closed)."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptstore-") and t not in _BEFORE)
+
+
+@pytest.mark.s3
+def test_no_ckptstore_thread_outlives_save_close_or_load(tmp_path, s3_url):
+    _BEFORE.clear()
+    _BEFORE.update(threading.enumerate())
+    root = str(tmp_path / "local")
+    big = torch.randn(5 << 20)  # 20 MiB: a multipart upload (the S3 tier's pool) and parallel ranged reads
+    sd = {"big": big, "small": torch.arange(10)}
+    w = ckptstore.StorageWriter(root, remote=s3_url, durability="remote", upload_timeout=60)
+    dcp.save(sd, checkpoint_id="v1", storage_writer=w)
+    w.close()
+    assert _ckptstore_threads() == []
+    tgt = {"big": torch.zeros_like(big), "small": torch.zeros(10, dtype=torch.int64)}
+    dcp.load(tgt, checkpoint_id="v1", storage_reader=ckptstore.StorageReader(root, remote=s3_url))
+    assert torch.equal(tgt["big"], big)
+    assert _ckptstore_threads() == []
+    # from the remote tier alone: the reader's S3 pool fetches the frames
+    tgt = {"big": torch.zeros_like(big), "small": torch.zeros(10, dtype=torch.int64)}
+    dcp.load(tgt, checkpoint_id="v1", storage_reader=ckptstore.StorageReader(str(tmp_path / "empty"), remote=s3_url))
+    assert torch.equal(tgt["big"], big) and tgt["small"].tolist() == list(range(10))
+    assert _ckptstore_threads() == []
+
+
+@pytest.mark.slow
+def test_load_on_more_ranks_then_destroy_repeatedly(tmp_path):
+    root = str(tmp_path)
+    run_ranks(dcp_ranks.save_sharded, 2, root, "v1", 11)
+    for i in range(int(os.environ.get("CKPTSTORE_TEARDOWN_REPEAT", "10"))):
+        # RankFailure if any rank fails, hangs, or dies after returning (SIGABRT: exit code -6)
+        outs = run_ranks(dcp_ranks.load_then_destroy, 3, root, "v1", 11, timeout=300)
+        assert outs == [(True, [])] * 3, (i, outs)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_load_from_s3_on_more_ranks_then_destroy(tmp_path, s3_url):
+    root = str(tmp_path / "local")
+    assert run_ranks(dcp_ranks.s3_save, 2, root, s3_url, "v1", 5, "remote") == [("ok", None)] * 2
+    for i in range(max(1, int(os.environ.get("CKPTSTORE_TEARDOWN_REPEAT", "10")) // 5)):
+        outs = run_ranks(dcp_ranks.load_then_destroy, 3, str(tmp_path / f"empty{i}"), "v1", 5, s3_url, timeout=300)
+        assert outs == [(True, [])] * 3, (i, outs)
