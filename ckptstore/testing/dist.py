@@ -83,8 +83,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
 
 
 @contextlib.contextmanager
-def _spawn_env(env: dict):
-    """Set ``env`` in this process while a rank is spawned, so the new interpreter starts with it."""
+def patched_environ(env: dict):
+    """Set ``env`` in ``os.environ`` for the ``with`` block, then restore what was there.
+
+    Used while a rank is spawned (so the new interpreter starts with it, e.g. ``PYTHONHASHSEED``) and
+    by the demo's ``--seaweedfs`` (its workers find the server through the boto3 chain)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
     try:
@@ -110,7 +113,7 @@ class Ranks:
         self.procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, {**base, **envs[r]}, self.q))
                       for r in range(world_size)]
         for r, p in enumerate(self.procs):
-            with _spawn_env(envs[r]):  # e.g. PYTHONHASHSEED must be set when a spawned interpreter starts
+            with patched_environ(envs[r]):  # e.g. PYTHONHASHSEED must be set when a spawned interpreter starts
                 p.start()
         self.results: dict[int, tuple[str, Any]] = {}
 
