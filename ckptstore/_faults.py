@@ -52,10 +52,3 @@ def _hit(name: str) -> None:
         _count += 1
         if _count >= nth:
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def rearm() -> None:
-    """Re-read ``CKPTSTORE_FAULT`` at the next fault point (for tests that set it mid-process)."""
-    global _armed, _count
-    _armed = _UNREAD
-    _count = 0

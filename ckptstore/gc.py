@@ -560,7 +560,7 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     """
     if policy is None:
         return []
-    name = tier_name or getattr(tier, "name", "local")
+    name = tier_name or tier.name
     rules = policy.rules_for(name)
     if not rules:
         return []
