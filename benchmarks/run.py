@@ -11,7 +11,8 @@ a goal that is printed as met / NOT MET):
   2  load throughput      the same four, each checkpoint evicted from the page cache first;
                           loaded values checked bit-exact
   3  async_save           time blocked inside dcp.async_save vs one plain host copy of the state;
-                          RSS after each of 30 consecutive async saves
+                          RSS after each of 30 consecutive async saves;
+                          CheckpointManager.save blocking beside the raw async_save
   4  peak RSS             of one save, in a fresh process
   5  scaling              1/2/4 ranks (spawn + gloo, DTensor Shard(0)); simulated 64..1,024-rank
                           commit (finish(): metadata object + manifest)
@@ -232,6 +233,23 @@ def sec_async(run: Run) -> None:
         _async_result(fut)
         p_rss.append(B.rss() / MiB)
         shutil.rmtree(path, ignore_errors=True)
+    # the training-loop API on the same state: CheckpointManager.save (its own queue and staging),
+    # each save waited for before the next, as in the raw loop above
+    mroot = os.path.join(run.work, "async-mgr")
+    shutil.rmtree(mroot, ignore_errors=True)
+    mgr = ckptstore.CheckpointManager(mroot, key=B.BENCH_KEY, interval_steps=1, save_rng=False)
+    m_block = []
+    try:
+        for i in range(N):
+            t0 = time.perf_counter()
+            mgr.save(i + 1, sd)
+            m_block.append(time.perf_counter() - t0)
+            mgr.wait()
+            if i:
+                shutil.rmtree(os.path.join(mroot, layout.version_dir(mgr.version_name(i))), ignore_errors=True)
+    finally:
+        mgr.close()
+        shutil.rmtree(mroot, ignore_errors=True)
     steady = [b / p for b, p in zip(block_s[1:], pre_s[1:])]
     r_pre = med(steady)
     r_clone = med([b / c for b, c in zip(block_s[1:], clone_s[1:])])
@@ -252,6 +270,7 @@ def sec_async(run: Run) -> None:
         "ratio_block_vs_prealloc": r_pre, "ratio_block_vs_clone": r_clone,
         "first_block_s": block_s[0], "last_reused_bytes": writer._stager.last_reused,
         "peer": {"label": "DCP FileSystemWriter (BlockingAsyncStager)", "block_s": p_block, "rss_mib": p_rss},
+        "manager_block_s": m_block,
     }
     run.row("3a", "async_save blocking vs copy into preallocated buffers (saves 2..N)", fmt_s(med(block_s[1:])),
             f"{fmt_s(med(pre_s))} copy_; DCP async_save {fmt_s(med(p_block))}", fmt_x(r_pre, 1.2), "<= 1.20x", r_pre <= 1.2, "3")
@@ -259,6 +278,9 @@ def sec_async(run: Run) -> None:
             f"{r_clone:.2f}x", "(info)", None, "3")
     run.row("3c", "first async_save (allocates its buffers) vs clone", fmt_s(block_s[0]), f"{fmt_s(clone_s[0])} clone",
             f"{block_s[0] / clone_s[0]:.2f}x", "(info)", None, "3")
+    r_mgr = med(m_block[1:]) / med(block_s[1:]) if N > 1 else float("nan")
+    run.row("3e", "CheckpointManager.save blocking vs raw dcp.async_save, same writer options (saves 2..N)",
+            fmt_s(med(m_block[1:])), f"raw async_save {fmt_s(med(block_s[1:]))}", f"{r_mgr:.2f}x", "(info)", None, "3")
     k = 1 + half
     run.row("3d", f"RSS over {N} async saves: peak of saves {k + 1}-{N} minus peak of 2-{k}",
             f"{plateau:+.1f} MiB (last-second {growth:+.0f})",
