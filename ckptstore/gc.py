@@ -55,7 +55,7 @@ from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, Unsuppor
 from .manifest import catalogue, layout
 from .manifest.schema import Manifest, parse
 from .retention import Decision, RetentionPolicy, across_tiers, evaluate, format_duration
-from .tiers.base import ObjectInfo, Tier
+from .tiers.base import ObjectInfo, Tier, tiers_of
 
 log = logging.getLogger("ckptstore")
 
@@ -610,7 +610,7 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
     ``manifest.json`` is invalid, every key of its directory goes, the manifest first. Raises
     :class:`VersionNotFoundError` when none of the tiers holds the version.
     """
-    all_tiers: dict[str, Tier] = dict(store.tiers if hasattr(store, "tiers") else store)
+    all_tiers = tiers_of(store)
     names = list(all_tiers) if tiers is None else list(tiers)
     for n in names:
         if n not in all_tiers:

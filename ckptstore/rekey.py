@@ -49,6 +49,7 @@ from .errors import (
 )
 from .manifest import catalogue, layout
 from .manifest.schema import canonical, parse, seal
+from .tiers.base import tiers_of
 
 REKEYED = "rekeyed"
 ALREADY = "already"
@@ -234,7 +235,7 @@ def rekey(store, old_key, new_key, *, version: str | None = None, dry_run: bool 
     new = resolve_key(new_key) if new_key is not None else None
     if old is None or new is None:
         raise KeyMismatchError("rekey needs both the old and the new master key (32 bytes each)")
-    tiers = dict(store.tiers if hasattr(store, "tiers") else store)
+    tiers = tiers_of(store)
     report = RekeyReport(key_id(old), key_id(new), dry_run=dry_run)
     for name, tier in tiers.items():
         rekey_tier(tier, name, old, new, report, version=version, dry_run=dry_run)

@@ -60,7 +60,7 @@ from .errors import (
 )
 from .manifest import catalogue, layout
 from .manifest.schema import ObjectEntry, utcnow
-from .tiers.base import Tier
+from .tiers.base import Tier, tiers_of
 
 EXIT_CLEAN = 0
 EXIT_DAMAGE = 10
@@ -334,7 +334,7 @@ def scrub(
     no reachable tier commits it). ``key``: master key for ``deep`` (default ``CKPTSTORE_KEY`` /
     ``CKPTSTORE_KEY_FILE``). ``on_total(bytes)``/``on_bytes(n)``: progress callbacks.
     """
-    tiers: dict[str, Tier] = dict(store.tiers if hasattr(store, "tiers") else store)
+    tiers = tiers_of(store)
     report = ScrubReport(deep=deep, repair=repair)
     master = None
     key_problem = None

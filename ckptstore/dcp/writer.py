@@ -215,6 +215,7 @@ class StorageWriter(_DCPStorageWriter):
         self._caught_up = False
         self._in_subprocess = False  # this copy runs in DCP's checkpoint subprocess (PROCESS)
         self._shipped = False  # a copy of this writer was sent to DCP's checkpoint subprocess
+        self._ship_rank = 0  # the rank that sent it (only rank 0 re-checks the uploads at close)
         self._born = utcnow()
         self._options_for: dict[str, tuple] = {}
         self._remote_futs: dict[str, cf.Future] = {}
@@ -627,7 +628,7 @@ class StorageWriter(_DCPStorageWriter):
         from ..manifest import catalogue
         from .upload import UploadError
 
-        if getattr(self, "_ship_rank", 0) != 0:
+        if self._ship_rank != 0:
             return
         local = {v: e for v, e in catalogue.scan(self._tier).items() if e.manifest.created >= self._born}
         missing = sorted(set(local) - set(catalogue.scan(self._remote)))

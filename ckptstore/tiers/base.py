@@ -178,3 +178,9 @@ class Tier(abc.ABC):
 
     def close(self) -> None:
         """Release clients and pools (tiers are re-creatable from their constructor args)."""
+
+
+def tiers_of(store) -> dict[str, Tier]:
+    """``{name: Tier}`` of a :class:`ckptstore.Store` (its ``.tiers``) or of a mapping given as is —
+    what gc, scrub and rekey accept as their ``store`` argument."""
+    return dict(store.tiers if hasattr(store, "tiers") else store)
