@@ -115,6 +115,9 @@ class Manifest:
     codecs: list[str] = dataclasses.field(default_factory=list)
     format: str = FORMAT
     writer: str = ""
+    #: root groups: ``[[0, 1], [2, 3]]`` = ranks 0 and 1 wrote to one root (a node's disk), 2 and 3 to
+    #: another (docs/FORMAT.md, "Placement"). None: one root holds every object (older manifests).
+    placement: list | None = None
 
     @property
     def encrypted(self) -> bool:
@@ -143,6 +146,7 @@ class Manifest:
             "user": self.user,
             "metadata_object": self.metadata_object.to_json(),
             "objects": [o.to_json() for o in self.objects],
+            **({} if self.placement is None else {"placement": self.placement}),
         }
 
     def to_bytes(self, data_key: bytes | None) -> bytes:
@@ -257,6 +261,7 @@ def _manifest_from_body(d: dict) -> Manifest:
             encryption=enc,
             codecs=_codecs(d.get("codecs", [])),
             writer=_typed(d.get("writer", ""), str, "'writer' must be a string"),
+            placement=_placement(d.get("placement")),
         )
     except KeyError as k:
         raise ManifestError(f"manifest lacks field {k}") from None
@@ -279,6 +284,20 @@ def _created(v: Any) -> str:
     except ValueError:
         raise ManifestError(f"manifest 'created' is not an ISO 8601 time: {created!r}") from None
     return created
+
+
+def _placement(v: Any) -> list | None:
+    if v is None:
+        return None
+    ok = isinstance(v, list) and len(v) <= MAX_OBJECTS and all(
+        isinstance(g, list) and g and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < (1 << 31) for r in g) for g in v
+    )
+    if not ok:
+        raise ManifestError("manifest 'placement' must be a list of non-empty lists of ranks")
+    seen = [r for g in v for r in g]
+    if len(seen) != len(set(seen)):
+        raise ManifestError("manifest 'placement' names a rank in two root groups")
+    return v
 
 
 def _codecs(v: Any) -> list[str]:
