@@ -16,16 +16,41 @@ class LocalPlanData:
     """Set in ``prepare_local_plan``: the rank that owns the plan (kept by the global plan)."""
 
     rank: int
+    probe: int | None = None  # the nonce of this rank's root probe (docs/FORMAT.md, "Placement")
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanData:
-    """Set by the coordinator in ``prepare_global_plan`` for every rank's plan."""
+    """Set by the coordinator in ``prepare_global_plan`` for every rank's plan.
+
+    ``probes``: ``((rank, nonce), ...)`` of every rank, to find the ranks that share this rank's
+    root; ``coordinator``: the rank that commits (its root holds the commit point).
+    """
 
     rank: int
     attempt: str
     wrapped_key: str | None
     key_id: str | None
+    probes: tuple = ()
+    coordinator: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RootReport:
+    """Rank → coordinator: the ranks that write to the same root as ``rank`` (its root group)."""
+
+    rank: int
+    group: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerPlan:
+    """Load plan storage data when objects travel between ranks (a root lacks them, no remote has
+    them): ``send``: ``((global_rank, object, ((offset, length), ...)), ...)`` this rank serves from its
+    root; ``recv``: the same from the serving rank's side, in the order the bytes arrive."""
+
+    send: tuple = ()
+    recv: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +95,7 @@ def _register() -> None:
     try:
         import torch.serialization as ts
 
-        ts.add_safe_globals([FrameRef, ItemLocation, LocalPlanData, PlanData, ObjectReport, ReplicaDigest])
+        ts.add_safe_globals([FrameRef, ItemLocation, LocalPlanData, PlanData, ObjectReport, ReplicaDigest, RootReport, PeerPlan])
     except Exception:  # pragma: no cover - older torch
         pass
 

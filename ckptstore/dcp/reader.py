@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import io
 import logging
 import os
@@ -50,11 +51,13 @@ from ..errors import (
     StateDictKeysError,
     VersionNotFoundError,
 )
-from ..manifest import layout
+from ..manifest import layout, placement
 from ..manifest.schema import Manifest, ObjectEntry
+from ..manifest.schema import parse as parse_manifest
 from ..store import Store
 from ._checks import install_log_filter, reject_unknown_kwargs
-from ._types import ItemLocation
+from . import _job
+from ._types import ItemLocation, PeerPlan
 
 log = logging.getLogger("ckptstore")
 install_log_filter()
@@ -79,10 +82,21 @@ class StorageReader(_DCPStorageReader):
         read_repair: when an object fails verification in the tier read first (local) and the
             verified copy of another tier (S3) is used instead, also rewrite the local copy from
             those verified bytes (temp file + atomic replace). Off by default.
+        process_group: the process group of the load (pass the one given to ``dcp.load``; default
+            the default group). In a job of more than one rank the reader exchanges, over this group,
+            what each rank's root holds (docs/FORMAT.md, "Placement"): without a version it loads the
+            newest version every rank can load; each rank reads its own root first, then another
+            rank's root through ``torch.distributed`` (a gloo-capable group), then the remote tier.
+
+    Roots may be node-local: every node passes the same path, each is a different disk. A root
+    that holds objects of the loaded version but lacks its manifest (a crash right after the commit)
+    gets the manifest from another rank's root during the load.
 
     Every read served by another tier than the one chosen is logged as a warning (logger
     ``ckptstore``) naming the object and both tiers, and counted in :attr:`stats`
-    (``fallback_reads``, ``repaired``), which add up over the loads of this reader.
+    (``fallback_reads``, ``repaired``), which add up over the loads of this reader, as do
+    ``remote_reads`` (GET requests to the remote tier, manifests included) and ``peer_bytes`` (bytes
+    received from other ranks' roots).
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionNotFoundError`,
     :class:`IntegrityError` / :class:`ManifestError`, :class:`KeyMismatchError`,
@@ -102,12 +116,14 @@ class StorageReader(_DCPStorageReader):
         threads: int | None = None,
         endpoint_url: str | None = None,
         read_repair: bool = False,
+        process_group: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
         self.read_repair = read_repair
-        self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0}
+        self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0, "remote_reads": 0, "peer_bytes": 0}
+        self._pg = process_group
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
@@ -118,12 +134,15 @@ class StorageReader(_DCPStorageReader):
         self.allow_unencrypted = allow_unencrypted
         self.threads = threads or env_threads()
         self._store = Store(self.root, remote=remote, endpoint_url=endpoint_url)
+        if self._store.remote is not None:
+            self._store.remote = _Counted(self._store.remote, self.stats)
         self._reset_state()
 
     def __getstate__(self):
         s = self.__dict__.copy()
         s["_pool"] = None
         s.pop("_alt_lock", None)
+        s["_pg"] = None
         return s
 
     def __setstate__(self, s):
@@ -144,6 +163,8 @@ class StorageReader(_DCPStorageReader):
         self._repaired: set[str] = set()
         self.rank = 0
         self.is_coordinator = True
+        self._joined: tuple | None = None  # (view, group rank, manifest file, metadata bytes) or (exception,)
+        self._peer: dict = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -174,6 +195,36 @@ class StorageReader(_DCPStorageReader):
             )
         return rec.version
 
+    def _join(self) -> tuple | None:
+        """In a job of more than one rank: the load's shared decisions (``_job``), made once per
+        load by every rank together — before anything that can fail on one rank only, and never
+        again for DCP's retry of ``read_metadata`` — else None."""
+        if self._joined is None:
+            if not _job.in_job(self._pg):
+                return None
+            try:
+                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version)
+                body, meta = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
+                self._joined = (view, me, body, meta)
+            except Exception as e:  # noqa: BLE001 - raised again, the same on every call
+                self._joined = (e,)
+        if len(self._joined) == 1:
+            raise self._joined[0]
+        return self._joined
+
+    def _tier_for(self, obj: str):
+        """The tier this rank reads ``obj`` from first: in a job, its root, else the remote tier,
+        else a peer's root (bytes received in ``read_data``)."""
+        if self._joined is None or len(self._joined) == 1:
+            return self.tier
+        view, me = self._joined[0], self._joined[1]
+        src = view.source(me, obj)
+        if src == "local":
+            return self._store.local
+        if src == "remote":
+            return self._store.remote
+        return _PeerTier(self.version, self._peer, view.global_rank(src))
+
     def _open_version(self, version: str) -> None:
         """Pick the tier, verify the manifest and set up the frame codec."""
         last: Exception | None = None
@@ -183,29 +234,35 @@ class StorageReader(_DCPStorageReader):
             except VersionNotFoundError as e:
                 last = e
                 continue
-            self._store.check_not_damaged(version, tier)
-            m = parsed.manifest
-            cipher = None
-            if m.encrypted:
-                if self._master is None:
-                    raise KeyMismatchError(
-                        f"version {version!r} is encrypted (key id {m.encryption['key_id']}) but no key was given; "
-                        "pass key=, or set CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
-                    )
-                data_key = unwrap_key(self._master, m.encryption["wrapped_key"], version, m.attempt, m.encryption["key_id"])
-                parsed.verify_mac(data_key)
-                cipher = FrameCipher(data_key)
-            elif self._master is not None and not self.allow_unencrypted:
-                raise KeyMismatchError(
-                    f"version {version!r} is not encrypted, but a key was given; a store that should be encrypted "
-                    "may have been tampered with. Pass allow_unencrypted=True (or drop the key) to load it"
-                )
-            self.manifest = m
-            self.tier = tier
-            self.codec = FrameCodec(version, m.attempt, cipher)
-            self._objects = {o.name: o for o in m.all_objects()}
+            self._open_parsed(parsed, tier)
             return
         raise last or VersionNotFoundError(f"version {version!r} not found")
+
+    def _open_parsed(self, parsed, tier) -> None:
+        """Verify ``parsed`` (the HMAC with a key) and set up the frame codec for its version."""
+        version = parsed.manifest.version
+        if tier is not None:
+            self._store.check_not_damaged(version, tier)
+        m = parsed.manifest
+        cipher = None
+        if m.encrypted:
+            if self._master is None:
+                raise KeyMismatchError(
+                    f"version {version!r} is encrypted (key id {m.encryption['key_id']}) but no key was given; "
+                    "pass key=, or set CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
+                )
+            data_key = unwrap_key(self._master, m.encryption["wrapped_key"], version, m.attempt, m.encryption["key_id"])
+            parsed.verify_mac(data_key)
+            cipher = FrameCipher(data_key)
+        elif self._master is not None and not self.allow_unencrypted:
+            raise KeyMismatchError(
+                f"version {version!r} is not encrypted, but a key was given; a store that should be encrypted "
+                "may have been tampered with. Pass allow_unencrypted=True (or drop the key) to load it"
+            )
+        self.manifest = m
+        self.tier = tier
+        self.codec = FrameCodec(version, m.attempt, cipher)
+        self._objects = {o.name: o for o in m.all_objects()}
 
     def _alt_tiers(self) -> list:
         """Other tiers holding the same attempt (fallback when an object fails in the first).
@@ -232,12 +289,15 @@ class StorageReader(_DCPStorageReader):
 
         A read served by another tier is never silent: warned, counted, optionally repaired.
         """
+        first_tier = self._tier_for(obj)
         try:
-            return read(self.tier)
+            return read(first_tier)
         except (IntegrityError, ObjectNotFoundError) as e:
             last: Exception = e
         first = last
         for tier in self._alt_tiers():
+            if tier is first_tier:
+                continue
             try:
                 out = read(tier)
             except (IntegrityError, ObjectNotFoundError) as e:
@@ -246,7 +306,12 @@ class StorageReader(_DCPStorageReader):
             self._fell_back(obj, tier, first)
             return out
         if isinstance(last, ObjectNotFoundError):
-            raise IntegrityError(f"object {obj!r} of version {self.version!r} is missing from every tier: {last}", object=obj)
+            hint = ""
+            if placement.is_split(self.manifest) and self._joined is None:
+                hint = (f". Version {self.version!r} is split over {len(placement.groups(self.manifest))} roots "
+                        f"(root groups of ranks {self.manifest.placement}); load it in a job whose ranks see those roots "
+                        "(every node's ranks pass their node's root) or from a remote tier that holds it")
+            raise IntegrityError(f"object {obj!r} of version {self.version!r} is missing from every tier: {last}{hint}", object=obj)
         raise last
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -313,10 +378,19 @@ class StorageReader(_DCPStorageReader):
     def _read_metadata(self) -> Metadata:
         if self._metadata is not None:
             return self._metadata
-        self.version = self._resolve_version()
-        self._open_version(self.version)
+        joined = self._join()
+        if joined is None:
+            self.version = self._resolve_version()
+            self._open_version(self.version)
+            blob = self._read_whole_object(self.manifest.metadata_object)
+        else:
+            view, me, body, meta = joined
+            self.version = view.version
+            tier = self._store.local if view.has_manifest(me) or not view.remote_ok else self._store.remote
+            self._open_parsed(parse_manifest(body, expect_version=view.version), tier)
+            entry = self.manifest.metadata_object
+            blob = self._decode_whole(entry, meta) if meta is not None else self._read_whole_object(entry)
         entry = self.manifest.metadata_object
-        blob = self._read_whole_object(entry)
         md = _restricted_loads(blob, entry.name)
         if not isinstance(md, Metadata):
             raise IntegrityError(f"{entry.name} does not hold DCP Metadata", object=entry.name)
@@ -397,6 +471,18 @@ class StorageReader(_DCPStorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = self._check_unread(plans)
+        if self._joined is None or len(self._joined) == 1:
+            return plans
+
+        def needed(ri):
+            loc = self.storage_data[ri.storage_index]
+            return loc.object, self._needed(ri, loc)[0]
+
+        pp = _job.peer_plans(self._joined[0], plans, needed)
+        return [dataclasses.replace(p, storage_data=PeerPlan(snd, rcv)) if (snd or rcv) else p for p, (snd, rcv) in zip(plans, pp)]
+
+    def _check_unread(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.allow_partial_load or self._metadata is None:
             return plans
         requested = {ri.storage_index.fqn for p in plans for ri in p.items}
@@ -417,6 +503,7 @@ class StorageReader(_DCPStorageReader):
 
     # -- data --------------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._fetch_from_peers(plan)
         pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-dec")
         try:
             batches: list[list] = [[]]
@@ -445,6 +532,14 @@ class StorageReader(_DCPStorageReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _fetch_from_peers(self, plan: LoadPlan) -> None:
+        """Serve and receive the byte ranges this load moves between ranks' roots (peer fetch)."""
+        pp = plan.storage_data
+        if isinstance(pp, PeerPlan) and (pp.send or pp.recv):
+            got = _job.run_peer_exchange(pp.send, pp.recv, self._store.local, self.version, self._pg)
+            self.stats["peer_bytes"] += sum(len(b) for b in got.values())
+            self._peer.update(got)
 
     def _needed(self, ri, loc: ItemLocation):
         """Frames of ``loc`` that overlap the read item, and the byte offset of the first one."""
@@ -550,6 +645,46 @@ _OPTIM_HINT = (
     "get_state_dict/set_state_dict (a fresh optimizer's state_dict() has no state entries to load into; "
     "see the README)"
 )
+
+
+class _PeerTier:
+    """Bytes of another rank's root, received in ``read_data`` (``{(object, offset): bytes}``)."""
+
+    name = "peer"
+
+    def __init__(self, version: str, got: dict, rank: int) -> None:
+        self._vdir = layout.version_dir(version) + "/"
+        self._got = got
+        self.url = f"rank {rank}'s root"
+
+    def get_ranges(self, key: str, ranges) -> list[bytes]:
+        obj = key[len(self._vdir):]
+        try:
+            return [self._got[(obj, a)] for a, _b in ranges]
+        except KeyError:
+            raise ObjectNotFoundError(f"{obj!r}: bytes from {self.url} did not arrive", object=obj) from None
+
+    def get(self, key: str) -> bytes:
+        raise ObjectNotFoundError(f"{key!r} is read whole only from a tier", object=key)
+
+
+class _Counted:
+    """A tier that counts its GET requests into ``stats["remote_reads"]`` (everything else passes)."""
+
+    def __init__(self, tier, stats: dict) -> None:
+        self._tier = tier
+        self._stats = stats
+
+    def get(self, key, *a, **k):
+        self._stats["remote_reads"] += 1
+        return self._tier.get(key, *a, **k)
+
+    def get_ranges(self, key, ranges, *a, **k):
+        self._stats["remote_reads"] += len(ranges)
+        return self._tier.get_ranges(key, ranges, *a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._tier, name)
 
 
 def _contig_strides(shape) -> tuple:

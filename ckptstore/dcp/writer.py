@@ -58,7 +58,8 @@ from ..manifest import layout
 from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
-from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest
+from . import _roots
+from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest, RootReport
 from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
 from .staging import Stager
 
@@ -220,11 +221,14 @@ class StorageWriter(_DCPStorageWriter):
         self._options_for: dict[str, tuple] = {}
         self._remote_futs: dict[str, cf.Future] = {}
         self.last_manifest: Manifest | None = None
+        self._probe = _roots.PROCESS_NONCE  # this process's root probe (docs/FORMAT.md, "Placement")
+        self._publisher = _roots.Publisher()
         self._init_runtime()
 
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()
         self._tls = threading.local()
+        self._follower = _roots.Follower()
 
     # -- pickling (AsyncCheckpointerType.PROCESS): configuration only, no pools or clients ------
     def __getstate__(self):
@@ -233,7 +237,7 @@ class StorageWriter(_DCPStorageWriter):
             self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
             _shipped.add(self)
         s = self.__dict__.copy()
-        for k in ("_uploader", "_lock", "_tls"):
+        for k in ("_uploader", "_lock", "_tls", "_follower"):
             s.pop(k, None)
         s["_remote_futs"] = {}
         s["_in_subprocess"] = True
@@ -342,16 +346,30 @@ class StorageWriter(_DCPStorageWriter):
                 "ckptstore commits one manifest per version and needs rank coordination; "
                 "call dcp.save/async_save with use_collectives=True (the default)"
             )
-        if not self.overwrite and self._tier.exists(layout.manifest_key(s.version)):
+        self._follower.wait(self.upload_timeout)  # the previous save's copy into this root, if any
+        if _multi_rank():
+            _roots.write_probe(self._tier, s.rank, self._probe)
+        if not self.overwrite:
+            self._refuse_existing(s)
+
+    def _refuse_existing(self, s: _Save) -> None:
+        """One name, one version, across tiers: every rank checks its own root (so every root of the
+        job is checked) and the coordinator the remote tier, before anything is committed anywhere."""
+        where = None
+        if self._tier.exists(layout.manifest_key(s.version)):
+            where = f"the local tier {self.root}"
+        elif s.is_coordinator and self._remote is not None and self._remote.exists(layout.manifest_key(s.version)):
+            where = f"the remote tier {self.remote_url}"
+        if where is not None:
             raise VersionExistsError(
-                f"Checkpoint already exists: version {s.version!r} in {self.root}; choose a new checkpoint_id "
+                f"Checkpoint already exists: version {s.version!r} in {where}; choose a new checkpoint_id "
                 "or pass overwrite=True to replace it"
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         s = self._cur()
         s.local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
-        return dataclasses.replace(plan, storage_data=LocalPlanData(rank=s.rank))
+        return dataclasses.replace(plan, storage_data=LocalPlanData(rank=s.rank, probe=self._probe if _multi_rank() else None))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         s = self._cur()
@@ -360,11 +378,15 @@ class StorageWriter(_DCPStorageWriter):
         if self._master is not None:
             wrapped = wrap_key(self._master, new_data_key(), s.version, attempt)
             kid = key_id(self._master)
-        out = []
-        for i, p in enumerate(plans):
-            sd = p.storage_data
-            rank = sd.rank if isinstance(sd, LocalPlanData) else i
-            out.append(dataclasses.replace(p, storage_data=PlanData(rank, attempt, wrapped, kid)))
+        ranks = [p.storage_data.rank if isinstance(p.storage_data, LocalPlanData) else i for i, p in enumerate(plans)]
+        probes = tuple(
+            (r, p.storage_data.probe) for r, p in zip(ranks, plans)
+            if isinstance(p.storage_data, LocalPlanData) and p.storage_data.probe is not None
+        )
+        out = [
+            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank))
+            for r, p in zip(ranks, plans)
+        ]
         s.attempt = attempt
         s.wrapped = (wrapped, kid)
         return out
@@ -396,6 +418,11 @@ class StorageWriter(_DCPStorageWriter):
         results: list[WriteResult] = []
         if plan.items:
             results.extend(self._write_object(s, plan, planner, pd, staged))
+        group = _roots.root_group(self._tier, pd.rank, pd.probes)
+        results.append(WriteResult(MetadataIndex(_SENTINEL + f"root/{pd.rank}"), 0, RootReport(pd.rank, group)))
+        if pd.probes and group[0] == pd.rank and pd.coordinator not in group:
+            # this rank leads a root without the commit point: copy the manifest in once committed
+            self._follower.follow(self._tier, s.version, pd.attempt, group, self.upload_timeout, self._after_copy)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if not self.allow_divergent_replicas and world > 1:  # one rank cannot diverge from itself
             for item in s.local_items:
@@ -447,14 +474,23 @@ class StorageWriter(_DCPStorageWriter):
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
         reports, replicas, storage_md = _collect(results)
         upload_failures = [storage_md.pop(k) for k in [k for k, v in storage_md.items() if isinstance(v, _UploadFailure)]]
-        self._check_replicas(replicas)
-        metadata.storage_data = storage_md
-        m, body = self._seal_manifest(s, metadata, reports, world_size=len(results))
-        commit_manifest(
-            self._tier, s.version, body, overwrite=self.overwrite, fault="commit.manifest",
-            hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
-        )
+        roots = [storage_md.pop(k) for k in [k for k, v in storage_md.items() if isinstance(v, RootReport)]]
+        split = _roots.placement([r.group for r in roots])
+        try:
+            self._check_replicas(replicas)
+            metadata.storage_data = storage_md
+            m, body = self._seal_manifest(s, metadata, reports, world_size=len(results), placement=split)
+            commit_manifest(
+                self._tier, s.version, body, overwrite=self.overwrite, fault="commit.manifest",
+                hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
+            )
+        except BaseException:
+            if split:
+                self._publisher.publish(s.attempt, b"", None)  # the other roots stop waiting
+            raise
         _faults.point("commit.after_manifest")
+        if split:  # every other root that holds objects gets the manifest (docs/FORMAT.md, "Placement")
+            self._publisher.publish(s.attempt, body, self._tier.get(layout.object_key(s.version, m.metadata_object.name)))
         self.last_manifest = m
         if upload_failures:  # PROCESS + durability="local": the local version stands, the future fails
             from .upload import UploadError
@@ -483,7 +519,8 @@ class StorageWriter(_DCPStorageWriter):
                     f"f'{fqn}.rank{{rank}}', or pass allow_divergent_replicas=True to keep only one copy"
                 )
 
-    def _seal_manifest(self, s: _Save, metadata: Metadata, reports: list, world_size: int) -> tuple[Manifest, bytes]:
+    def _seal_manifest(self, s: _Save, metadata: Metadata, reports: list, world_size: int,
+                       placement: list | None = None) -> tuple[Manifest, bytes]:
         """Phase 2 up to the commit: write the DCP metadata object, build and seal the manifest."""
         wrapped, kid = s.wrapped
         data_key = cipher = None
@@ -512,6 +549,7 @@ class StorageWriter(_DCPStorageWriter):
             encryption=None if wrapped is None else {"alg": "AES-256-GCM", "key_id": kid, "wrapped_key": wrapped},
             codecs=[c for c in codecs if c],
             writer=f"ckptstore {_version()} torch {torch.__version__}",
+            placement=placement,
         )
         return m, m.to_bytes(data_key)
 
@@ -592,6 +630,10 @@ class StorageWriter(_DCPStorageWriter):
         apply_after_commit(self._tier, self.retention, m, tier_name="local", others={"remote": self._remote},
                            in_flight=up.in_flight() if up is not None else ())
 
+    def _after_copy(self, m: Manifest) -> None:
+        """A root without the commit point received ``m``'s manifest: its retention runs too."""
+        self._after_commit(m)
+
     # -- AsyncStager protocol (dcp.async_save uses the writer as its stager) --------------------
     _synchronize_after_execute = False
 
@@ -613,6 +655,7 @@ class StorageWriter(_DCPStorageWriter):
         that DCP's checkpoint subprocess (PROCESS executor) committed locally but not remotely."""
         timeout = self.upload_timeout if timeout is None else timeout
         try:
+            self._follower.wait(timeout)
             if self._shipped:
                 self._check_shipped(timeout)
             if self._uploader is not None:
@@ -647,6 +690,10 @@ class StorageWriter(_DCPStorageWriter):
 
 
 _shipped: "weakref.WeakSet[StorageWriter]" = weakref.WeakSet()
+
+
+def _multi_rank() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @atexit.register

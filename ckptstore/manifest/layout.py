@@ -7,6 +7,7 @@
     versions/<enc(version)>/attempts/<attempt>/metadata.ckd  pickled DCP Metadata (frames)
     versions/<enc(version)>/attempts/<attempt>/uploaded.r00000.json  rank 0 finished its upload (S3)
     versions/<enc(version)>/.../.tmp-<random>              a local temporary file (garbage if left)
+    probes/r00003.<nonce>                                  rank 3's root probe (local tier; see placement)
 
 Every key and name of that layout is built or recognised here and nowhere else.
 """
@@ -29,6 +30,8 @@ METADATA_OBJECT = "metadata.ckd"
 MARKER_PREFIX = "uploaded."
 #: prefix of the local tier's temporary files (written, fsync'd, then renamed into place)
 TMP_PREFIX = ".tmp-"
+#: directory of the root probes (local tier): which ranks of a job see this root (docs/FORMAT.md, "Placement")
+PROBES = "probes"
 
 
 def version_dir(version: str) -> str:
@@ -118,3 +121,18 @@ def version_of_key(key: str) -> str | None:
         return decode_version(parts[1])
     except Exception:
         return None
+
+
+def probe_key(rank: int, nonce: int) -> str:
+    """Rank ``rank``'s probe file: its presence in a root says that rank writes to this root."""
+    return f"{PROBES}/r{rank:05d}.{nonce:016x}"
+
+
+def probe_of(name: str) -> tuple[int, int] | None:
+    """``(rank, nonce)`` of a probe file name (no directory), or None for any other name."""
+    if not name.startswith("r") or name.count(".") != 1:
+        return None
+    r, n = name[1:].split(".")
+    if not (r.isdigit() and len(n) == 16 and all(c in "0123456789abcdef" for c in n)):
+        return None
+    return int(r), int(n, 16)
