@@ -9,7 +9,8 @@ Points: ``write.frame`` (each frame appended to a shard), ``write.commit`` (befo
 ``local.fsync``, ``write.metadata`` (DCP metadata object), ``local.tmp_write`` (manifest temp file),
 ``commit.manifest`` (before the manifest link/conditional PUT), ``commit.after_manifest``,
 ``local.link``, ``local.replace``, ``s3.part``, ``s3.complete``, ``s3.put_if_absent``,
-``upload.object`` (a rank starts uploading its object), ``remote.manifest``, ``gc.uncommit``, ``gc.delete``, ``scrub.repair``.
+``upload.object`` (a rank starts uploading its object), ``remote.manifest``, ``copy.manifest`` (a
+root without the commit point is about to receive its manifest copy), ``gc.uncommit``, ``gc.delete``, ``scrub.repair``.
 """
 
 from __future__ import annotations

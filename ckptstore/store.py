@@ -66,6 +66,31 @@ class Store:
         recs = self.versions(include_damaged=False)
         return recs[-1] if recs else None
 
+    def latest_in_job(self, process_group=None) -> VersionRecord | None:
+        """In a job: the newest version that every rank of ``process_group`` (default: the default
+        group) can load — the one ``StorageReader`` without a version loads (docs/FORMAT.md, Read
+        rule 6) — from this rank's view of it, or None when no version is loadable. A collective:
+        every rank of the group must call it. Outside a job of more than one rank: :meth:`latest`.
+
+        Raises :class:`VersionNotFoundError` (on every rank) when versions exist but none is
+        loadable by every rank; :class:`TransientStorageError` when a tier cannot be read.
+        """
+        from .dcp import _job
+
+        if not _job.in_job(process_group):
+            return self.latest()
+        try:
+            view, _me = _job.exchange(self.local, self.remote, process_group, None)
+        except VersionNotFoundError as e:
+            if "no committed version" in str(e):
+                return None
+            raise
+        for r in self.versions():
+            if r.version == view.version:
+                return r
+        return VersionRecord(view.version, _parse_time(view), None, 0, 0, 0, frozenset(), False, False,
+                             view.attempt, False, None, {})
+
     def get(self, version: str) -> VersionRecord:
         for r in self.versions():
             if r.version == version:
@@ -111,3 +136,13 @@ class Store:
     def close(self) -> None:
         for t in self.tiers.values():
             t.close()
+
+
+def _parse_time(view):
+    import datetime as _dt
+
+    for rep in view.reports:
+        e = rep["committed"].get(view.version)
+        if e is not None:
+            return _dt.datetime.fromisoformat(e["created"].replace("Z", "+00:00"))
+    return _dt.datetime.now(_dt.timezone.utc)

@@ -39,3 +39,19 @@ def load(rank, world, roots, version=None, remote=None):
     ok = torch.equal(sd["dt"].full_tensor(), full["w"]) and torch.equal(
         sd["dbig"].full_tensor().view(torch.int16), full["big"].view(torch.int16)) and sd["meta"] == full["meta"]
     return {"version": v, "ok": bool(ok), "stats": dict(r.stats)}
+
+
+def load_error(rank, world, roots, version=None, remote=None):
+    """A load that must fail the same way on every rank, naming the objects no root holds."""
+    from ckptstore.errors import VersionNotFoundError
+
+    r = ckptstore.StorageReader(roots[rank], remote=remote, version=version)
+    sd = sharded_state(world, 0, blank=True)
+    try:
+        dcp.load(sd, storage_reader=r)
+    except BaseException as e:  # CheckpointException is a BaseException
+        msg = str(e)
+        assert "VersionNotFoundError" in msg or isinstance(e, VersionNotFoundError), msg
+        assert "r00001.ckd" in msg and "are on none of the roots" in msg, msg
+        return msg
+    raise AssertionError("the load succeeded although rank 1's objects are on no root")

@@ -136,8 +136,19 @@ def exchange(local, remote, pg, version: str | None) -> tuple[View, int]:
     """Gather every rank's report and decide (see the module docstring); returns the view and this
     rank's index in the group. Raises the same error on every rank when nothing can be loaded."""
     me = dist.get_rank(pg)
+    try:
+        mine: Any = _report(local, remote, me == 0)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the collective; raised below
+        mine = {"error": e}
     reports: list = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(reports, _report(local, remote, me == 0), group=pg)
+    dist.all_gather_object(reports, mine, group=pg)
+    for i, rep in enumerate(reports):
+        if "error" in rep:
+            err = rep["error"]
+            if i == me:
+                raise err
+            raise type(err)(f"rank {i} of the load could not read its root: {err}") if isinstance(err, CkptStoreError) \
+                else CkptStoreError(f"rank {i} of the load could not read its root: {err!r}")
     return decide(reports, version, where=_where(local, remote)), me
 
 

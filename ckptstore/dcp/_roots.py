@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .. import _faults
 from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError
 from ..manifest import layout
 from ..manifest.schema import parse
@@ -133,6 +134,7 @@ class Follower:
         if data == _ABORT:
             return
         n = int.from_bytes(data[:8], "little")
+        _faults.point("copy.manifest")
         try:
             m = copy_into(tier, version, attempt, data[8 : 8 + n], data[8 + n :], group)
         except Exception as e:  # noqa: BLE001 - the commit stands elsewhere; the next load repairs this root
