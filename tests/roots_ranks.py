@@ -38,7 +38,7 @@ def load(rank, world, roots, version=None, remote=None):
     full = full_state(_seed(v))
     ok = torch.equal(sd["dt"].full_tensor(), full["w"]) and torch.equal(
         sd["dbig"].full_tensor().view(torch.int16), full["big"].view(torch.int16)) and sd["meta"] == full["meta"]
-    return {"version": v, "ok": bool(ok), "stats": dict(r.stats)}
+    return {"version": v, "ok": bool(ok), "stats": dict(r.stats), "remote_keys": sorted(r.remote_keys)}
 
 
 def load_error(rank, world, roots, version=None, remote=None):

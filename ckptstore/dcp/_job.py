@@ -233,12 +233,11 @@ def _lost_message(v: str, lost: list, reports: list, newest: bool = False) -> st
 
 def fetch_manifest(view: View, me: int, local, remote, pg) -> tuple[bytes, bytes | None]:
     """The manifest file of the view's version for rank ``me`` and, when it came from another
-    rank, the stored bytes of its metadata object. Ranks whose root lacks the manifest get it from
-    a root that has it (one broadcast, made by every rank when any rank needs it); a root holding
-    objects of the attempt without its manifest is repaired on the way."""
+    rank, the stored bytes of its metadata object. Ranks whose root lacks the manifest get both from
+    a root that has them (one broadcast, made by every rank when any rank needs it), else from the
+    remote tier; a root holding objects of the attempt without its manifest is repaired on the way."""
     holder = view.holders[0] if view.holders else None
-    need = [i for i in range(len(view.reports)) if not view.has_manifest(i)
-            and holder is not None and (not view.remote_ok or view.present(i))]
+    need = [i for i in range(len(view.reports)) if not view.has_manifest(i) and holder is not None]
     got: tuple[bytes, bytes | None] | None = None
     if need:
         obj = [None, None]

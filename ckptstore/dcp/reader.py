@@ -124,6 +124,8 @@ class StorageReader(_DCPStorageReader):
         self.read_repair = read_repair
         self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0, "remote_reads": 0, "peer_bytes": 0}
         self._pg = process_group
+        #: keys this reader GET from the remote tier (all its loads)
+        self.remote_keys: set[str] = set()
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
@@ -135,7 +137,7 @@ class StorageReader(_DCPStorageReader):
         self.threads = threads or env_threads()
         self._store = Store(self.root, remote=remote, endpoint_url=endpoint_url)
         if self._store.remote is not None:
-            self._store.remote = _Counted(self._store.remote, self.stats)
+            self._store.remote = _Counted(self._store.remote, self.stats, self.remote_keys)
         self._reset_state()
 
     def __getstate__(self):
@@ -221,8 +223,8 @@ class StorageReader(_DCPStorageReader):
         src = view.source(me, obj)
         if src == "local":
             return self._store.local
-        if src == "remote":
-            return self._store.remote
+        if src == "remote" or (view.remote_ok and obj == self.manifest.metadata_object.name):
+            return self._store.remote  # the metadata object is read whole: never from a peer's bytes
         return _PeerTier(self.version, self._peer, view.global_rank(src))
 
     def _open_version(self, version: str) -> None:
@@ -671,16 +673,19 @@ class _PeerTier:
 class _Counted:
     """A tier that counts its GET requests into ``stats["remote_reads"]`` (everything else passes)."""
 
-    def __init__(self, tier, stats: dict) -> None:
+    def __init__(self, tier, stats: dict, keys: set) -> None:
         self._tier = tier
         self._stats = stats
+        self._keys = keys
 
     def get(self, key, *a, **k):
         self._stats["remote_reads"] += 1
+        self._keys.add(key)
         return self._tier.get(key, *a, **k)
 
     def get_ranges(self, key, ranges, *a, **k):
         self._stats["remote_reads"] += len(ranges)
+        self._keys.add(key)
         return self._tier.get_ranges(key, ranges, *a, **k)
 
     def __getattr__(self, name):
