@@ -338,8 +338,10 @@ class Verifier:
             self._free.put(None)  # a slot; its buffer is made on first use
 
     def buffer(self, n: int) -> tuple[bytearray, Callable[[], None]]:
-        """A buffer of at least ``n`` bytes and the function that gives it back."""
-        if n > LOCAL_CHUNK:
+        """A buffer of at least ``n`` bytes and the function that gives it back (a window smaller
+        than a chunk — a small object, the tail of a big one — gets its own, as does a frame larger
+        than a chunk)."""
+        if n != LOCAL_CHUNK:
             return bytearray(n), _nothing
         b = self._free.get()
         if b is None:

@@ -8,6 +8,7 @@ smaller than a frame run so that frames straddle every read.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -19,7 +20,7 @@ from ckptstore import scrub as S
 from ckptstore.manifest import layout
 from ckptstore.manifest.schema import parse
 from ckptstore.tiers import LocalTier
-from store_helpers import cli, cli_json, files_under, later, obj_path, save, split_store, split_version
+from store_helpers import cli, cli_json, files_under, later, obj_path, save, split_store
 
 VERSIONS = ("v0", "v1", "v2")
 
@@ -202,9 +203,10 @@ def test_split_roots_with_remote_repair_and_missing_manifest_copy(tmp_path, s3_u
     os.remove(os.path.join(b, *layout.manifest_key("v1").split("/")))
     code, out = cli_json("gc", b, "--remote", s3_url, "--now", later(2))
     assert code == 0
-    assert not [x for x in out["plan"]["actions"] if x["op"] == "delete" and x["key"].startswith("versions/v1/")]
+    assert not [x for x in out["plan"]["actions"]
+                if x["tier"] == "local" and x["op"] == "delete" and x["key"].startswith("versions/v1/")]
     assert os.path.getsize(p) == lost.size
-    kept = [s for s in out["plan"]["survivors"] if s["key"].startswith("versions/v1/")]
+    kept = [s for s in out["plan"]["survivors"] if s["tier"] == "local" and s["key"].startswith("versions/v1/")]
     assert kept and all("manifest copy is missing" in s["reason"] for s in kept)
 
 
@@ -244,4 +246,5 @@ def test_parallel_verify_agrees_with_sequential_walk(tmp_path, monkeypatch, jobs
     with open(path, "wb") as f:
         f.write(good[:-10])
     assert S.check_object(tier, "local", "v", entry).kind == "truncated"
-    assert key.endswith(entry.name)
+    assert S.check_object(tier, "local", "v", dataclasses.replace(entry, name=entry.name + "x")).kind == "missing"
+    assert tier.exists(key)
