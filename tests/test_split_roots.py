@@ -211,8 +211,8 @@ def test_split_roots_with_remote_repair_and_missing_manifest_copy(tmp_path, s3_u
 
 
 # -- the parallel verifier against the sequential walk ------------------------------------------------------------
-@pytest.mark.parametrize("jobs", [1, 3])
-def test_parallel_verify_agrees_with_sequential_walk(tmp_path, monkeypatch, jobs):
+@pytest.mark.parametrize("jobs,mapped", [(1, True), (3, True), (2, False)])
+def test_parallel_verify_agrees_with_sequential_walk(tmp_path, monkeypatch, jobs, mapped):
     save(tmp_path, "v", 3)
     m = manifest(str(tmp_path), "v")
     entry = m.objects[0]
@@ -222,6 +222,7 @@ def test_parallel_verify_agrees_with_sequential_walk(tmp_path, monkeypatch, jobs
     tier = LocalTier(str(tmp_path))
     monkeypatch.setattr(S, "LOCAL_CHUNK", 10_000)  # frames of ~4 KiB straddle most windows
     monkeypatch.setattr(S, "REMOTE_PART", 7_000)
+    monkeypatch.setattr(S, "LOCAL_MMAP", mapped)
 
     class Remote(LocalTier):  # the remote read path (ranged GETs) over the same file
         def local_path(self, key):
