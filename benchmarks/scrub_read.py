@@ -1,13 +1,15 @@
 """Scrub throughput vs a plain sequential read of the same object files (issue 14, item 4).
 
-    python benchmarks/scrub_read.py DIR [--mib 512] [--reps 3] [--jobs 1,0]
+    python benchmarks/scrub_read.py DIR [--mib 512] [--reps 3] [--jobs 1,0] [--cold]
 
 Saves ``--mib`` MiB of bf16 tensors (random normal, default compression "auto") into the local
 store ``DIR`` once (reused when ``DIR`` already holds version ``bench``), then, ``--reps`` times
 each, interleaved: a plain read of every stored object file (``f.read(8 MiB)`` in a Python loop,
 one file after another) and ``ckptstore.scrub.scrub(..., jobs=J)`` for each ``J`` of ``--jobs``
 (0 = the default). Prints wall seconds, CPU seconds (user+sys of this process, all threads) and
-MB/s of each run, and the medians. The page cache is warm for every run alike (run 0 warms it).
+MB/s of each run, and the medians. The page cache is warm for every run alike (run 0 warms it);
+with ``--cold`` the object files are evicted from it (``POSIX_FADV_DONTNEED`` on our own files,
+no root needed) before every run instead, so every run reads the disk.
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ def object_files(root: str) -> list[str]:
     return sorted(out)
 
 
+def evict(files) -> None:
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def plain_read(files) -> int:
     n = 0
     for p in files:
@@ -74,6 +86,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--jobs", default="1,0")
+    ap.add_argument("--cold", action="store_true")
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ckptstore
@@ -87,6 +100,8 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float]]] = {}
 
     def timed(name, fn):
+        if a.cold:
+            evict(files)
         c0, t0 = cpu(), time.perf_counter()
         fn()
         wall, cs = time.perf_counter() - t0, cpu() - c0
