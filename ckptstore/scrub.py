@@ -301,6 +301,8 @@ def _about(name: str, e: Exception) -> str:
 LOCAL_CHUNK = 16 << 20
 #: verify local objects through ``mmap`` (no copy); False: ``preadv`` into buffers
 LOCAL_MMAP = True
+#: how far past the current window the kernel is asked to read ahead (``MADV_WILLNEED``)
+LOCAL_AHEAD = 48 << 20
 #: bytes of one ranged GET on a remote tier; up to ``jobs`` of them are in flight per object
 REMOTE_PART = 8 << 20
 _HEAD_MAX = FIXED_LEN + 8 + MAX_CODEC_LEN
@@ -390,14 +392,28 @@ class _Hold:
     done = _done
 
 
+def _fadvise(fd: int, off: int, n: int, how: str) -> None:
+    if hasattr(os, "posix_fadvise") and n > 0:
+        try:
+            os.posix_fadvise(fd, off, n, getattr(os, how))
+        except OSError:  # advice only
+            pass
+
+
 class _LocalSource:
     """Windows of a local file, read with one ``preadv`` each into the verifier's buffers."""
 
     def __init__(self, v: Verifier, fd: int, size: int):
         self.v, self.fd, self.size = v, fd, size
+        self.advised = 0
+        _fadvise(fd, 0, size, "POSIX_FADV_SEQUENTIAL")
 
     def window(self, off: int, need: int) -> tuple[memoryview, Callable[[], None]]:
         n = min(max(LOCAL_CHUNK, need), self.size - off)
+        upto = min(self.size, off + n + LOCAL_AHEAD)
+        if upto > self.advised:  # the kernel reads the next windows while this one is hashed
+            _fadvise(self.fd, max(off, self.advised), upto - max(off, self.advised), "POSIX_FADV_WILLNEED")
+            self.advised = upto
         buf, release = self.v.buffer(n)
         mv = memoryview(buf)[:n]
         got = 0
@@ -428,6 +444,7 @@ class _MappedSource:
         self.fd, self.size = fd, size
         self.m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         self.view = memoryview(self.m)
+        self.advised = 0
         self._advise(mmap.MADV_SEQUENTIAL if hasattr(mmap, "MADV_SEQUENTIAL") else None, 0, size)
 
     def _advise(self, how, start: int, n: int) -> None:
@@ -441,7 +458,10 @@ class _MappedSource:
 
     def window(self, off: int, need: int) -> tuple[memoryview, Callable[[], None]]:
         n = min(max(LOCAL_CHUNK, need), self.size - off)
-        self._advise(getattr(mmap, "MADV_WILLNEED", None), off + n, LOCAL_CHUNK)
+        upto = min(self.size, off + n + LOCAL_AHEAD)
+        if upto > self.advised:  # read ahead: this window and the next LOCAL_AHEAD bytes
+            self._advise(getattr(mmap, "MADV_WILLNEED", None), max(off, self.advised), upto - max(off, self.advised))
+            self.advised = upto
         if os.fstat(self.fd).st_size < off + n:
             raise IntegrityError(f"short read at offset {off}: the file shrank while being read (object changed?)")
         return self.view[off:off + n], _nothing
