@@ -464,7 +464,9 @@ class _MappedSource:
             self.advised = upto
         if os.fstat(self.fd).st_size < off + n:
             raise IntegrityError(f"short read at offset {off}: the file shrank while being read (object changed?)")
-        return self.view[off:off + n], _nothing
+        # once its frames are verified, the window is unmapped from this process (the pages stay in
+        # the page cache), so the resident size stays near (jobs + 1) windows however big the object
+        return self.view[off:off + n], (lambda: self._advise(getattr(mmap, "MADV_DONTNEED", None), off, n))
 
     def close(self) -> None:
         try:
