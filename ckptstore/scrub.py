@@ -19,6 +19,19 @@ seal) and each object the manifest names (the DCP metadata object and every rank
 
 A manifest that is present but fails to parse is reported as damage of kind ``manifest``.
 
+**Which objects** (docs/FORMAT.md, "Scrub"): per tier, the part of the version that tier holds —
+the whole version in the remote tier; on a local root of a version split over several node-local
+roots, the metadata object and the shard objects of that root's group
+(:func:`ckptstore.manifest.placement.part_held`). Another root's objects are never reported
+missing; :attr:`VersionCheck.part` (``"part"`` in JSON) says what was checked.
+
+**In parallel**: a :class:`Verifier` of ``jobs`` worker threads (default :func:`default_jobs`)
+hashes — and with ``deep`` decodes — the frames while each object's walker parses the headers in
+order; up to ``jobs`` objects are walked at once. Local objects are read through ``mmap`` in
+16 MiB windows, the kernel reading ahead (no copy: the CPU cost of a scrub is that of a plain read
+of the same bytes); remote objects with 8 MiB ranged GETs, ``jobs`` in flight. The verdict is the
+one a sequential walk gives (the first bad frame).
+
 With ``repair``: a damaged or missing object is restored from another tier where the same version
 is committed by the **same attempt** and whose copy verifies (to the same depth); the copy is
 verified again before it replaces the damaged one (locally through a ``.tmp-*`` file and an atomic
