@@ -26,7 +26,16 @@
      only when their size and mtime are still what was planned (a growing file is skipped).
      Fault point ``gc.delete`` before each object deletion.
    * stale incomplete multipart uploads (tiers that declare ``supports_multipart``) older than grace
-     are aborted; empty local directories older than grace are removed.
+     are aborted; empty local directories older than grace are removed; root-sharing probes
+     (``probes/r<rank>.<nonce>``, written by a save to find which ranks share a root) older than
+     grace are deleted.
+
+On node-local roots (a version split over several roots, docs/FORMAT.md "Placement") gc on a node
+plans for what that root holds: retention runs over the versions committed there (every root holds
+a manifest copy of each version it has a part of), a version's deletion removes the objects present
+here (the other groups' objects live on other roots; their absence is no problem), and objects of
+a split version that another tier of the run (the remote one) commits but this root does not yet
+(its manifest copy is missing after a crash) are left alone.
 
 What the other tiers of the run protect (pins travel; locally, a version waits for its upload; an
 absent or empty local tier protects nothing remotely) is :func:`ckptstore.retention.across_tiers`.
@@ -36,7 +45,7 @@ The same deletion runs right after a commit (:func:`apply_after_commit`, the wri
 Never touched: ``manifest.json`` of kept versions; ``pinned`` and ``damaged.json`` of committed
 versions (they belong to their version and go only with it); anything in a version directory whose
 ``manifest.json`` fails to parse (reported as a problem: a damaged commit is for ``scrub`` to look
-at); anything outside ``versions/``.
+at); anything outside ``versions/`` and ``probes/``.
 
 The grace period must exceed the longest save (and upload): an object of a save still in flight is
 younger than that and survives.
@@ -48,11 +57,12 @@ import dataclasses
 import datetime as _dt
 import logging
 import os
+import re
 from typing import Callable, Iterable, Mapping
 
 from . import _faults
 from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError
-from .manifest import catalogue, layout
+from .manifest import catalogue, layout, placement
 from .manifest.schema import Manifest, parse
 from .retention import Decision, RetentionPolicy, across_tiers, evaluate, format_duration
 from .tiers.base import ObjectInfo, Tier, tiers_of
@@ -60,6 +70,12 @@ from .tiers.base import ObjectInfo, Tier, tiers_of
 log = logging.getLogger("ckptstore")
 
 DEFAULT_GRACE = 3600.0
+
+#: top-level directory of the root-sharing probes (``probes/r<rank>.<nonce>``) that a save writes
+#: to find out which ranks see the same root (docs/FORMAT.md, "Placement"); gc deletes probes older
+#: than the grace period and leaves anything else in it alone
+PROBES = "probes"
+_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+")
 
 UNCOMMIT = "uncommit"
 DELETE = "delete"
@@ -86,6 +102,7 @@ class TierSnapshot:
     invalid: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (manifest key, why)
     uploads: list[Upload] = dataclasses.field(default_factory=list)
     empty_dirs: list[ObjectInfo] = dataclasses.field(default_factory=list)  # local only
+    probes: list[ObjectInfo] = dataclasses.field(default_factory=list)  # probes/ (root-sharing probes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +233,8 @@ def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
             uploads.append(_upload(u))
         uploads.sort(key=lambda u: (u.key, u.upload_id))
     empty_dirs = sorted(tier.list_empty_dirs(layout.VERSIONS + "/"), key=lambda i: i.key)
-    return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs)
+    probes = sorted(tier.list(PROBES + "/"), key=lambda i: i.key)
+    return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs, probes)
 
 
 def _upload(u) -> Upload:
@@ -297,8 +315,11 @@ def plan(
         for d in ds:
             if not d.keep:
                 parts.add_version(version_actions(s.name, d.version, s.entries[d.version].manifest, "; ".join(d.reasons), sizes))
-        _plan_garbage(s, {layout.version_dir(d.version) + "/" for d in ds if not d.keep}, now.timestamp(), grace, parts)
+        elsewhere = _split_parts_elsewhere(s, snaps)
+        _plan_garbage(s, {layout.version_dir(d.version) + "/" for d in ds if not d.keep}, now.timestamp(), grace, parts,
+                      elsewhere)
         _plan_uploads_and_dirs(s, now.timestamp(), grace, parts)
+        _plan_probes(s, now.timestamp(), grace, parts)
     return GcPlan(now=now, grace=float(grace), policy=policy, tiers=[s.name for s in snaps], decisions=decisions,
                   actions=parts.actions(), survivors=parts.survivors, problems=parts.problems)
 
@@ -325,8 +346,28 @@ class _Committed:
         return c
 
 
-def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace: float, parts: _Parts) -> None:
-    """Objects no committed manifest references: deleted once older than ``grace``, else survivors."""
+def _split_parts_elsewhere(s: TierSnapshot, snaps: list[TierSnapshot]) -> dict[str, tuple[str, str]]:
+    """``{attempt dir key prefix: (version, tier)}`` of the versions split over several roots
+    (``placement.is_split``) that another tier of the run commits and ``s`` does not."""
+    out: dict[str, tuple[str, str]] = {}
+    for o in snaps:
+        if o is s:
+            continue
+        for v, e in o.entries.items():
+            if v in s.entries or not placement.is_split(e.manifest):
+                continue
+            out[layout.object_key(v, layout.attempt_dir(e.manifest.attempt)) + "/"] = (v, o.name)
+    return out
+
+
+def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace: float, parts: _Parts,
+                  elsewhere: Mapping[str, tuple[str, str]] | None = None) -> None:
+    """Objects no committed manifest references: deleted once older than ``grace``, else survivors.
+
+    ``elsewhere``: attempt directories of split versions another tier commits (see
+    :func:`_split_parts_elsewhere`): their objects here are this root's part of a committed version
+    whose manifest copy has not arrived (Delete rule 10) and are left alone.
+    """
     committed = _Committed.of(s, {i.key: i for i in s.listing})
     skip_dirs = set()
     for key, why in s.invalid:
@@ -338,6 +379,13 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
         if info.key in committed.claimed:
             continue
         left_alone = _left_alone(info.key, skip_dirs)
+        if left_alone is None and elsewhere:
+            adir = info.key.rsplit("/", 1)[0] + "/"
+            if adir in elsewhere:
+                v, where = elsewhere[adir]
+                left_alone = (f"part of version {v!r}, committed in the {where} tier with objects on several roots, "
+                              "whose manifest copy is missing here; left alone (the next load or save on this node "
+                              "repairs it)")
         if left_alone is not None:
             parts.survivors.append(Survivor(s.name, info.key, left_alone, info.size))
             continue
@@ -399,6 +447,24 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
                                        mtime=dinfo.mtime))
         else:
             parts.survivors.append(Survivor(s.name, dinfo.key + "/", f"empty directory younger than the grace period (age {format_duration(age)})"))
+
+
+def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
+    """Root-sharing probes (``probes/r<rank>.<nonce>``) older than ``grace`` are deleted; younger
+    ones (a save setting up now) and anything else under ``probes/`` survive."""
+    for info in s.probes:
+        base = info.key[len(PROBES) + 1:]
+        if not _PROBE_NAME.fullmatch(base):
+            parts.survivors.append(Survivor(s.name, info.key, "not a root-sharing probe; left alone", info.size))
+            continue
+        age = now_ts - info.mtime
+        if age >= grace:
+            parts.garbage.append(Action(s.name, DELETE, info.key, "probe",
+                                        f"root-sharing probe; age {format_duration(age)} >= grace {format_duration(grace)}",
+                                        size=info.size, mtime=info.mtime))
+        else:
+            parts.survivors.append(Survivor(s.name, info.key, f"root-sharing probe younger than the grace period "
+                                            f"(age {format_duration(age)} < {format_duration(grace)})", info.size))
 
 
 def version_actions(tier: str, version: str, manifest: Manifest, reason: str,

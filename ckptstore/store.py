@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 from .errors import DamagedVersionError, VersionNotFoundError
-from .manifest import catalogue, layout
+from .manifest import catalogue, layout, placement
 from .manifest.catalogue import VersionRecord
 from .manifest.schema import ParsedManifest
 from .tiers import LocalTier, Tier, make_remote
@@ -54,12 +55,33 @@ class Store:
 
         Each record has ``version``, ``created`` (UTC), ``step``, ``world_size``, ``nbytes``
         (logical bytes), ``stored_bytes``, ``tiers`` (subset of {"local","remote"}), ``pinned``,
-        ``damaged``.
+        ``damaged``, ``local_part`` (the part this local root holds of a version split over several
+        roots, else None).
         """
-        recs = catalogue.merge(self._scan())
+        scans = self._scan()
+        recs = [self._with_part(r, scans) for r in catalogue.merge(scans)]
         if not include_damaged:
             recs = [r for r in recs if not r.damaged]
         return recs
+
+    def _with_part(self, rec: VersionRecord, scans: dict) -> VersionRecord:
+        """``rec`` with ``local_part`` set when the local root holds a part of a split version
+        (one listing of its attempt directory; unsplit versions cost nothing)."""
+        e = scans.get("local", {}).get(rec.version)
+        if self.local is None or e is None or "local" not in rec.tiers or not placement.is_split(e.manifest):
+            return rec
+        return dataclasses.replace(rec, local_part=placement.part_held(self.local, e.manifest))
+
+    def local_part(self, version: str) -> "placement.Part | None":
+        """The part of ``version`` the local root holds (whole for an unsplit version); None when
+        the local tier does not commit it."""
+        if self.local is None:
+            return None
+        try:
+            m = catalogue.read_manifest(self.local, version).manifest
+        except VersionNotFoundError:
+            return None
+        return placement.part_held(self.local, m)
 
     def latest(self) -> VersionRecord | None:
         """The newest committed version not marked damaged, or None when there is none."""

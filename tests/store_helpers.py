@@ -107,3 +107,69 @@ def later(hours: float) -> str:
 def obj_path(root, version, name) -> str:
     return os.path.join(root, *layout.object_key(version, name).split("/"))
 
+
+
+# -- versions split over two node-local roots (issue 10; docs/FORMAT.md "Placement") ---------------------------
+def split_rank_state(rank: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return {f"r{rank}": torch.randn(8192, generator=g), "shared": torch.arange(seed, seed + 50)}
+
+
+def _split_save_body(rank, world, root, versions, remote):
+    import ckptstore as _c
+
+    for i, v in enumerate(versions):
+        w = _c.StorageWriter(root, remote=remote, step=i, frame_size=4096)
+        dcp.save(split_rank_state(rank, i), checkpoint_id=v, storage_writer=w)
+        w.close()
+    return True
+
+
+def split_version(root_a, root_b, version: str, *, move_ranks=(1,)) -> None:
+    """Turn ``version``, saved whole into ``root_a`` by ranks 0 and 1, into a version split over
+    two roots as a two-node save leaves it: ``move_ranks``' shard objects moved to ``root_b`` (same
+    relative path), the metadata object copied, and the manifest re-sealed with placement
+    ``[[0], [1]]`` (unencrypted store) and written into both roots."""
+    import dataclasses as _dc
+    import shutil as _sh
+
+    from ckptstore.manifest.schema import parse
+
+    mkey = layout.manifest_key(version)
+    pa = os.path.join(str(root_a), *mkey.split("/"))
+    with open(pa, "rb") as f:
+        m = parse(f.read(), expect_version=version).manifest
+    moved = [o for o in m.objects if o.rank in set(move_ranks)]
+    for o in [m.metadata_object, *moved]:
+        src, dst = obj_path(root_a, version, o.name), obj_path(root_b, version, o.name)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        (_sh.move if o in moved else _sh.copy2)(src, dst)
+    data = _dc.replace(m, placement=[[0], [1]]).to_bytes(None)
+    for root in (root_a, root_b):
+        p = os.path.join(str(root), *mkey.split("/"))
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        tmp = p + ".tmp-split"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+
+
+def split_store(base, versions=("v0", "v1", "v2"), *, remote=None) -> tuple[str, str]:
+    """Two real gloo ranks save ``versions`` into ``base/a`` (and ``remote``, whole), then each
+    version is split: rank 1's part moves to ``base/b``. Returns ``(root_a, root_b)``."""
+    from ckptstore.testing.dist import run_ranks
+
+    root_a, root_b = os.path.join(str(base), "a"), os.path.join(str(base), "b")
+    run_ranks(_split_save_body, 2, root_a, list(versions), remote, timeout=240)
+    os.makedirs(root_b, exist_ok=True)
+    for v in versions:
+        split_version(root_a, root_b, v)
+    return root_a, root_b
+
+
+def load_split(roots, version=None, *, remote=None) -> dict:
+    """Load ``version`` of the two-rank split state in this process from ``roots`` (one of them; a
+    rank's shard not there is read from ``remote`` when given)."""
+    sd = {k: torch.zeros_like(v) for k, v in {**split_rank_state(0, 0), **split_rank_state(1, 0)}.items()}
+    dcp.load(sd, storage_reader=ckptstore.StorageReader(roots, remote=remote, version=version))
+    return sd

@@ -12,6 +12,10 @@ from ._common import emit_json, human, one_note, open_store, pin_notes, reported
 def list_cmd(root, remote, endpoint_url, as_json):
     """List committed versions, oldest first, with the tiers that hold each.
 
+    On a node-local root that holds one part of a version split over several roots the local tier
+    reads ``local(part k/n)`` (in --json: ``"parts": {"local": {"index", "count", "ranks",
+    "whole"}}``; empty for a version held whole).
+
     Invalid manifests are reported once each on stderr (in --json also under "problems").
     """
     st = open_store(root, remote, endpoint_url)
@@ -34,10 +38,11 @@ def _print_table(recs) -> None:
     if not recs:
         click.echo("no committed versions")
         return
-    click.echo(f"{'VERSION':<24} {'STEP':>8} {'CREATED (UTC)':<20} {'RANKS':>5} {'LOGICAL':>10} {'STORED':>10} {'TIERS':<13} FLAGS")
+    tw = max([13] + [len("+".join(r.tier_labels)) for r in recs])
+    click.echo(f"{'VERSION':<24} {'STEP':>8} {'CREATED (UTC)':<20} {'RANKS':>5} {'LOGICAL':>10} {'STORED':>10} {'TIERS':<{tw}} FLAGS")
     for r in recs:
         flags = ",".join(x for x, on in (("pinned", r.pinned), ("damaged", r.damaged), ("encrypted", r.encrypted)) if on)
         click.echo(
             f"{r.version:<24} {('-' if r.step is None else r.step):>8} {r.created.strftime('%Y-%m-%d %H:%M:%S'):<20} "
-            f"{r.world_size:>5} {human(r.nbytes):>10} {human(r.stored_bytes):>10} {'+'.join(sorted(r.tiers)):<13} {flags}"
+            f"{r.world_size:>5} {human(r.nbytes):>10} {human(r.stored_bytes):>10} {'+'.join(r.tier_labels):<{tw}} {flags}"
         )

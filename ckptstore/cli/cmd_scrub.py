@@ -18,9 +18,17 @@ from ._common import emit_json, key_file_option, load_key, open_store, progress,
 @click.option("--version", "version_name", default=None, metavar="V", help="Check only this version.")
 @click.option("--deep", is_flag=True, help="Also decrypt and decompress every frame and check the DCP metadata (needs the key when encrypted).")
 @click.option("--repair", is_flag=True, help="Restore damaged objects from the other tier; mark versions that cannot be repaired as damaged.")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Worker threads that verify objects and frames (and run ranged GETs on S3). Default: the "
+                   "CPUs available, at most 8 — XXH3 needs a core per stream of a few GB/s and releases the GIL, "
+                   "so more threads than cores only contend.")
 @key_file_option("--key-file")
-def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_file):
+def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_file, jobs):
     """Verify every committed version's objects in each tier (presence, size, frames, digests).
+
+    On a node-local root that holds one part of a version split over several roots, that part is
+    checked (the metadata object and its group's shards; --json: "part"); the remote tier is
+    checked whole.
 
     Exit codes: 0 clean; 10 damage found (not all repaired); 11 damage found and all repaired;
     12 something could not be checked (key missing for --deep, tier unreachable); 9 no store at
@@ -31,7 +39,8 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
     key = load_key(key_file) if key_file else None
     st = open_store(root, remote, endpoint_url, key=key)
     with progress("scrub") as (set_total, advance), reported_here():
-        report = _scrub.scrub(st, version=version_name, deep=deep, repair=repair, key=key, on_total=set_total, on_bytes=advance)
+        report = _scrub.scrub(st, version=version_name, deep=deep, repair=repair, key=key, on_total=set_total, on_bytes=advance,
+                               jobs=jobs)
     if as_json:
         emit_json(report.to_json())
     else:

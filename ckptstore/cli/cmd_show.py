@@ -20,6 +20,9 @@ def show(root, remote, endpoint_url, as_json, version, list_objects):
     rec = st.get(version)
     m = st.manifest(version, next(n for n in st.tiers if n in rec.tiers)).manifest
     per_tier = _per_tier(st, version, rec.attempt)
+    if "local" in per_tier:
+        part = rec.local_part  # set for a split version only
+        per_tier["local"]["part"] = None if part is None or part.whole else part.to_json()
     info = _info(version, rec, m, per_tier)
     if as_json:
         if list_objects:
@@ -68,6 +71,8 @@ def _info(version: str, rec, m, per_tier: dict) -> dict:
         "created": m.created,
         "world_size": m.world_size,
         "tiers": sorted(rec.tiers),
+        "tier_labels": rec.tier_labels,
+        "parts": {} if rec.local_part is None or rec.local_part.whole else {"local": rec.local_part.to_json()},
         "nbytes": m.nbytes,
         "stored_bytes": m.stored_bytes,
         "compression_ratio": round(ratio, 4) if ratio else None,
@@ -98,7 +103,7 @@ def _rows(info: dict, m) -> list[tuple[str, object]]:
         ("step", "-" if m.step is None else m.step),
         ("created", m.created),
         ("world size", m.world_size),
-        ("tiers", "+".join(info["tiers"])),
+        ("tiers", "+".join(info["tier_labels"])),
         ("logical size", f"{human(m.nbytes)} ({m.nbytes} bytes)"),
         ("stored size", f"{human(m.stored_bytes)} ({m.stored_bytes} bytes)"),
         ("compression", f"{m.nbytes / m.stored_bytes:.2f}x" if ratio else "-"),
@@ -114,6 +119,9 @@ def _rows(info: dict, m) -> list[tuple[str, object]]:
 
 def _tier_line(d: dict) -> str:
     parts = [f"attempt {d['attempt']}" + ("" if d["current"] else " (older copy)")]
+    if d.get("part"):
+        p = d["part"]
+        parts.append(f"part {p['index']}/{p['count']} (ranks {', '.join(map(str, p['ranks']))}; the other parts live on other roots)")
     if d["pinned"]:
         parts.append("pinned" + (f" ({d['pin_note']})" if d["pin_note"] else ""))
     if d["damaged"]:

@@ -33,6 +33,9 @@ class VersionRecord:
 
     ``created``: commit time (UTC, timezone-aware). ``nbytes``: logical bytes (decoded tensors and
     blobs). ``stored_bytes``: bytes stored in one tier. ``tiers``: the tiers where it is committed.
+    ``local_part``: for a version split over several local roots (``placement.is_split``), the
+    :class:`~ckptstore.manifest.placement.Part` this local root holds; None for every other version
+    (and when the ``local`` tier does not commit it) — see :attr:`tier_labels`.
     """
 
     version: str
@@ -48,11 +51,23 @@ class VersionRecord:
     encrypted: bool
     key_id: str | None
     user: dict
+    local_part: object = None  # placement.Part | None
+
+    @property
+    def tier_labels(self) -> list[str]:
+        """The tiers, sorted, the local one as ``local(part k/n)`` when it holds a part only."""
+        part = self.local_part
+        return [f"local({part.label})" if t == "local" and part is not None and not part.whole else t
+                for t in sorted(self.tiers)]
 
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
+        """The record as ``ckptstore list --json`` prints it; ``parts`` maps a tier that holds a part
+        of a split version to ``{"index", "count", "ranks", "whole"}`` (empty otherwise)."""
+        d = dataclasses.asdict(dataclasses.replace(self, local_part=None))
+        del d["local_part"]
         d["created"] = self.created.isoformat().replace("+00:00", "Z")
         d["tiers"] = sorted(self.tiers)
+        d["parts"] = {} if self.local_part is None else {"local": self.local_part.to_json()}
         return d
 
 
