@@ -43,6 +43,8 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "multinode_ranks.py"
 JOB_TIMEOUT = float(os.environ.get("CKPTSTORE_MN_TIMEOUT", "240"))  # seconds per torchrun job
 VERSIONS = [f"v{i}" for i in range(5)]
+# also count GETs of manifests (not only of stored objects) as remote reads in case (b)
+STRICT_GETS = os.environ.get("CKPTSTORE_MN_STRICT_GETS") == "1"
 TRANSCRIPT: list[str] = []
 
 # two or three torchrun jobs per case, each ≈ 45-60 s on 2 busy cores (agent + worker start-up dominates)
@@ -501,6 +503,9 @@ def test_two_nodes_with_s3_restore_reads_no_remote(tmp_path, s3_url, proxies):
     for i, c in enumerate(counts):
         if c["object_gets"]:
             problems.append(f"node {i}: {c['object_gets']} object GETs from S3 during a same-node restore")
+        if STRICT_GETS and c["object_gets"] + c["manifest_gets"]:
+            problems.append(f"node {i}: {c['manifest_gets']} manifest GETs from S3 during a same-node restore "
+                            "(CKPTSTORE_MN_STRICT_GETS=1)")
     for x in job.ranks():
         if x["ok"] and x.get("remote_reads") != 0:
             problems.append(f"rank {x['rank']}: reader.stats['remote_reads'] = {x.get('remote_reads')!r} "
@@ -627,7 +632,11 @@ def test_resave_existing_name_from_fresh_root_is_refused(tmp_path, s3_url):
     rb = roots(tmp_path / "B")
     job = run_job(tmp_path, "resave", [Node(rb[0]), Node(rb[1])], "--versions", "v", "--salt", "B",
                   "--expect-salt", "A", "--remote", s3_url).ok(4)
-    problems = []
+    seen: dict[str, list[int]] = {}  # problem -> ranks (one line per problem, not per rank)
+
+    def problem(text: str, rank: int) -> None:
+        seen.setdefault(text, []).append(rank)
+
     for durability in ("local", "remote"):
         for x in job.ranks():
             rs = x["resave"][durability]
@@ -637,20 +646,24 @@ def test_resave_existing_name_from_fresh_root_is_refused(tmp_path, s3_url):
                 f"then load: {rs.get('loaded')!r} bytes_equal(A)={rs.get('bytes_equal')} "
                 f"{'load error ' + str(rs['load_error'])[:300] if 'load_error' in rs else ''}")
             if rs["save"]["ok"]:
-                problems.append(f"{durability}: rank {x['rank']}: dcp.save of an existing remote name returned normally")
+                problem(f"{durability}: dcp.save of a name that exists remotely returned normally", x["rank"])
             elif "VersionExistsError" not in save_types:
-                problems.append(f"{durability}: rank {x['rank']}: save raised {rs['save']['errors']}, not VersionExistsError")
+                problem(f"{durability}: save raised {sorted(save_types)}, not VersionExistsError", x["rank"])
             if not rs["close"]["ok"]:
-                problems.append(f"{durability}: rank {x['rank']}: close() raised {rs['close']['errors']}")
+                problem(f"{durability}: close() raised " + "; ".join(
+                    f"{'<-'.join(e['types'])}: {e['message'][:200]}" for e in rs["close"]["errors"]), x["rank"])
             if not rs.get("bytes_equal"):
-                problems.append(f"{durability}: rank {x['rank']}: loading 'v' from the fresh root + remote did not "
-                                f"return A's data: {rs.get('mismatches') or rs.get('load_error')}")
+                what = rs.get("mismatches") or "; ".join(
+                    f"{'<-'.join(e['types'])}: {e['message'][:200]}" for e in rs.get("load_error", [])[:1])
+                problem(f"{durability}: loading 'v' from the fresh root + remote did not return A's data: {what}",
+                        x["rank"])
         for i, root in enumerate(rb):
             fresh = os.path.join(root, durability)
             _n, dirs, manifests = disk(fresh)
             say(f"  durability={durability} node {i}: fresh root committed {manifests}, version dirs {dirs}")
             if manifests:
-                problems.append(f"{durability}: node {i}: the fresh root committed {manifests} locally")
+                problem(f"{durability}: node {i}'s fresh root committed {manifests} locally", -1)
+    problems = [f"{t} (ranks {sorted(set(r))})" if r != [-1] else t for t, r in seen.items()]
     remote = cli("list", "--json", "--remote", s3_url, str(tmp_path / "absent"))
     say(f"  remote list rc={remote.returncode}: {remote.stdout.strip()[:300]}")
     verdict(problems)
