@@ -111,25 +111,32 @@ class Job:
         return self
 
 
-def _children(pid: int) -> list[int]:
-    """Descendants of ``pid`` (torchrun starts its workers in new sessions: a process-group kill
-    would miss them)."""
-    kids: dict[int, list[int]] = {}
+def _job_pids(tag: str) -> list[int]:
+    """Processes of one job: every agent and worker inherits ``CKPTSTORE_MN_JOB=<tag>`` (torchrun
+    starts its workers in new sessions, so a process-group kill would miss them, and a worker whose
+    agent died is no longer its child)."""
+    needle = f"CKPTSTORE_MN_JOB={tag}".encode()
+    out = []
     for d in os.listdir("/proc"):
-        if not d.isdigit():
+        if not d.isdigit() or int(d) == os.getpid():
             continue
         try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.append(int(d))
+        except OSError:
             continue
-        kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
     return out
+
+
+def _kill_job(tag: str) -> list[int]:
+    pids = _job_pids(tag)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
 
 
 def _free_port() -> int:
@@ -169,6 +176,7 @@ def run_job(tmp: Path, phase: str, nodes: list[Node], *args: str, timeout: float
             "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1",
         })
         env.update(node.env)
+        env["CKPTSTORE_MN_JOB"] = rid
         log = out / f"node{i}.log"
         logs.append(log)
         with open(log, "wb") as f:
@@ -182,21 +190,17 @@ def run_job(tmp: Path, phase: str, nodes: list[Node], *args: str, timeout: float
                 codes[i] = p.poll()
             time.sleep(0.2)
     finally:
-        if any(c is None for c in codes):  # timed out (or interrupted): end every agent and worker
-            for p in procs:
-                if p.poll() is None:
-                    victims = _children(p.pid) + [p.pid]
-                    for v in victims:
-                        try:
-                            os.kill(v, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-            for i, p in enumerate(procs):
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
-                codes[i] = codes[i] if codes[i] is not None else f"killed after {timeout:.0f}s"
+        timed_out = any(c is None for c in codes)  # (or interrupted): end every agent and worker
+        left = _kill_job(rid)
+        for i, p in enumerate(procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            if codes[i] is None:
+                codes[i] = f"killed after {timeout:.0f}s"
+        if left and not timed_out:
+            say(f"  [{phase}] killed {len(left)} process(es) left behind after the agents exited")
     results = {}
     for f in sorted(out.glob(f"{phase}-rank*.json")):
         r = json.loads(f.read_text())
