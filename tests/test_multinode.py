@@ -18,7 +18,8 @@ Cases: (a) local only, save x5 (KeepLast(2)), restart, restore; (b) the same wit
 (objects on the other node fetched from a peer rank, or a clear error); (e) one shared root (all
 ranks one group); (f) re-saving an existing name from a fresh root with the same remote (both
 durabilities) is refused before anything is committed; (g) a mixed layout (two ranks share a root, a
-third has its own).
+third has its own); (h) node 1's manifest copy of the newest version missing (a crash between the
+coordinator's commit and the copy): the job agrees on one version that loads.
 """
 
 from __future__ import annotations
@@ -275,8 +276,22 @@ def inspect_node(i: int, root: str, remote: str | None = None) -> NodeReport:
 
 
 def local_only_part(rec: dict) -> bool:
-    """``list --json`` says this node holds only a part of the version (issue 10 item 2)."""
-    return "part" in json.dumps(rec)
+    """``list --json`` says this node holds only a part of the version (issue 10 item 2): a tier
+    named like ``local(part 2/4)``, or a field whose name has "part" and that says not whole (a
+    ``Part.to_json()`` dict with ``whole: false``, or a non-empty label)."""
+    if any("part" in str(t) for t in rec.get("tiers", [])):
+        return True
+    for k, v in rec.items():
+        if "part" not in k.lower():
+            continue
+        if isinstance(v, dict):
+            if v.get("whole") is False or (v.get("count", 1) or 1) > 1 and v.get("whole") is not True:
+                return True
+        elif isinstance(v, str) and v:
+            return True
+        elif isinstance(v, list) and any(isinstance(x, dict) and x.get("whole") is False for x in v):
+            return True
+    return False
 
 
 # -- counting proxy in front of SeaweedFS (requests at the tier boundary) -------------------------
@@ -672,6 +687,40 @@ def test_resave_existing_name_from_fresh_root_is_refused(tmp_path, s3_url):
     problems = [f"{t} (ranks {sorted(set(r))})" if r != [-1] else t for t, r in seen.items()]
     remote = cli("list", "--json", "--remote", s3_url, str(tmp_path / "absent"))
     say(f"  remote list rc={remote.returncode}: {remote.stdout.strip()[:300]}")
+    verdict(problems)
+
+
+# -- (h) a root that holds its objects but not yet the manifest copy: the job agrees on a version -------
+@pytest.mark.slow
+def test_missing_manifest_copy_on_one_node_agreed_version(tmp_path):
+    """What a crash between the coordinator's commit and node 1's manifest copy leaves, made by hand:
+    node 1's copy of v4's manifest removed. Node 1 must not list v4; the next load on both nodes
+    agrees on one version (v4 repaired, or v3) and every rank loads it bit-exactly."""
+    say("\n=== (h) 2 nodes x 2 ranks, local only; node 1's manifest copy of v4 removed (crash before the copy) ===")
+    r = roots(tmp_path)
+    nodes = [Node(r[0]), Node(r[1])]
+    save5(tmp_path, nodes, 4)
+    problems: list[str] = []
+    copy = Path(r[1]) / "versions" / VERSIONS[-1] / "manifest.json"
+    if copy.exists():
+        copy.unlink()
+    else:
+        problems.append(f"node 1 holds no manifest copy of {VERSIONS[-1]} to remove (the copies are not made)")
+    rep = inspect_node(1, r[1])
+    if VERSIONS[-1] in rep.listed:
+        problems.append(f"node 1 lists {VERSIONS[-1]} although its manifest copy is missing")
+    job = run_job(tmp_path, "load", nodes).check(4)
+    loaded = {x["rank"]: x.get("loaded") for x in job.ranks()}
+    say(f"  loaded per rank: {loaded}; errors: {job.errors() or 'none'}")
+    if not all(x["ok"] for x in job.ranks()):
+        problems.append(f"the load raised:\n{job.errors()}")
+    elif len(set(loaded.values())) != 1 or set(loaded.values()) - set(VERSIONS[-2:]):
+        problems.append(f"ranks loaded {loaded}: not one agreed version among {VERSIONS[-2:]}")
+    for x in job.ranks():
+        if x["ok"] and not x["bytes_equal"]:
+            problems.append(f"rank {x['rank']}: entries differ from what {x['loaded']!r} saved: {x['mismatches']}")
+    for i, root in enumerate(r):
+        inspect_node(i, root)
     verdict(problems)
 
 
