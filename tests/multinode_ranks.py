@@ -170,7 +170,7 @@ def _load(a, rank, world, root, res, salt, expect=None):
 
     import ckptstore
 
-    reader = ckptstore.StorageReader(root, remote=a.remote or None)
+    reader = ckptstore.StorageReader(root, remote=a.remote or None, version=getattr(a, "version", None) or None)
     sd = state(salt, "?", rank, world, a.save_world, blank=True)
     t0 = time.monotonic()
     dcp.load(sd, storage_reader=reader)
@@ -229,6 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--salt", default="a", help="data salt of the saved (or expected) data")
     ap.add_argument("--expect-salt", default="a", help="resave: salt of the data the name must still hold")
     ap.add_argument("--expect", default="", help="load: version that must be loaded (default: whatever meta says)")
+    ap.add_argument("--version", default="", help="load: StorageReader(version=...) (default: the newest)")
     ap.add_argument("--save-world", type=int, default=0, help="load: world size of the save (default: this one)")
     ap.add_argument("--durability", default="local", choices=("local", "remote"))
     ap.add_argument("--keep-local", type=int, default=2)
