@@ -288,6 +288,8 @@ def local_only_part(rec: dict) -> bool:
     for k, v in rec.items():
         if "part" not in k.lower():
             continue
+        if isinstance(v, dict) and any(isinstance(x, dict) and x.get("whole") is False for x in v.values()):
+            return True  # {"local": {"index", "count", "ranks", "whole"}}
         if isinstance(v, dict):
             if v.get("whole") is False or (v.get("count", 1) or 1) > 1 and v.get("whole") is not True:
                 return True
