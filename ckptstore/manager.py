@@ -103,7 +103,8 @@ class CheckpointManager:
         durability: ``"local"`` or ``"remote"`` (see :class:`ckptstore.StorageWriter`).
         executor: ``"thread"`` (default) or ``"process"`` (``AsyncCheckpointerType`` accepted).
         max_pending: staged saves that may wait behind the running one (THREAD; default 1).
-        on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed.
+        on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed,
+            or has failed (``info.error`` set; the error is also raised from the next call).
         mtbf: mean time between failures (seconds) for the interval advice in :meth:`stats`.
         restart_s: seconds from a failure until training runs again (for the advice).
         save_rng: save and restore this rank's RNG states under ``rng/rank{r}`` (default True).
@@ -291,6 +292,7 @@ class CheckpointManager:
         with self._lock:
             self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
         log.error("ckptstore: save of %s failed: %s", info.version, e)
+        self._report(info)
 
     def _report(self, info: SaveInfo) -> None:
         if self.on_save is not None:
