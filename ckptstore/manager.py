@@ -56,7 +56,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .dcp import StorageReader, StorageWriter
-from .errors import CkptStoreError
+from .errors import CkptStoreError, VersionNotFoundError
 
 log = logging.getLogger("ckptstore")
 
@@ -329,6 +329,10 @@ class CheckpointManager:
     def latest(self) -> str | None:
         """The newest version (by step, then commit time) that every rank can load, agreed across
         ranks (all-gather of each rank's list on the manager's group), or None."""
+        return self._agree()[0]
+
+    def _agree(self) -> tuple[str | None, list[list[str]]]:
+        """(the newest version every rank sees, each rank's committed versions)."""
         from .store import Store
 
         st = Store(self.root, remote=self.remote, key=self._key, endpoint_url=self._reader_options.get("endpoint_url"))
@@ -339,15 +343,18 @@ class CheckpointManager:
         if self._dist:
             lists: list = [None] * dist.get_world_size(self._pg)
             dist.all_gather_object(lists, mine, group=self._pg)
-            common = set(lists[0]).intersection(*map(set, lists[1:]))
         else:
-            common = set(mine)
-        return max(common)[2] if common else None
+            lists = [mine]
+        common = set(lists[0]).intersection(*map(set, lists[1:]))
+        return (max(common)[2] if common else None), [[v for *_, v in sorted(x)] for x in lists]
 
     def restore(self, state: dict[str, Any] | None = None, version: str | None = None) -> int | None:
         """Load the newest version every rank can load (or ``version``) into ``state`` (default:
         the constructor's) in place; return its step, or None when there is no checkpoint
         (``state`` is left unchanged). :attr:`last_restore` then says what was loaded.
+        Raises :class:`~ckptstore.errors.VersionNotFoundError` when some rank sees committed
+        versions but no version is seen by every rank (e.g. a node lost its local root and there is
+        no remote tier): starting from scratch there would silently drop the run's progress.
 
         When the version was saved by another world size (a resharded load), this rank's RNG
         states and ``per_rank_keys`` values are not restored (there is no copy for this rank);
@@ -358,9 +365,21 @@ class CheckpointManager:
         state = self._state(state)
         t0 = time.monotonic()
         self.wait()
-        version = version or self.latest()
         if version is None:
-            return None
+            version, seen = self._agree()
+            if version is None and any(seen):
+                blind = [r for r, vs in enumerate(seen) if not vs]
+                some = next(vs for vs in seen if vs)
+                where = f"{self.root!r}{' or ' + self.remote if self.remote else ''}"
+                what = (f"rank(s) {_ranks(blind)} see no committed version under {where}" if blind
+                        else f"the ranks see different versions under {where}")
+                raise VersionNotFoundError(
+                    f"no checkpoint version every rank can load: {what}, while others see {', '.join(some[-3:])}; "
+                    "restore those ranks' local roots, pass remote= to load from the remote tier, or clear every "
+                    "rank's root to start from scratch"
+                )
+            if version is None:
+                return None
         st = Store(self.root, remote=self.remote, key=self._key, endpoint_url=self._reader_options.get("endpoint_url"))
         try:
             rec = st.get(version)
@@ -486,6 +505,10 @@ class CheckpointManager:
             self.close()
         except BaseException as e:  # noqa: BLE001
             log.error("ckptstore: CheckpointManager.close() after %s: %s", exc_type.__name__, e)
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs[:8])) + (f" (+{len(rs) - 8} more)" if len(rs) > 8 else "")
 
 
 def _the_module(state: dict[str, Any]) -> torch.nn.Module | None:

@@ -144,8 +144,7 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
     if cfg.nodes > 1:
         per = cfg.world_size // cfg.nodes
         crash_node = cfg.crash_rank // per
-        launch = (f"{cfg.nodes} simulated nodes x {per} rank(s): one torchrun agent per node, c10d rendezvous on 127.0.0.1, "
-                  f"each node its own local root (node-local disk)")
+        launch = f"{cfg.nodes} simulated nodes x {per}: a torchrun agent and a local root each, c10d rendezvous on 127.0.0.1"
         fault = (f"node {crash_node} (rank {cfg.crash_rank}'s) dies at step {cfg.crash_step} while that save is in flight: "
                  f"its ranks SIGKILL their agent and themselves; the supervisor relaunches all {cfg.nodes} nodes")
     else:
