@@ -59,6 +59,20 @@ def test_manager_restore_after_sigkill_mid_save_is_bit_exact(tmp_path):
         assert all(ok.values()), ok
 
 
+def test_manager_restore_refuses_when_a_rank_sees_no_version(tmp_path):
+    """Node-local roots, one rank's root lost (a replaced node) and no remote tier: restore must
+    not silently start over on every rank; every rank raises VersionNotFoundError naming rank 1."""
+    import shutil
+
+    base = str(tmp_path)
+    assert run_ranks(async_ranks.node_local_roots, 2, base, "save", timeout=150) == [True, True]
+    shutil.rmtree(os.path.join(base, "node1"))
+    outs = run_ranks(async_ranks.node_local_roots, 2, base, "restore", timeout=150)
+    for o in outs:
+        assert isinstance(o, str) and o.startswith("VersionNotFoundError"), outs
+        assert "rank(s) 1 see no committed version" in o and "step-1" in o, o
+
+
 def test_manager_single_process_without_dist(tmp_path):
     import torch
 
@@ -68,7 +82,7 @@ def test_manager_single_process_without_dist(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
     mgr = CheckpointManager(str(tmp_path), interval_steps=2, on_save=seen.append)
-    assert mgr.restore({"model": model, "optim": opt}) is None
+    assert mgr.restore({"model": model, "optim": opt}) is None and mgr.last_restore is None
     assert [mgr.save(s, {"model": model, "optim": opt, "extra": {"lr": 0.1}}) for s in (1, 2, 3)] == [False, True, False]
     assert mgr.save(3, {"model": model, "optim": opt, "extra": {"lr": 0.1}}, force=True)
     mgr.close()
@@ -78,6 +92,17 @@ def test_manager_single_process_without_dist(tmp_path):
     state = {"model": m2, "optim": torch.optim.SGD(m2.parameters(), lr=0.1), "extra": {"lr": 0.0}}
     assert CheckpointManager(str(tmp_path)).restore(state) == 3
     assert torch.equal(m2.weight, model.weight) and state["extra"] == {"lr": 0.1}
+    # state in the constructor, zero-padded names, user metadata in the manifest, resume()
+    import ckptstore
+
+    m3 = torch.nn.Linear(4, 2)
+    with CheckpointManager(str(tmp_path / "b"), {"model": m3}, interval_steps=5, version_format="step-{step:04d}") as mgr3:
+        assert mgr3.resume() == 1
+        assert mgr3.save(5, metadata={"loss": 1.5}) and not mgr3.save(6)
+    rec = ckptstore.Store(str(tmp_path / "b")).get("step-0005")
+    assert rec.step == 5 and ckptstore.Store(str(tmp_path / "b")).manifest("step-0005").manifest.user == {"loss": 1.5}
+    mgr4 = CheckpointManager(str(tmp_path / "b"), {"model": torch.nn.Linear(4, 2)})
+    assert mgr4.resume() == 6 and mgr4.last_restore.version == "step-0005" and mgr4.last_restore.rng_restored
 
 
 def _readme_example() -> str:
