@@ -158,6 +158,7 @@ class CheckpointManager:
         self.version_format = version_format
         self.state = state
         self.last_restore: RestoreInfo | None = None
+        self._roots: list[str] = []  # every rank's root, from the last agreement
         self.per_rank_keys = tuple(per_rank_keys)
         self._key = key
         self._reader_options = {k: writer_options[k] for k in ("endpoint_url", "threads") if k in writer_options}
@@ -341,10 +342,12 @@ class CheckpointManager:
         finally:
             st.close()
         if self._dist:
-            lists: list = [None] * dist.get_world_size(self._pg)
-            dist.all_gather_object(lists, mine, group=self._pg)
+            got: list = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(got, (self.root, mine), group=self._pg)
         else:
-            lists = [mine]
+            got = [(self.root, mine)]
+        self._roots = [r for r, _ in got]
+        lists = [x for _, x in got]
         common = set(lists[0]).intersection(*map(set, lists[1:]))
         return (max(common)[2] if common else None), [[v for *_, v in sorted(x)] for x in lists]
 
@@ -370,9 +373,10 @@ class CheckpointManager:
             if version is None and any(seen):
                 blind = [r for r, vs in enumerate(seen) if not vs]
                 some = next(vs for vs in seen if vs)
-                where = f"{self.root!r}{' or ' + self.remote if self.remote else ''}"
-                what = (f"rank(s) {_ranks(blind)} see no committed version under {where}" if blind
-                        else f"the ranks see different versions under {where}")
+                roots = sorted({self._roots[r] for r in blind})
+                remote = f" nor in {self.remote}" if self.remote else ""
+                what = (f"rank(s) {_ranks(blind)} see no committed version in {', '.join(roots[:4])}{remote}" if blind
+                        else "the ranks see different versions")
                 raise VersionNotFoundError(
                     f"no checkpoint version every rank can load: {what}, while others see {', '.join(some[-3:])}; "
                     "restore those ranks' local roots, pass remote= to load from the remote tier, or clear every "

@@ -70,7 +70,7 @@ def test_manager_restore_refuses_when_a_rank_sees_no_version(tmp_path):
     outs = run_ranks(async_ranks.node_local_roots, 2, base, "restore", timeout=150)
     for o in outs:
         assert isinstance(o, str) and o.startswith("VersionNotFoundError"), outs
-        assert "rank(s) 1 see no committed version" in o and "step-1" in o, o
+        assert f"rank(s) 1 see no committed version in {os.path.join(base, 'node1')}" in o and "step-1" in o, o
 
 
 def test_manager_single_process_without_dist(tmp_path):
