@@ -30,7 +30,7 @@ def __getattr__(name: str):
         from . import dcp
 
         return getattr(dcp, name)
-    if name in ("CheckpointManager", "SaveInfo"):
+    if name in ("CheckpointManager", "SaveInfo", "RestoreInfo"):
         from . import manager
 
         return getattr(manager, name)
@@ -40,6 +40,7 @@ def __getattr__(name: str):
 __all__ = [
     "CheckpointManager",
     "SaveInfo",
+    "RestoreInfo",
     "StorageWriter",
     "StorageReader",
     "Store",

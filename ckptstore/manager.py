@@ -2,12 +2,14 @@
 
 ::
 
-    mgr = CheckpointManager(root, remote="s3://bucket/run", interval_steps=100)
-    step = mgr.restore({"model": model, "optim": optimizer}) or 0
-    for step in range(step + 1, steps + 1):
-        train_step()
-        mgr.save(step, {"model": model, "optim": optimizer})
-    mgr.close()
+    with CheckpointManager(root, {"model": model, "optim": optimizer}, interval_steps=100) as mgr:
+        for step in range(mgr.resume(), steps + 1):   # restores the newest checkpoint; next step
+            train_step()
+            mgr.save(step)                            # async; a no-op unless step % 100 == 0
+
+The state given to the constructor is the default of :meth:`save`, :meth:`restore` and
+:meth:`resume`; each also takes a ``state`` of its own (the explicit form, kept for callers of the
+first version: ``step = mgr.restore(state) or 0``; ``mgr.save(step, state)``; ``mgr.close()``).
 
 Design (anchors: Orbax ``CheckpointManager``, torchtitan's checkpointer, NVRx async checkpointing):
 
@@ -54,7 +56,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .dcp import StorageReader, StorageWriter
-from .errors import CkptStoreError
+from .errors import CkptStoreError, VersionNotFoundError
 
 log = logging.getLogger("ckptstore")
 
@@ -71,11 +73,29 @@ class SaveInfo:
     error: str | None = None
 
 
+@dataclasses.dataclass
+class RestoreInfo:
+    """What the last :meth:`CheckpointManager.restore` loaded: ``version``, its ``step``, the
+    ``world_size`` that saved it, whether this rank's RNG states and ``per_rank_keys`` values were
+    restored (only when the world size is unchanged; otherwise they are left as they are), and
+    ``seconds`` spent (agreeing on the version and loading it)."""
+
+    version: str
+    step: int | None
+    world_size: int | None
+    rng_restored: bool
+    per_rank_restored: bool
+    seconds: float
+
+
 class CheckpointManager:
     """Periodic async checkpoints for a training loop, restore from the newest loadable version.
 
     Args:
         root: local checkpoint directory (the fast tier), shared by the ranks of one node.
+        state: the default training state of :meth:`save`, :meth:`restore` and :meth:`resume`:
+            a dict of modules, optimizers, objects with ``state_dict()``/``load_state_dict()``
+            and plain values (see the module docstring); None: pass ``state`` to each call.
         remote: ``"s3://bucket/prefix"`` to also stage every version there.
         key: master key (see :class:`ckptstore.StorageWriter`).
         interval_steps: ``save(step, ...)`` saves when ``step % interval_steps == 0`` (or ``force``).
@@ -83,14 +103,17 @@ class CheckpointManager:
         durability: ``"local"`` or ``"remote"`` (see :class:`ckptstore.StorageWriter`).
         executor: ``"thread"`` (default) or ``"process"`` (``AsyncCheckpointerType`` accepted).
         max_pending: staged saves that may wait behind the running one (THREAD; default 1).
-        on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed.
+        on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed,
+            or has failed (``info.error`` set; the error is also raised from the next call).
         mtbf: mean time between failures (seconds) for the interval advice in :meth:`stats`.
         restart_s: seconds from a failure until training runs again (for the advice).
         save_rng: save and restore this rank's RNG states under ``rng/rank{r}`` (default True).
         per_rank_keys: keys of ``state`` whose value differs per rank (a data loader's position):
             saved under ``f"{key}/rank{r}"`` and restored per rank. Other non-sharded values must be
             equal on every rank (DCP saves one copy; ckptstore refuses diverging copies).
-        prefix: version names are ``f"{prefix}{step}"``.
+        prefix: version names are ``f"{prefix}{step}"`` ...
+        version_format: ... or ``version_format.format(step=step)`` when given
+            (e.g. ``"step-{step:06d}"``).
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``endpoint_url``, ...).
     """
@@ -98,6 +121,7 @@ class CheckpointManager:
     def __init__(
         self,
         root: str | os.PathLike,
+        state: dict[str, Any] | None = None,
         *,
         remote: str | None = None,
         key: Any = None,
@@ -112,6 +136,7 @@ class CheckpointManager:
         save_rng: bool = True,
         per_rank_keys: tuple[str, ...] = (),
         prefix: str = "step-",
+        version_format: str | None = None,
         **writer_options: Any,
     ) -> None:
         if interval_steps < 1:
@@ -130,6 +155,10 @@ class CheckpointManager:
         self.restart_s = restart_s
         self.save_rng = save_rng
         self.prefix = prefix
+        self.version_format = version_format
+        self.state = state
+        self.last_restore: RestoreInfo | None = None
+        self._roots: list[str] = []  # every rank's root, from the last agreement
         self.per_rank_keys = tuple(per_rank_keys)
         self._key = key
         self._reader_options = {k: writer_options[k] for k in ("endpoint_url", "threads") if k in writer_options}
@@ -156,12 +185,24 @@ class CheckpointManager:
         return step % self.interval_steps == 0
 
     def version_name(self, step: int) -> str:
+        if self.version_format is not None:
+            return self.version_format.format(step=int(step))
         return f"{self.prefix}{int(step)}"
 
-    def save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
-        """Stage ``state`` and queue its save as version ``f"{prefix}{step}"``; return True if a save
-        was started, False when ``step`` is not due. Returns after staging (and, when the queue is
-        full, after the oldest queued save started). Raises the error of an earlier failed save."""
+    def _state(self, state: dict[str, Any] | None) -> dict[str, Any]:
+        state = self.state if state is None else state
+        if state is None:
+            raise TypeError("no state: pass CheckpointManager(root, state) or state= to this call")
+        return state
+
+    def save(self, step: int, state: dict[str, Any] | None = None, *, force: bool = False,
+             metadata: dict[str, Any] | None = None) -> bool:
+        """Stage ``state`` (default: the constructor's) and queue its save as version
+        :meth:`version_name` ``(step)``; return True if a save was started, False when ``step`` is
+        not due (``step % interval_steps != 0``) and not ``force``. ``metadata``: JSON-serialisable
+        user metadata recorded in the version's manifest (``ckptstore gc --keep-best`` reads it).
+        Returns after staging (and, when the queue is full, after the oldest queued save started).
+        Raises the error of an earlier failed save."""
         t0 = time.monotonic()
         self._note_step(step, t0)
         self._raise_errors()
@@ -170,8 +211,8 @@ class CheckpointManager:
         if not (force or self.due(step)):
             return False
         version = self.version_name(step)
-        sd = self._state_dict(state)
-        self._writer.save_options(version, step=int(step))
+        sd = self._state_dict(self._state(state))
+        self._writer.save_options(version, step=int(step), user_metadata=metadata)
         if self.executor == "process":
             self._wait_process()
             self._raise_errors()
@@ -252,6 +293,7 @@ class CheckpointManager:
         with self._lock:
             self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
         log.error("ckptstore: save of %s failed: %s", info.version, e)
+        self._report(info)
 
     def _report(self, info: SaveInfo) -> None:
         if self.on_save is not None:
@@ -288,6 +330,10 @@ class CheckpointManager:
     def latest(self) -> str | None:
         """The newest version (by step, then commit time) that every rank can load, agreed across
         ranks (all-gather of each rank's list on the manager's group), or None."""
+        return self._agree()[0]
+
+    def _agree(self) -> tuple[str | None, list[list[str]]]:
+        """(the newest version every rank sees, each rank's committed versions)."""
         from .store import Store
 
         st = Store(self.root, remote=self.remote, key=self._key, endpoint_url=self._reader_options.get("endpoint_url"))
@@ -296,41 +342,82 @@ class CheckpointManager:
         finally:
             st.close()
         if self._dist:
-            lists: list = [None] * dist.get_world_size(self._pg)
-            dist.all_gather_object(lists, mine, group=self._pg)
-            common = set(lists[0]).intersection(*map(set, lists[1:]))
+            got: list = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(got, (self.root, mine), group=self._pg)
         else:
-            common = set(mine)
-        return max(common)[2] if common else None
+            got = [(self.root, mine)]
+        self._roots = [r for r, _ in got]
+        lists = [x for _, x in got]
+        common = set(lists[0]).intersection(*map(set, lists[1:]))
+        return (max(common)[2] if common else None), [[v for *_, v in sorted(x)] for x in lists]
 
-    def restore(self, state: dict[str, Any], version: str | None = None) -> int | None:
-        """Load the newest version every rank can load (or ``version``) into ``state`` in place;
-        return its step, or None when there is no checkpoint (``state`` is left unchanged)."""
-        self.wait()
-        version = version or self.latest()
-        if version is None:
-            return None
-        sd = self._state_dict(state, for_load=True)
-        reader = StorageReader(self.root, remote=self.remote, key=self._key, **self._reader_options)
-        dcp.load(sd, checkpoint_id=version, storage_reader=reader, process_group=self._pg)
-        self._apply(state, sd)
+    def restore(self, state: dict[str, Any] | None = None, version: str | None = None) -> int | None:
+        """Load the newest version every rank can load (or ``version``) into ``state`` (default:
+        the constructor's) in place; return its step, or None when there is no checkpoint
+        (``state`` is left unchanged). :attr:`last_restore` then says what was loaded.
+        Raises :class:`~ckptstore.errors.VersionNotFoundError` when some rank sees committed
+        versions but no version is seen by every rank (e.g. a node lost its local root and there is
+        no remote tier): starting from scratch there would silently drop the run's progress.
+
+        When the version was saved by another world size (a resharded load), this rank's RNG
+        states and ``per_rank_keys`` values are not restored (there is no copy for this rank);
+        ``last_restore.rng_restored`` is False, so the caller can reseed.
+        Raises what ``dcp.load`` raises (``ckptstore.errors`` types) when the version cannot be read."""
         from .store import Store
 
-        st = Store(self.root, remote=self.remote, key=self._key)
+        state = self._state(state)
+        t0 = time.monotonic()
+        self.wait()
+        if version is None:
+            version, seen = self._agree()
+            if version is None and any(seen):
+                blind = [r for r, vs in enumerate(seen) if not vs]
+                some = next(vs for vs in seen if vs)
+                roots = sorted({self._roots[r] for r in blind})
+                remote = f" nor in {self.remote}" if self.remote else ""
+                what = (f"rank(s) {_ranks(blind)} see no committed version in {', '.join(roots[:4])}{remote}" if blind
+                        else "the ranks see different versions")
+                raise VersionNotFoundError(
+                    f"no checkpoint version every rank can load: {what}, while others see {', '.join(some[-3:])}; "
+                    "restore those ranks' local roots, pass remote= to load from the remote tier, or clear every "
+                    "rank's root to start from scratch"
+                )
+            if version is None:
+                return None
+        st = Store(self.root, remote=self.remote, key=self._key, endpoint_url=self._reader_options.get("endpoint_url"))
         try:
-            step = st.get(version).step
+            rec = st.get(version)
         finally:
             st.close()
-        return step
+        world = dist.get_world_size(self._pg) if self._dist else 1
+        same_world = rec.world_size is None or rec.world_size == world
+        sd = self._state_dict(state, for_load=True, per_rank=same_world)
+        reader = StorageReader(self.root, remote=self.remote, key=self._key, **self._reader_options)
+        dcp.load(sd, checkpoint_id=version, storage_reader=reader, process_group=self._pg)
+        self._apply(state, sd, per_rank=same_world)
+        if not same_world and (self.save_rng or self.per_rank_keys):
+            log.warning("ckptstore: %s was saved by %s ranks, this job has %s: per-rank values (RNG, %s) not restored",
+                        version, rec.world_size, world, ", ".join(self.per_rank_keys) or "-")
+        self.last_restore = RestoreInfo(version, rec.step, rec.world_size, same_world and self.save_rng,
+                                        same_world and bool(self.per_rank_keys), time.monotonic() - t0)
+        return rec.step
+
+    def resume(self, state: dict[str, Any] | None = None, *, first_step: int = 1) -> int:
+        """:meth:`restore` and return the step to run next: the restored step + 1, or
+        ``first_step`` when there is no checkpoint. ``for step in range(mgr.resume(), steps + 1)``."""
+        step = self.restore(state)
+        return first_step if step is None else int(step) + 1
 
     # -- state dict helpers ------------------------------------------------------------------------
-    def _state_dict(self, state: dict[str, Any], for_load: bool = False) -> dict[str, Any]:
+    def _state_dict(self, state: dict[str, Any], for_load: bool = False, per_rank: bool = True) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         module = _the_module(state)
         sd: dict[str, Any] = {}
         for k, v in state.items():
             if k in self.per_rank_keys:
+                if not per_rank:
+                    continue
                 k = f"{k}/rank{self.rank}"
             if isinstance(v, torch.nn.Module):
                 sd[k] = get_model_state_dict(v)
@@ -342,15 +429,17 @@ class CheckpointManager:
                 sd[k] = v.state_dict()
             else:
                 sd[k] = v
-        if self.save_rng:
+        if self.save_rng and per_rank:
             sd[f"rng/rank{self.rank}"] = _rng_state()
         return sd
 
-    def _apply(self, state: dict[str, Any], sd: dict[str, Any]) -> None:
+    def _apply(self, state: dict[str, Any], sd: dict[str, Any], per_rank: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         module = _the_module(state)
         for k, v in state.items():
+            if k in self.per_rank_keys and not per_rank:
+                continue
             sk = f"{k}/rank{self.rank}" if k in self.per_rank_keys else k
             if isinstance(v, torch.nn.Module):
                 set_model_state_dict(v, sd[sk])
@@ -362,7 +451,7 @@ class CheckpointManager:
                 pass  # loaded in place by DCP
             else:
                 state[k] = sd[sk]
-        if self.save_rng:
+        if self.save_rng and per_rank:
             _set_rng_state(sd[f"rng/rank{self.rank}"])
 
     # -- reporting and shutdown --------------------------------------------------------------------
@@ -412,8 +501,18 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the loop already failed: finish what can be finished, never hide its error
+            self.close()
+        except BaseException as e:  # noqa: BLE001
+            log.error("ckptstore: CheckpointManager.close() after %s: %s", exc_type.__name__, e)
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs[:8])) + (f" (+{len(rs) - 8} more)" if len(rs) > 8 else "")
 
 
 def _the_module(state: dict[str, Any]) -> torch.nn.Module | None:

@@ -204,3 +204,25 @@ def resumed_training(rank, world, root):
     got = snapshot(state)
     mgr.close()
     return step, {k: same(got[k], ref[k]) for k in ref}
+
+
+def node_local_roots(rank, world, base, phase):
+    """Each rank its own root ``base/node<rank>`` (a node-local disk). ``phase="save"``: save step 1;
+    ``phase="restore"``: restore, returning the error text when it raises."""
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+    from ckptstore import CheckpointManager
+    from ckptstore.errors import VersionNotFoundError
+
+    state = make_state(rank)
+    mgr = CheckpointManager(os.path.join(base, f"node{rank}"), state, per_rank_keys=("data",))
+    try:
+        if phase == "save":
+            train_step(state, world)
+            return mgr.save(1)
+        try:
+            return mgr.restore()
+        except VersionNotFoundError as e:
+            return f"VersionNotFoundError: {e}"
+    finally:
+        mgr.close()

@@ -8,9 +8,11 @@ from typing import Any
 
 import ckptstore
 
+VERSION_FORMAT = "step-{step:06d}"  # CheckpointManager(version_format=...): names sort by step
+
 
 def version_name(step: int) -> str:
-    return f"step-{step:06d}"
+    return VERSION_FORMAT.format(step=step)
 
 
 @dataclass
@@ -19,16 +21,6 @@ class Rec:
     step: int | None
     created: _dt.datetime | None
     world_size: int | None = None
-
-
-def writer(root: str, remote: str | None, step: int, meta: dict[str, Any]) -> tuple[str, Any]:
-    """``(checkpoint_id, storage_writer)`` for the save of ``step``; the version name is the checkpoint_id."""
-    return version_name(step), ckptstore.StorageWriter(root, remote=remote, step=step, user_metadata=meta)
-
-
-def reader(root: str, remote: str | None, version: str, *, partial: bool = False) -> tuple[str, Any]:
-    """``(checkpoint_id, storage_reader)`` for ``version``; ``partial``: the caller loads only some keys."""
-    return version, ckptstore.StorageReader(root, remote=remote, allow_partial_load=partial)
 
 
 def _rec(r: Any) -> Rec:
@@ -40,15 +32,5 @@ def versions(root: str, remote: str | None = None) -> list[Rec]:
     st = ckptstore.Store(root, remote=remote)
     try:
         return [_rec(r) for r in st.versions()]
-    finally:
-        st.close()
-
-
-def latest(root: str, remote: str | None = None) -> Rec | None:
-    """``Store(root, remote=remote).latest()``: the newest committed (undamaged) version, or None."""
-    st = ckptstore.Store(root, remote=remote)
-    try:
-        r = st.latest()
-        return None if r is None else _rec(r)
     finally:
         st.close()

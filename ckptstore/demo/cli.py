@@ -51,11 +51,14 @@ def check_extra(plot: bool) -> bool:
 @click.option("--seaweedfs", is_flag=True, help="Start a SeaweedFS S3 server on loopback for this run (stopped after) and use it as --remote.")
 @click.option("--steps", default=_D.steps, show_default=True, type=int, help="Training steps of each run.")
 @click.option("--save-every", default=_D.save_every, show_default=True, type=int, help="Checkpoint interval in steps.")
-@click.option("--crash-step", default=_D.crash_step, show_default=True, type=int, help="A save step: the crash rank dies right after that async_save.")
+@click.option("--crash-step", default=_D.crash_step, show_default=True, type=int, help="A save step: the crash rank dies right after that save (mgr.save) returned.")
 @click.option("--crash-rank", default=_D.crash_rank, show_default=True, type=int, help="The rank that SIGKILLs itself at --crash-step.")
 @click.option("--world-size", default=_D.world_size, show_default=True, type=int, help="Ranks of the reference run and of the crash run before the crash.")
 @click.option("--resume-world-size", default=None, type=int,
               help="Restart the crashed run on this many ranks (e.g. 1 or 3): reshards through DCP; losses continue, not bit-exact.")
+@click.option("--nodes", default=_D.nodes, show_default=True, type=int,
+              help="Run each job as this many simulated nodes (one torchrun agent each, c10d rendezvous on 127.0.0.1), "
+                   "each with its own local root; the crash kills the crash rank's whole node mid-save.")
 @click.option("--parallel", type=click.Choice(["fsdp", "ddp"]), default=_D.parallel, show_default=True,
               help="Data parallelism: FSDP2 fully_shard (sharded state) or DDP (replicated).")
 @click.option("--layers", default=_D.layers, show_default=True, type=int, help="Transformer blocks.")
@@ -70,12 +73,12 @@ def check_extra(plot: bool) -> bool:
 @click.option("--summary", default=None, type=click.Path(dir_okay=False), help="Write the results as JSON here.")
 @click.option("--no-cli", is_flag=True, help="Skip the ckptstore list/gc/scrub views at the end.")
 @click.option("--no-plot", is_flag=True, help="Skip the PNG.")
-def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, world_size, resume_world_size,
+def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, world_size, resume_world_size, nodes,
          parallel, layers, d_model, heads, context, global_batch, lr, seed, corpus_dir, summary, no_cli, no_plot):
     """Train a small transformer on 2 CPU ranks, SIGKILL one mid-save, resume, and prove it.
 
     Runs a reference job and a crash job (torchrun, gloo, FSDP2, AdamW, LR schedule,
-    StatefulDataLoader, dcp.async_save to ckptstore every --save-every steps), checks that the
+    StatefulDataLoader, ckptstore.CheckpointManager async saves every --save-every steps), checks that the
     resumed job's per-step losses and sample ids equal the reference bit for bit, reports goodput,
     plots both, and shows `ckptstore list / gc --dry-run / scrub` of the store. Needs the demo
     extra (pip install 'ckptstore[demo]'); without matplotlib the plot is skipped. Exit 0 when every
@@ -88,7 +91,7 @@ def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, worl
 
     cfg = DemoConfig(
         steps=steps, save_every=save_every, crash_step=crash_step, crash_rank=crash_rank, world_size=world_size,
-        resume_world_size=resume_world_size, parallel=parallel, layers=layers, d_model=d_model, heads=heads,
+        resume_world_size=resume_world_size, nodes=nodes, parallel=parallel, layers=layers, d_model=d_model, heads=heads,
         context=context, global_batch=global_batch, lr=lr, seed=seed, corpus_dir=corpus_dir, remote=remote,
         warmup=max(1, min(_D.warmup, steps // 10)),
     )

@@ -5,7 +5,7 @@ rank's ``crash`` event) and from the supervisor (torchrun launch and exit):
 
 - ``useful``: compute of the steps whose results are in the final model (data, forward,
   backward, optimizer), counted once;
-- ``blocked``: time the training loop spent inside ``dcp.async_save`` (staging the state to host
+- ``blocked``: time the training loop spent inside ``CheckpointManager.save`` (staging the state to host
   memory) plus any wait for the previous save (back-pressure), for saves that were not lost;
 - ``lost``: compute and save blocking of steps whose results died with the crash and were redone;
 - ``recovery``: from the crash to the first step of the restarted workers (detection, teardown,

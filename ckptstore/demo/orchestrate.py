@@ -45,6 +45,10 @@ def validate(cfg: DemoConfig) -> None:
         raise DemoError("--d-model must be a multiple of --heads")
     if cfg.parallel not in ("fsdp", "ddp"):
         raise DemoError("--parallel is fsdp or ddp")
+    if cfg.nodes < 1 or cfg.world_size % cfg.nodes:
+        raise DemoError(f"--world-size ({cfg.world_size}) must be a positive multiple of --nodes ({cfg.nodes})")
+    if cfg.nodes > 1 and cfg.resume_world_size not in (None, cfg.world_size):
+        raise DemoError("--resume-world-size is for the single-node demo; --nodes restarts the same nodes")
 
 
 def prepare_out(out: str) -> None:
@@ -94,7 +98,7 @@ def goodput_table(gp: Goodput, ref: Goodput) -> Table:
     t.add_column("reference", justify="right")
     rows = [
         ("useful training (steps kept, counted once)", gp.useful, ref.useful),
-        ("blocked in async_save (staging + back-pressure)", gp.blocked, ref.blocked),
+        ("blocked in mgr.save (staging + back-pressure)", gp.blocked, ref.blocked),
         ("work lost to the crash (redone)", gp.lost, ref.lost),
         ("restart / recovery (crash → first resumed step)", gp.recovery, ref.recovery),
         ("   of which: detect crash, restart workers, import torch", gp.restart, ref.restart),
@@ -137,26 +141,35 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
     _, corpus = load_corpus(cfg.corpus_dir, cfg.corpus_max_bytes)
     nparams = count_params(ByteGPT(cfg.layers, cfg.d_model, cfg.heads, cfg.context, cfg.dropout))
     rw = cfg.resume_world_size or cfg.world_size
+    if cfg.nodes > 1:
+        per = cfg.world_size // cfg.nodes
+        crash_node = cfg.crash_rank // per
+        launch = f"{cfg.nodes} simulated nodes x {per}: a torchrun agent and a local root each, c10d rendezvous on 127.0.0.1"
+        fault = (f"node {crash_node} (rank {cfg.crash_rank}'s) dies at step {cfg.crash_step} while that save is in flight: "
+                 f"its ranks SIGKILL their agent and themselves; the supervisor relaunches all {cfg.nodes} nodes")
+    else:
+        launch = "torchrun"
+        fault = (f"rank {cfg.crash_rank} SIGKILLs itself at step {cfg.crash_step} while that save is in flight; "
+                 f"restart on {rw} rank(s)")
     console.rule("[bold]ckptstore demo")
     console.print(
         f"model     byte-level decoder-only transformer: {cfg.layers} layers, d={cfg.d_model}, {cfg.heads} heads, "
         f"context {cfg.context}, {nparams / 1e6:.2f} M parameters\n"
         f"data      {corpus['bytes'] / 2**20:.1f} MiB of Python stdlib source ({corpus['files']} files in {corpus['directory']}), "
         f"{cfg.global_batch} samples/step globally\n"
-        f"training  {cfg.steps} steps, {cfg.world_size} ranks (torchrun, gloo, {'FSDP2 fully_shard' if cfg.parallel == 'fsdp' else 'DDP'}, CPU), "
+        f"training  {cfg.steps} steps, {cfg.world_size} ranks ({launch}, gloo, {'FSDP2 fully_shard' if cfg.parallel == 'fsdp' else 'DDP'}, CPU), "
         f"AdamW + warmup/cosine LR, StatefulDataLoader\n"
-        f"checkpoint dcp.async_save every {cfg.save_every} steps -> "
-        "ckptstore.StorageWriter"
+        f"checkpoint ckptstore.CheckpointManager: async save every {cfg.save_every} steps"
         f"{' (local + ' + cfg.remote + ')' if cfg.remote else ' (local tier)'}\n"
-        f"fault     rank {cfg.crash_rank} SIGKILLs itself at step {cfg.crash_step} while that save is in flight; "
-        f"restart on {rw} rank(s)\n"
+        f"fault     {fault}\n"
         f"output    {out}",
         highlight=False,
     )
 
     console.rule("1/3 reference run (no crash)")
     ref_job = run_job(cfg, out, "reference", crash=False, console=console)
-    console.rule("2/3 crash run (SIGKILL mid-save, torchrun restarts, resume from Store.latest())")
+    console.rule("2/3 crash run (SIGKILL mid-save, " + ("a node dies, all nodes relaunched" if cfg.nodes > 1 else "torchrun restarts")
+                 + ", mgr.resume())")
     run_job_ = run_job(cfg, out, "crash", crash=True, console=console)
 
     console.rule("3/3 verification")
@@ -186,14 +199,18 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         )
         console.print(f"plot: {png}", highlight=False)
 
+    scrub_rcs: list[int] = []
     if show_cli:
-        console.rule("the crash run's store, through the ckptstore CLI")
+        console.rule("the crash run's store, through the ckptstore CLI" + (" (on each node)" if run_job_.node_roots else ""))
         extra = ["--remote", run_job_.remote] if run_job_.remote else []
-        ckptstore_cli(["list", run_job_.store_root, *extra], console)
+        roots = run_job_.node_roots or [run_job_.store_root]
+        for root in roots:
+            ckptstore_cli(["list", root, *extra], console)
         # what a retention policy would prune: keep the 3 newest and the one with the lowest loss
-        ckptstore_cli(["gc", run_job_.store_root, *extra, "--dry-run", "--keep-last", "3",
+        ckptstore_cli(["gc", roots[0], *extra, "--dry-run", "--keep-last", "3",
                        "--keep-best", "1", "--metric", "loss", "--mode", "min"], console)
-        ckptstore_cli(["scrub", run_job_.store_root, *extra], console)
+        for root in roots:
+            scrub_rcs.append(ckptstore_cli(["scrub", root, *extra], console))
 
     runtime = time.time() - t_start
     result: dict[str, Any] = {
@@ -205,6 +222,9 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         "resumed_from": v.resumed_from,
         "resumed_step": v.resumed_step,
         "world_size": cfg.world_size,
+        "nodes": cfg.nodes,
+        "node_roots": run_job_.node_roots,
+        "scrub_exit_codes": scrub_rcs,
         "resume_world_size": v.resume_world_size,
         "redone_steps": v.redone_steps,
         "max_rel_loss_diff": v.max_rel_loss_diff,

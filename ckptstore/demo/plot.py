@@ -89,7 +89,7 @@ def plot(path: str, ref: History, run: History, ref_job: Job, run_job: Job, gp: 
                         fontsize=8, color="tab:green", va="center")
     tl.set_yticks([0.4, 1.4])
     tl.set_yticklabels([f"crash run\ngoodput {gp.goodput:.0%}", f"reference\ngoodput {ref_gp.goodput:.0%}"])
-    tl.set_xlabel("wall time since launch (s)   (rank 0; ▼ checkpoint committed, | async_save returned)")
+    tl.set_xlabel("wall time since launch (s)   (rank 0; ▼ checkpoint committed, | mgr.save returned)")
     tl.set_ylim(-0.1, 2.1)
     tl.grid(axis="x", alpha=0.3)
     tl.legend(

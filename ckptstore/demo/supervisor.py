@@ -3,9 +3,20 @@
 A *job* is one training run with its own directory (``config.json``, ``events/``, ``store/``,
 ``torchrun.log``). The reference job runs clean. The crash job runs with a crash step: one rank
 SIGKILLs itself mid-save, and ``torchrun --max-restarts=1`` restarts the worker group, which
-resumes from ``Store.latest()``. To resume on a *different* world size the supervisor instead
+resume with ``CheckpointManager.resume()`` (the newest version every rank can load). To resume on a *different* world size the supervisor instead
 lets that first ``torchrun`` fail and launches a second one with ``--nproc-per-node=N`` (torchrun
 cannot change the group size on restart); the workers resume the same way.
+
+**Multi-node** (``nodes`` > 1, ``ckptstore demo --nodes 2``): the job runs as that many simulated
+nodes on this host, one ``torchrun`` node agent each (``--nnodes=N``, c10d rendezvous on
+127.0.0.1, the first agent hosts the store), and node k's ranks (``GROUP_RANK`` k) use their own
+local root ``<run_dir>/node<k>/store``: a node-local disk no other node sees; the remote tier, if
+any, is shared. At the crash step every rank of the crash rank's node SIGKILLs its agent and
+itself (the node is gone mid-save); the other nodes' ranks then fail on their next collective and
+their agents exit. The supervisor waits for that (terminating agents still up after
+``NODE_GRACE_S``) and relaunches all node agents on a fresh rendezvous, as a scheduler would with
+a replacement node that gets the same disk back; the workers resume with
+``CheckpointManager.resume()``.
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,6 +63,7 @@ class DemoConfig:
     world_size: int = 2
     resume_world_size: int | None = None  # None: restart on world_size
     remote: str | None = None
+    nodes: int = 1  # simulated nodes, each with its own local root (world_size // nodes ranks each)
 
 
 @dataclass
@@ -59,6 +73,7 @@ class Launch:
     t1: float = 0.0
     rc: int | None = None
     max_restarts: int = 0
+    node_rcs: list[int] = field(default_factory=list)  # exit code of each node agent (multi-node)
 
 
 @dataclass
@@ -69,6 +84,7 @@ class Job:
     remote: str | None
     crash: bool
     launches: list[Launch] = field(default_factory=list)
+    node_roots: list[str] = field(default_factory=list)  # multi-node: node k's local root
 
     @property
     def t0(self) -> float:
@@ -109,6 +125,33 @@ def _torchrun_cmd(nproc: int, max_restarts: int, cfg_path: str) -> list[str]:
     ]
 
 
+NODE_GRACE_S = 60.0  # after a node died: how long the other agents get to notice and exit
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_agent_cmd(node: int, nodes: int, nproc: int, port: int, rdzv_id: str, cfg_path: str) -> list[str]:
+    """One simulated node's ``torchrun`` agent: c10d rendezvous on loopback; node 0 hosts its store."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf=is_host={int(node == 0)},join_timeout=120",
+        "--local-addr=127.0.0.1",
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        "-m", "ckptstore.demo.train",
+        "--config", cfg_path,
+    ]
+
+
 class _Follower:
     """Tails rank 0's event files to show progress and the notable events as they happen."""
 
@@ -120,6 +163,7 @@ class _Follower:
         self.pos: dict[str, int] = {}
         self.step = 0
         self.last_print = 0.0
+        self.crashed = False
 
     def poll(self) -> None:
         new: list[dict[str, Any]] = []
@@ -142,8 +186,12 @@ class _Follower:
 
     def _event(self, e: dict[str, Any]) -> None:
         k = e["kind"]
-        if k == "crash":
-            self._say(f"[bold red]rank {e['rank']} SIGKILLs itself at step {e['step']}, right after async_save({e['version']}) returned: that save is in flight[/bold red]")
+        if k == "crash" and "node" in e and not self.crashed:
+            self.crashed = True
+            self._say(f"[bold red]node {e['node']} dies at step {e['step']}: its ranks SIGKILL their torchrun agent and "
+                      f"themselves right after mgr.save({e['version']}) returned: that save is in flight[/bold red]")
+        elif k == "crash" and "node" not in e:
+            self._say(f"[bold red]rank {e['rank']} SIGKILLs itself at step {e['step']}, right after mgr.save({e['version']}) returned: that save is in flight[/bold red]")
         if e.get("rank") != 0:
             return
         if k == "step":
@@ -151,7 +199,7 @@ class _Follower:
             if e["step"] % 10 == 0 or e["step"] == self.total:
                 self._say(f"attempt {e['attempt']} step {e['step']:>4}/{self.total}  loss {e['mean']:.4f}")
         elif k == "save":
-            self._say(f"async_save {e['version']} (blocked {1000 * (e['t1'] - e['wait0']):.0f} ms)")
+            self._say(f"mgr.save {e['version']} (blocked {1000 * (e['t1'] - e['wait0']):.0f} ms)")
         elif k == "save_done" and not e["ok"]:
             self._say(f"[yellow]save {e['version']} did not complete on rank 0 (its peer died)[/yellow]")
         elif k == "resumed":
@@ -165,9 +213,11 @@ def run_job(cfg: DemoConfig, out: str, label: str, *, crash: bool, console: Cons
     run_dir = job_dir(out, label)
     os.makedirs(run_dir, exist_ok=True)
     remote = None if not cfg.remote else cfg.remote.rstrip("/") + "/" + label
-    job = Job(label, run_dir, os.path.join(run_dir, "store"), remote, crash)
+    node_roots = [os.path.join(run_dir, f"node{n}", "store") for n in range(cfg.nodes)] if cfg.nodes > 1 else []
+    job = Job(label, run_dir, node_roots[0] if node_roots else os.path.join(run_dir, "store"), remote, crash,
+              node_roots=node_roots)
     train_cfg = asdict(cfg)
-    train_cfg.update(run_dir=run_dir, store_root=job.store_root, remote=remote, label=label)
+    train_cfg.update(run_dir=run_dir, store_root=job.store_root, remote=remote, label=label, node_roots=node_roots)
     if not crash:
         train_cfg["crash_step"] = None
     cfg_path = os.path.join(run_dir, "config.json")
@@ -177,40 +227,85 @@ def run_job(cfg: DemoConfig, out: str, label: str, *, crash: bool, console: Cons
     plan: list[tuple[int, int]]  # (nproc, max_restarts) per torchrun launch
     if crash and cfg.resume_world_size not in (None, cfg.world_size):
         plan = [(cfg.world_size, 0), (cfg.resume_world_size, 0)]
+    elif crash and cfg.nodes > 1:
+        plan = [(cfg.world_size, 0), (cfg.world_size, 0)]  # the supervisor relaunches all nodes
     elif crash:
         plan = [(cfg.world_size, 1)]
     else:
         plan = [(cfg.world_size, 0)]
 
     follower = _Follower(run_dir, console, label, cfg.steps)
-    log_path = os.path.join(run_dir, "torchrun.log")
     env = _worker_env()
     for i, (nproc, restarts) in enumerate(plan):
         env_i = dict(env, CKPTSTORE_DEMO_ATTEMPT=str(i))
         launch = Launch(nproc=nproc, t0=time.time(), max_restarts=restarts)
         job.launches.append(launch)
         if i:
-            console.print(f"  [dim]{label}[/dim] supervisor: relaunching torchrun on {nproc} rank(s)", highlight=False)
-        with open(log_path, "a") as logf:
-            logf.write(f"\n===== launch {i}: {' '.join(_torchrun_cmd(nproc, restarts, cfg_path))}\n")
-            logf.flush()
-            p = subprocess.Popen(_torchrun_cmd(nproc, restarts, cfg_path), stdout=logf, stderr=subprocess.STDOUT, env=env_i)
-            while p.poll() is None:
-                follower.poll()
-                time.sleep(0.2)
+            what = f"all {cfg.nodes} nodes" if cfg.nodes > 1 else f"torchrun on {nproc} rank(s)"
+            console.print(f"  [dim]{label}[/dim] supervisor: relaunching {what}", highlight=False)
+        if cfg.nodes > 1:
+            log_path = _run_nodes(cfg, run_dir, label, i, cfg_path, env_i, launch, follower, console)
+        else:
+            log_path = os.path.join(run_dir, "torchrun.log")
+            with open(log_path, "a") as logf:
+                logf.write(f"\n===== launch {i}: {' '.join(_torchrun_cmd(nproc, restarts, cfg_path))}\n")
+                logf.flush()
+                p = subprocess.Popen(_torchrun_cmd(nproc, restarts, cfg_path), stdout=logf, stderr=subprocess.STDOUT, env=env_i)
+                while p.poll() is None:
+                    follower.poll()
+                    time.sleep(0.2)
+            launch.rc = p.returncode
         launch.t1 = time.time()
-        launch.rc = p.returncode
         follower.poll()
         last = i == len(plan) - 1
-        if last and p.returncode != 0:
+        if last and launch.rc != 0:
             tail = open(log_path, errors="replace").read()[-4000:]
-            console.print(f"[red]torchrun failed (exit {p.returncode}); tail of {log_path}:[/red]\n{tail}", highlight=False)
+            console.print(f"[red]torchrun failed (exit {launch.rc}); tail of {log_path}:[/red]\n{tail}", highlight=False)
             raise SystemExit(f"{label} run failed")
-        if not last and p.returncode == 0:
+        if not last and launch.rc == 0:
             raise SystemExit(f"{label}: the first launch finished without crashing; is crash_step <= steps?")
     with open(os.path.join(run_dir, "job.json"), "w") as f:
         json.dump(job.to_json(), f, indent=2)
     return job
+
+
+def _run_nodes(cfg: DemoConfig, run_dir: str, label: str, attempt: int, cfg_path: str, env: dict[str, str],
+               launch: Launch, follower: _Follower, console: Console) -> str:
+    """Launch one ``torchrun`` agent per simulated node and wait for all; returns the log path of
+    the first node whose agent failed (else node 0's). When one agent is gone the others get
+    ``NODE_GRACE_S`` to exit on their own, then SIGTERM (torchrun stops its workers), then SIGKILL."""
+    port = _free_port()
+    nproc = cfg.world_size // cfg.nodes
+    logs = [os.path.join(run_dir, f"node{n}", "torchrun.log") for n in range(cfg.nodes)]
+    procs = []
+    for n in range(cfg.nodes):
+        os.makedirs(os.path.dirname(logs[n]), exist_ok=True)
+        cmd = _node_agent_cmd(n, cfg.nodes, nproc, port, f"{label}-{attempt}", cfg_path)
+        with open(logs[n], "a") as logf:
+            logf.write(f"\n===== launch {attempt}, node {n}: {' '.join(cmd)}\n")
+            logf.flush()
+            procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    first_exit: float | None = None
+    stage = 0  # 0: running, 1: SIGTERM sent, 2: SIGKILL sent
+    while any(p.poll() is None for p in procs):
+        follower.poll()
+        now = time.time()
+        if first_exit is None and any(p.poll() is not None and p.returncode != 0 for p in procs):
+            first_exit = now
+            gone = [n for n, p in enumerate(procs) if p.returncode is not None and p.returncode != 0]
+            how = ", ".join(f"node {n} exit {procs[n].returncode}" for n in gone)
+            console.print(f"  [dim]{label}[/dim] supervisor: {how}; waiting for the other node(s) to stop", highlight=False)
+        if first_exit is not None and stage < 2 and now - first_exit > NODE_GRACE_S * (1 + stage / 6):
+            sig = signal.SIGTERM if stage == 0 else signal.SIGKILL
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(sig)
+            stage += 1
+        time.sleep(0.2)
+    launch.node_rcs = [p.returncode for p in procs]
+    bad = [n for n, p in enumerate(procs) if p.returncode != 0]
+    launch.rc = 0 if not bad else procs[bad[0]].returncode
+    return logs[bad[0] if bad else 0]
 
 
 def load_job(run_dir: str) -> Job:

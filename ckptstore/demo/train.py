@@ -2,11 +2,17 @@
 
 One process per rank: gloo, FSDP2 (``fully_shard``) or DDP on CPU, AdamW, a warmup+cosine
 ``LambdaLR``, ``torchdata``'s ``StatefulDataLoader`` over :class:`~.data.GlobalBatchSampler`.
-Every ``save_every`` steps it checkpoints model, optimizer, scheduler, data loader, RNG states
-and step with ``dcp.async_save(..., storage_writer=ckptstore.StorageWriter(...))``. At start it
-resumes from ``Store(root).latest()`` if there is one. At the configured crash step (first
-attempt only) the crash rank SIGKILLs itself right after ``async_save`` returned, i.e. while that
-save is in flight.
+Checkpoints go through :class:`ckptstore.CheckpointManager`: every ``save_every`` steps (and at the
+last step) ``mgr.save(step)`` stages model, optimizer, scheduler, data loader, per-rank RNG states
+and the run's settings and saves them asynchronously (on the manager's own gloo group). At start
+``mgr.resume()`` loads the newest version every rank can load, if there is one. At the configured
+crash step (first attempt only) the crash rank SIGKILLs itself right after ``mgr.save`` returned,
+i.e. while that save is in flight; in a multi-node run (``nodes`` > 1) every rank of the crash
+rank's node does, after SIGKILLing its node agent (the whole simulated node dies).
+
+The local root is the config's ``store_root``; in a multi-node run each simulated node has its own
+directory, ``node_roots[GROUP_RANK]`` (a node-local disk: the ranks of node k share it, no other
+rank sees it).
 
 Everything the verifier and the goodput report need is appended, one JSON object a line, to
 ``<run_dir>/events/rank<R>.a<ATTEMPT>.jsonl`` and flushed at once (it survives SIGKILL): per step
@@ -33,9 +39,9 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+
+import ckptstore  # noqa: E402
 
 from . import backend  # noqa: E402
 from .data import ByteWindows, GlobalBatchSampler, collate, load_corpus  # noqa: E402
@@ -72,17 +78,6 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return f
 
 
-def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-
-
-def set_rng_state(s: dict[str, Any]) -> None:
-    torch.set_rng_state(s["torch"])
-    py = s["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np.random.set_state(tuple(s["numpy"]))
-
-
 def seed_rng(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
@@ -108,6 +103,21 @@ def init_process_group(rank: int, world: int, attempt: int) -> None:
         dist.init_process_group("gloo")
 
 
+def _node() -> int:
+    """This rank's (simulated) node: torchrun's GROUP_RANK, 0 on a single node."""
+    return int(os.environ.get("GROUP_RANK", "0"))
+
+
+def _crashes(rank: int, cfg: dict[str, Any]) -> bool:
+    """Whether this rank dies at the crash step: the crash rank, or in a multi-node run every rank
+    on the crash rank's node (ranks are numbered node by node: ``world // nodes`` per node)."""
+    nodes = cfg.get("nodes", 1)
+    if nodes <= 1:
+        return rank == cfg["crash_rank"]
+    per_node = cfg["world_size"] // nodes
+    return _node() == cfg["crash_rank"] // per_node
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -124,9 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     init_process_group(rank, world, attempt)
-    # async_save coordinates ranks from its background thread: give it its own group, so those
-    # collectives never interleave with the training collectives on the default group.
-    ckpt_pg = dist.new_group(backend="gloo")
 
     # ---- data --------------------------------------------------------------------------------
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -161,63 +168,41 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg["warmup"], cfg["steps"], cfg["min_lr_ratio"]))
 
-    root, remote = cfg["store_root"], cfg.get("remote")
+    root = cfg["node_roots"][_node()] if cfg.get("node_roots") else cfg["store_root"]
+    remote = cfg.get("remote")
 
-    def full_state(step: int, with_rng: bool = True) -> dict[str, Any]:
-        msd, osd = get_state_dict(model, opt)
-        st = {
-            "model": msd,
-            "optim": osd,
-            "sched": sched.state_dict(),
-            "data": loader.state_dict(),
-            "meta": {"step": step, "world_size": world, "seed": cfg["seed"], "global_batch": G},
-        }
-        if with_rng:  # per-rank: distinct keys, so DCP keeps every rank's copy
-            st["rng"] = {f"rank{rank}": rng_state()}
-        return st
+    # ---- checkpointing: the manager owns a gloo group for DCP's collectives, so its saves never
+    # interleave with the training loop's all_reduce on the default group
+    def saved(info: ckptstore.SaveInfo) -> None:  # on the manager's thread, at commit (or failure)
+        log("save_done", step=info.step, version=info.version, ok=info.error is None, error=info.error,
+            local_commit_s=info.local_commit_s, remote_commit_s=info.remote_commit_s)
+
+    state = {
+        "model": model, "optim": opt, "sched": sched, "data": loader,
+        "meta": {"seed": cfg["seed"], "global_batch": G},  # checked on resume
+    }
+    mgr = ckptstore.CheckpointManager(
+        root, state, remote=remote, interval_steps=cfg["save_every"], version_format=backend.VERSION_FORMAT, on_save=saved,
+    )
 
     # ---- resume ------------------------------------------------------------------------------
     log("init_done", params=nparams, corpus=corpus_info, samples=len(ds))
     t_load0 = time.time()
-    pick: list[Any] = [None]
-    if rank == 0:
-        rec = backend.latest(root, remote)
-        pick = [None if rec is None else rec.version]
-    dist.broadcast_object_list(pick, src=0)
-    version = pick[0]
-    start_step = 0
-    rng_loaded = False
-    if version is not None:
-        cid, rd = backend.reader(root, remote, version, partial=True)
-        meta = {"meta": {"step": 0, "world_size": 0, "seed": 0, "global_batch": 0}}
-        dcp.load(meta, checkpoint_id=cid, storage_reader=rd)  # a partial load: just the metadata
-        m = meta["meta"]
+    start = mgr.resume()  # model, optimizer, scheduler, loader, this rank's RNG (same world size)
+    r = mgr.last_restore
+    if r is not None:
+        m = state["meta"]
         if m["seed"] != cfg["seed"] or m["global_batch"] != G:
-            raise SystemExit(f"checkpoint {version} was written with seed/global batch {m['seed']}/{m['global_batch']}")
-        same_world = m["world_size"] == world
-        st = full_state(0, with_rng=same_world)
-        # on another world size the per-rank RNG states are left behind (reseeded instead)
-        cid, rd = backend.reader(root, remote, version, partial=not same_world)
-        dcp.load(st, checkpoint_id=cid, storage_reader=rd)
-        set_state_dict(model, opt, model_state_dict=st["model"], optim_state_dict=st["optim"])
-        sched.load_state_dict(st["sched"])
-        loader.load_state_dict(st["data"])
-        start_step = int(st["meta"]["step"])
-        if same_world:
-            rng_state_loaded = st["rng"][f"rank{rank}"]
-            rng_loaded = True
-        log("resumed", version=version, step=start_step, world_size=world, saved_world_size=m["world_size"], rng_restored=same_world,
-            t0=t_load0, t1=time.time())
+            raise SystemExit(f"checkpoint {r.version} was written with seed/global batch {m['seed']}/{m['global_batch']}")
+        log("resumed", version=r.version, step=r.step, world_size=world, saved_world_size=r.world_size,
+            rng_restored=r.rng_restored, t0=t_load0, t1=time.time())
+    start_step = start - 1
     it = iter(loader)
-    # RNG last, after everything that might draw from it
-    if rng_loaded:
-        set_rng_state(rng_state_loaded)
-    else:
+    if r is None or not r.rng_restored:  # on another world size the per-rank RNG states stay behind
         seed_rng(cfg["seed"] * 1000 + 7919 * (start_step + 1) + rank)
 
     # ---- train -------------------------------------------------------------------------------
     T = cfg["context"]
-    pending = None
     crash_step = cfg.get("crash_step")
     for step in range(start_step + 1, cfg["steps"] + 1):
         t0 = time.time()
@@ -249,30 +234,21 @@ def main(argv: list[str] | None = None) -> int:
             t0=t0,
             t1=t1,
         )
-        if step % cfg["save_every"] == 0 or step == cfg["steps"]:
-            tw0 = time.time()
-            if pending is not None:  # back-pressure: one save in flight at a time
-                pending.result()
-            tw1 = time.time()
-            state = full_state(step)
-            # user metadata travels in the manifest: `ckptstore gc --keep-best N --metric loss` can use it
-            cid, wr = backend.writer(root, remote, step, {"loss": gsum.item() / (G * T), "run": cfg.get("label", "")})
-            pending = dcp.async_save(state, checkpoint_id=cid, storage_writer=wr, process_group=ckpt_pg)
-            del state
+        tw0 = time.time()
+        # async: returns once the state is staged in host memory (waits only when the previous
+        # save has not started yet); a no-op on steps that are not due
+        if mgr.save(step, force=step == cfg["steps"], metadata={"loss": gsum.item() / (G * T), "run": cfg.get("label", "")}):
             ts1 = time.time()
-            log("save", step=step, version=backend.version_name(step), wait0=tw0, wait1=tw1, t0=tw1, t1=ts1)
-
-            def _done(f, step=step):
-                err = f.exception()
-                log("save_done", step=step, version=backend.version_name(step), ok=err is None, error=None if err is None else repr(err))
-
-            pending.add_done_callback(_done)
-            if attempt == 0 and crash_step == step and rank == cfg["crash_rank"]:
-                log("crash", step=step, version=backend.version_name(step))
+            log("save", step=step, version=mgr.version_name(step), wait0=tw0, wait1=tw0, t0=tw0, t1=ts1)
+            if attempt == 0 and crash_step == step and _crashes(rank, cfg):
+                if cfg.get("nodes", 1) > 1:  # the whole node dies: its agent first, then its ranks
+                    log("crash", step=step, version=mgr.version_name(step), node=_node())
+                    os.kill(os.getppid(), signal.SIGKILL)
+                else:
+                    log("crash", step=step, version=mgr.version_name(step))
                 os.kill(os.getpid(), signal.SIGKILL)
     t_fin0 = time.time()
-    if pending is not None:
-        pending.result()
+    mgr.close()  # waits for the last save (and its upload); raises if one failed
     dist.barrier()
     log("done", t0=t_fin0, t1=time.time())
     dist.destroy_process_group()

@@ -68,7 +68,7 @@ def verify(ref: History, run: History, cfg: dict[str, Any]) -> Verdict:
     v.add(
         "a rank was SIGKILLed while its save was in flight",
         c is not None and c["step"] == cfg["crash_step"] and c["attempt"] == 0,
-        "no crash event" if c is None else f"rank {c['rank']} at step {c['step']} right after async_save({c['version']})",
+        "no crash event" if c is None else f"rank {c['rank']} at step {c['step']} right after mgr.save({c['version']})",
     )
     later = [a for a in run.attempts if a > 0]
     res = run.resumed.get(later[0]) if later else None
@@ -78,7 +78,7 @@ def verify(ref: History, run: History, cfg: dict[str, Any]) -> Verdict:
     v.same_world = v.resume_world_size in (None, W)
     committed = res is not None and res["step"] == cfg["crash_step"]
     v.add(
-        "restarted workers resumed from Store.latest()",
+        "restarted workers resumed from the newest committed version (mgr.resume)",
         res is not None and res["step"] <= cfg["crash_step"],
         "no resume" if res is None else (
             f"{res['version']} on {v.resume_world_size} rank(s); the in-flight save "
