@@ -158,7 +158,6 @@ class CheckpointManager:
         self.version_format = version_format
         self.state = state
         self.last_restore: RestoreInfo | None = None
-        self._roots: list[str] = []  # every rank's root, from the last agreement
         self.per_rank_keys = tuple(per_rank_keys)
         self._key = key
         self._reader_options = {k: writer_options[k] for k in ("endpoint_url", "threads") if k in writer_options}
@@ -328,36 +327,29 @@ class CheckpointManager:
 
     # -- restoring ---------------------------------------------------------------------------------
     def latest(self) -> str | None:
-        """The newest version (by step, then commit time) that every rank can load, agreed across
-        ranks (all-gather of each rank's list on the manager's group), or None."""
-        return self._agree()[0]
+        """The newest version every rank can load (a collective on the manager's group:
+        :meth:`ckptstore.Store.latest_in_job`, the version ``StorageReader`` picks), or None."""
+        rec = self._agree(None)
+        return None if rec is None else rec.version
 
-    def _agree(self) -> tuple[str | None, list[list[str]]]:
-        """(the newest version every rank sees, each rank's committed versions)."""
+    def _agree(self, version: str | None):
+        """The record of ``version`` (None: the newest every rank can load) as the job sees it."""
         from .store import Store
 
         st = Store(self.root, remote=self.remote, key=self._key, endpoint_url=self._reader_options.get("endpoint_url"))
         try:
-            mine = [(r.step if r.step is not None else -1, r.created.timestamp(), r.version) for r in st.versions(include_damaged=False)]
+            return st.agree(version, self._pg if self._dist else None)
         finally:
             st.close()
-        if self._dist:
-            got: list = [None] * dist.get_world_size(self._pg)
-            dist.all_gather_object(got, (self.root, mine), group=self._pg)
-        else:
-            got = [(self.root, mine)]
-        self._roots = [r for r, _ in got]
-        lists = [x for _, x in got]
-        common = set(lists[0]).intersection(*map(set, lists[1:]))
-        return (max(common)[2] if common else None), [[v for *_, v in sorted(x)] for x in lists]
 
     def restore(self, state: dict[str, Any] | None = None, version: str | None = None) -> int | None:
         """Load the newest version every rank can load (or ``version``) into ``state`` (default:
         the constructor's) in place; return its step, or None when there is no checkpoint
         (``state`` is left unchanged). :attr:`last_restore` then says what was loaded.
-        Raises :class:`~ckptstore.errors.VersionNotFoundError` when some rank sees committed
-        versions but no version is seen by every rank (e.g. a node lost its local root and there is
-        no remote tier): starting from scratch there would silently drop the run's progress.
+        Raises :class:`~ckptstore.errors.VersionNotFoundError` (naming the missing objects) when
+        versions are committed but none can be loaded by every rank (e.g. a node lost its local root
+        and there is no remote tier): starting from scratch there would silently drop the run's
+        progress. Roots may be node-local (docs/FORMAT.md, "Placement").
 
         When the version was saved by another world size (a resharded load), this rank's RNG
         states and ``per_rank_keys`` values are not restored (there is no copy for this rank);
@@ -368,31 +360,14 @@ class CheckpointManager:
         state = self._state(state)
         t0 = time.monotonic()
         self.wait()
-        if version is None:
-            version, seen = self._agree()
-            if version is None and any(seen):
-                blind = [r for r, vs in enumerate(seen) if not vs]
-                some = next(vs for vs in seen if vs)
-                roots = sorted({self._roots[r] for r in blind})
-                remote = f" nor in {self.remote}" if self.remote else ""
-                what = (f"rank(s) {_ranks(blind)} see no committed version in {', '.join(roots[:4])}{remote}" if blind
-                        else "the ranks see different versions")
-                raise VersionNotFoundError(
-                    f"no checkpoint version every rank can load: {what}, while others see {', '.join(some[-3:])}; "
-                    "restore those ranks' local roots, pass remote= to load from the remote tier, or clear every "
-                    "rank's root to start from scratch"
-                )
-            if version is None:
-                return None
-        st = Store(self.root, remote=self.remote, key=self._key, endpoint_url=self._reader_options.get("endpoint_url"))
-        try:
-            rec = st.get(version)
-        finally:
-            st.close()
+        rec = self._agree(version)
+        if rec is None:
+            return None
+        version = rec.version
         world = dist.get_world_size(self._pg) if self._dist else 1
         same_world = rec.world_size is None or rec.world_size == world
         sd = self._state_dict(state, for_load=True, per_rank=same_world)
-        reader = StorageReader(self.root, remote=self.remote, key=self._key, **self._reader_options)
+        reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg, **self._reader_options)
         dcp.load(sd, checkpoint_id=version, storage_reader=reader, process_group=self._pg)
         self._apply(state, sd, per_rank=same_world)
         if not same_world and (self.save_rng or self.per_rank_keys):
@@ -509,10 +484,6 @@ class CheckpointManager:
             self.close()
         except BaseException as e:  # noqa: BLE001
             log.error("ckptstore: CheckpointManager.close() after %s: %s", exc_type.__name__, e)
-
-
-def _ranks(rs: list[int]) -> str:
-    return ", ".join(map(str, rs[:8])) + (f" (+{len(rs) - 8} more)" if len(rs) > 8 else "")
 
 
 def _the_module(state: dict[str, Any]) -> torch.nn.Module | None:

@@ -91,27 +91,32 @@ class Store:
     def latest_in_job(self, process_group=None) -> VersionRecord | None:
         """In a job: the newest version that every rank of ``process_group`` (default: the default
         group) can load — the one ``StorageReader`` without a version loads (docs/FORMAT.md, Read
-        rule 6) — from this rank's view of it, or None when no version is loadable. A collective:
-        every rank of the group must call it. Outside a job of more than one rank: :meth:`latest`.
+        rule 6) — or None when nothing is committed anywhere. A collective: every rank of the group
+        calls it. Outside a job of more than one rank: :meth:`latest`.
 
         Raises :class:`VersionNotFoundError` (on every rank) when versions exist but none is
-        loadable by every rank; :class:`TransientStorageError` when a tier cannot be read.
+        loadable by every rank (objects on no root and not in a remote tier);
+        :class:`TransientStorageError` when a tier cannot be read.
         """
+        return self.agree(None, process_group)
+
+    def agree(self, version: str | None, process_group=None) -> VersionRecord | None:
+        """:meth:`latest_in_job` for ``version`` (None: the newest loadable): its record as the job
+        sees it — also on a rank whose own root does not hold it. A collective in a job."""
         from .dcp import _job
 
         if not _job.in_job(process_group):
-            return self.latest()
+            return self.latest() if version is None else self.get(version)
         try:
-            view, _me = _job.exchange(self.local, self.remote, process_group, None)
+            view, _me = _job.exchange(self.local, self.remote, process_group, version)
         except VersionNotFoundError as e:
-            if "no committed version" in str(e):
+            if version is None and "no committed version" in str(e):
                 return None
             raise
         for r in self.versions():
-            if r.version == view.version:
+            if r.version == view.version and r.attempt == view.attempt:
                 return r
-        return VersionRecord(view.version, _parse_time(view), None, 0, 0, 0, frozenset(), False, False,
-                             view.attempt, False, None, {})
+        return _record_from(view)
 
     def get(self, version: str) -> VersionRecord:
         for r in self.versions():
@@ -160,11 +165,17 @@ class Store:
             t.close()
 
 
-def _parse_time(view):
+def _record_from(view) -> VersionRecord:
+    """The record of the view's version from another rank's report (this rank's tiers lack it)."""
     import datetime as _dt
 
     for rep in view.reports:
         e = rep["committed"].get(view.version)
-        if e is not None:
-            return _dt.datetime.fromisoformat(e["created"].replace("Z", "+00:00"))
-    return _dt.datetime.now(_dt.timezone.utc)
+        if e is not None and e["attempt"] == view.attempt:
+            created = _dt.datetime.fromisoformat(e["created"].replace("Z", "+00:00"))
+            return VersionRecord(view.version, created, e.get("step"), e.get("world_size", 0), e.get("nbytes", 0), 0,
+                                 frozenset(), False, False, view.attempt, False, None, {})
+    rem = (view.reports[0]["remote"] or {}).get(view.version) or {}
+    created = _dt.datetime.fromisoformat((rem.get("created") or "1970-01-01T00:00:00Z").replace("Z", "+00:00"))
+    return VersionRecord(view.version, created, rem.get("step"), rem.get("world_size", 0), 0, 0, frozenset({"remote"}),
+                         False, False, view.attempt, False, None, {})

@@ -50,7 +50,8 @@ def _report(local, remote, first: bool) -> dict:
         for v, e in catalogue.scan(local).items():
             m = e.manifest
             committed[v] = {"attempt": m.attempt, "created": m.created, "damaged": e.damaged,
-                            "objects": sorted(o.name for o in m.all_objects())}
+                            "objects": sorted(o.name for o in m.all_objects()), "step": m.step,
+                            "world_size": m.world_size, "nbytes": m.nbytes}
         for info in local.list(layout.VERSIONS + "/"):
             att = layout.attempt_of_key(info.key)
             v = layout.version_of_key(info.key)
@@ -96,7 +97,8 @@ def _remote_view(remote, local_committed: dict) -> dict:
             except CkptStoreError as e:  # invalid: not a candidate (scrub reports it)
                 log.warning("ignoring remote manifest of %r: %s", v, e)
                 continue
-            out[v] = {"attempt": m.attempt, "created": m.created, "damaged": v in damaged}
+            out[v] = {"attempt": m.attempt, "created": m.created, "damaged": v in damaged, "step": m.step,
+                      "world_size": m.world_size}
     return out
 
 
