@@ -177,6 +177,7 @@ def _load(a, rank, world, root, res, salt, expect=None):
     res["load_seconds"] = round(time.monotonic() - t0, 3)
     res["stats"] = dict(reader.stats)
     res["remote_reads"] = reader.stats.get("remote_reads")
+    res["remote_keys"] = sorted(getattr(reader, "remote_keys", ()))
     res["reader_version"] = reader.checkpoint_id
     got = sd["meta"]["version"]
     res["loaded"] = got
