@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .._names import decode_version
-from ..errors import CkptStoreError, DamagedVersionError, VersionNotFoundError
+from ..errors import CkptStoreError, DamagedVersionError, IntegrityError, VersionNotFoundError
 from ..manifest import catalogue, layout
 from ..manifest.schema import parse
 from ._roots import copy_into
@@ -206,8 +206,8 @@ def decide(reports: list, version: str | None, where: str = "") -> View:
         a = cands[version][1]
         if not remote_ok(version, a):
             lost = missing(version, a)
-            if lost:
-                raise VersionNotFoundError(_lost_message(version, lost, reports))
+            if lost:  # committed, but objects are lost: as a load of a missing object (Read rule 4)
+                raise IntegrityError(_lost_message(version, lost, reports), object=lost[0])
         return view(version, a)
     order = sorted(cands.items(), key=lambda kv: (kv[1][0], kv[0]), reverse=True)
     skipped = []
