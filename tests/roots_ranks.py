@@ -55,3 +55,10 @@ def load_error(rank, world, roots, version=None, remote=None):
         assert "r00001.ckd" in msg and "are on none of the roots" in msg, msg
         return msg
     raise AssertionError("the load succeeded although rank 1's objects are on no root")
+
+
+def load_then_destroy(rank, world, roots, remote=None):
+    """A load, then ``destroy_process_group()`` at once (no barrier): the teardown must not abort."""
+    out = load(rank, world, roots, None, remote)
+    dist.destroy_process_group()
+    return out

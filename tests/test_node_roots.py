@@ -137,3 +137,15 @@ def test_resaving_a_name_from_a_fresh_root_is_refused_before_any_commit(tmp_path
     dcp.load(sd, checkpoint_id="v", storage_reader=ckptstore.StorageReader(tmp_path / "host2", remote=s3_url))
     assert json.dumps(sd["meta"]) == json.dumps(full_state(1)["meta"])
     assert (sd["w"] == full_state(1)["w"]).all()
+
+
+@pytest.mark.slow
+def test_replaced_node_loads_then_destroy_repeatedly(tmp_path, s3_url):
+    """Peer fetch and remote reads in one load, then ``destroy_process_group()`` at once on every
+    rank: no rank may abort while tearing down (``CKPTSTORE_TEARDOWN_REPEAT`` times, default 3)."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run_ranks(roots_ranks.save_versions, 2, roots, ["v1"], s3_url, **FAST)
+    for i in range(int(os.environ.get("CKPTSTORE_TEARDOWN_REPEAT", "3"))):
+        replaced = [roots[0], str(tmp_path / f"new{i}")]
+        out = run_ranks(roots_ranks.load_then_destroy, 2, replaced, s3_url, timeout=120, **FAST)
+        assert all(o["ok"] for o in out), out
