@@ -164,7 +164,7 @@ def test_retry_after_rank_death_names_only_new_attempt(tmp_path, s3_url):
     root = str(tmp_path)
     codes = run_ranks_raw(
         dcp_ranks.s3_save, 2, root, s3_url, "v1", 1, "remote",
-        env=[{"CKPTSTORE_FAULT": "upload.object"}, {}], timeout=40,
+        env=[{"CKPTSTORE_FAULT": "upload.object"}, {}], timeout=120,
     )
     assert codes[0] != 0
     first = {i.key for i in S3Tier(s3_url).list("versions/")}
