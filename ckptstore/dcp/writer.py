@@ -60,6 +60,7 @@ from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest
 from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
+from ._metadata import pack as pack_metadata
 from .staging import Stager
 
 DEFAULT_FRAME_SIZE = 2 << 20  # bytes; a multiple of every element size (≤ 16). 2 MiB: AES-GCM and
@@ -492,7 +493,7 @@ class StorageWriter(_DCPStorageWriter):
             cipher = FrameCipher(data_key)
         codec = FrameCodec(s.version, s.attempt, cipher, compress=self.compression, level=self.level)
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
-        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pack_metadata(metadata)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
         check_metadata_loads(blob, s.version)  # never commit what the reader refuses
         meta_entry, meta_codecs = self._write_small_object(s, codec, layout.metadata_name(s.attempt), blob)
         reports.sort(key=lambda r: r.rank)
