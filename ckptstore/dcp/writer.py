@@ -675,18 +675,24 @@ class _UploadFailure:
 
 def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict[str, dict[int, int]], dict]:
     """Split the ranks' write results into object reports, replica digests and DCP storage data."""
+    from operator import attrgetter
+
     reports: list[ObjectReport] = []
     replicas: dict[str, dict[int, int]] = {}
     storage_md: dict = {}
     for per_rank in results:
-        for wr in per_rank:
-            sd = wr.storage_data
+        # in bulk (a 1,024-rank commit holds ~300k items); then the few sentinels one by one
+        sds = list(map(attrgetter("storage_data"), per_rank))
+        storage_md.update(zip(map(attrgetter("index"), per_rank), sds))
+        for i in [i for i, t in enumerate(map(type, sds)) if t is not ItemLocation]:
+            sd = sds[i]
             if isinstance(sd, ObjectReport):
                 reports.append(sd)
             elif isinstance(sd, ReplicaDigest):
                 replicas.setdefault(sd.fqn, {})[sd.rank] = sd.digest
             else:
-                storage_md[wr.index] = sd
+                continue
+            storage_md.pop(per_rank[i].index, None)
     return reports, replicas, storage_md
 
 
