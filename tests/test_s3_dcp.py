@@ -164,7 +164,7 @@ def test_retry_after_rank_death_names_only_new_attempt(tmp_path, s3_url):
     root = str(tmp_path)
     codes = run_ranks_raw(
         dcp_ranks.s3_save, 2, root, s3_url, "v1", 1, "remote",
-        env=[{"CKPTSTORE_FAULT": "upload.object"}, {}], timeout=40,
+        env=[{"CKPTSTORE_FAULT": "upload.object"}, {}], timeout=120,
     )
     assert codes[0] != 0
     first = {i.key for i in S3Tier(s3_url).list("versions/")}
@@ -238,3 +238,71 @@ def test_interrupted_remote_commit_is_finished_by_the_next_save(tmp_path, s3_url
     assert {r.version: r.tiers for r in st.versions()} == {"v1": {"local", "remote"}, "v2": {"local", "remote"}}
     shutil.rmtree(root)
     assert all(run_ranks(dcp_ranks.s3_load, 1, root, s3_url, "v1", 1))
+
+
+# Issue 14 item 5: streamed upload
+class _GatedPlanner(__import__("torch.distributed.checkpoint.default_planner", fromlist=["x"]).DefaultSavePlanner):
+    """Calls ``hook(fqn)`` before handing DCP each item's data (while the rank object is being written)."""
+
+    def __init__(self, hook):
+        super().__init__()
+        self._hook = hook
+
+    def resolve_data(self, write_item):
+        self._hook(write_item.index.fqn)
+        return super().resolve_data(write_item)
+
+
+def _streamed_state():
+    torch.manual_seed(5)
+    return {f"t{i}": torch.randn(1 << 20) for i in range(4)}  # 4 x 4 MiB, stored uncompressed: 16 MiB
+
+
+def test_parts_reach_s3_while_the_object_is_written(tmp_path, s3_url):
+    """The last item is resolved only once a part of the same object has been sent to S3."""
+    tier = S3Tier(s3_url, part_size=5 << 20)
+    part_sent = threading.Event()
+    tier.client.meta.events.register("before-send.s3.UploadPart", lambda **kw: part_sent.set())
+    waited = {}
+
+    def hook(fqn):
+        if fqn == "t3":
+            waited["ok"] = part_sent.wait(60)
+
+    sd = _streamed_state()
+    # one encoder thread: at most 2 frames (4 MiB) are encoded ahead of the ones written
+    w = ckptstore.StorageWriter(str(tmp_path), remote=tier, durability="remote", compression="none", threads=1)
+    dcp.save(sd, checkpoint_id="v1", storage_writer=w, planner=_GatedPlanner(hook))
+    w.close()
+    assert waited == {"ok": True}  # a part went up before the object's last bytes were written
+    assert ckptstore.Store(None, remote=s3_url).get("v1").tiers == {"remote"}
+    shutil.rmtree(tmp_path)
+    tgt = load({k: torch.zeros_like(v) for k, v in sd.items()}, str(tmp_path), "v1", remote=s3_url)
+    assert all(bits_equal(tgt[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("durability", ["local", "remote"])
+def test_failed_local_write_aborts_the_streamed_upload(tmp_path, s3_url, durability):
+    """A write that fails after parts were sent leaves no multipart upload, object or manifest in S3."""
+    tier = S3Tier(s3_url, part_size=5 << 20)
+    part_sent = threading.Event()
+    tier.client.meta.events.register("before-send.s3.UploadPart", lambda **kw: part_sent.set())
+
+    def hook(fqn):
+        if fqn == "t3":
+            assert part_sent.wait(60)
+            raise OSError("simulated failure while writing the shard")
+
+    w = ckptstore.StorageWriter(str(tmp_path), remote=tier, durability=durability, compression="none", threads=1)
+    with pytest.raises(BaseException) as ei:  # DCP's CheckpointException is a BaseException
+        dcp.save(_streamed_state(), checkpoint_id="v1", storage_writer=w, planner=_GatedPlanner(hook))
+    assert "simulated failure" in str(ei.value)
+    w.close()  # waits for the background abort
+    assert _incomplete_uploads(s3_url) == []
+    assert [i.key for i in S3Tier(s3_url).list("versions/")] == []
+    # the name is free for a retry, which streams again
+    w = ckptstore.StorageWriter(str(tmp_path), remote=tier, durability="remote", compression="none")
+    sd = _streamed_state()
+    dcp.save(sd, checkpoint_id="v1", storage_writer=w)
+    w.close()
+    assert ckptstore.Store(None, remote=s3_url).get("v1").tiers == {"remote"}

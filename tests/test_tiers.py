@@ -21,6 +21,7 @@ import uuid
 import pytest
 
 from ckptstore.errors import (
+    IntegrityError,
     InvalidNameError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -372,7 +373,7 @@ def test_get_ranges_parallel_without_coalescing(s3_url):
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("how", ["put_file", "writer", "put"])
+@pytest.mark.parametrize("how", ["put_file", "writer", "put", "parts"])
 def test_failed_multipart_upload_is_aborted(s3_url, tmp_path, how):
     data = _data(20 * MiB, 14)
     t = _s3(s3_url)
@@ -386,6 +387,11 @@ def test_failed_multipart_upload_is_aborted(s3_url, tmp_path, how):
             t.put_file("mp/obj", src)
         elif how == "put":
             t.put("mp/obj", data)
+        elif how == "parts":
+            mp = t.open_multipart("mp/obj")
+            for n, i in enumerate(range(0, len(data), 5 * MiB), 1):
+                mp.send(n, lambda i=i: data[i:i + 5 * MiB])
+            mp.complete(len(data))
         else:
             with t.open_writer("mp/obj") as w:
                 for i in range(0, len(data), MiB):
@@ -394,6 +400,36 @@ def test_failed_multipart_upload_is_aborted(s3_url, tmp_path, how):
     assert inj.failed == 1
     assert list(t.list_multipart_uploads()) == []
     assert not t.exists("mp/obj")
+
+
+@pytest.mark.s3
+def test_part_upload_streams_parts_then_completes(s3_url):
+    """``open_multipart``: parts sent one by one (read on the pool) make the object; a part whose
+    read fails aborts the upload; parts out of order are refused."""
+    t = _s3(s3_url)
+    data = _data(12 * MiB + 123, 15)
+    mp = t.open_multipart("pu/obj")
+    assert list(t.list_multipart_uploads("pu/")) == []  # nothing sent before the first part runs
+    cuts = [0, 5 * MiB, 10 * MiB, len(data)]
+    for n, (a, b) in enumerate(zip(cuts, cuts[1:]), 1):
+        mp.send(n, lambda a=a, b=b: data[a:b])
+    with pytest.raises(ValueError):
+        mp.send(7, lambda: b"")
+    mp.complete(len(data))
+    assert t.get("pu/obj") == data
+    assert list(t.list_multipart_uploads("pu/")) == []
+
+    mp = t.open_multipart("pu/bad")
+    mp.send(1, lambda: data[: 5 * MiB])
+
+    def bad():
+        raise IntegrityError("changed after it was written")
+
+    mp.send(2, bad)
+    with pytest.raises(IntegrityError):
+        mp.complete(10 * MiB)
+    assert list(t.list_multipart_uploads("pu/")) == []
+    assert not t.exists("pu/bad")
 
 
 @pytest.mark.s3

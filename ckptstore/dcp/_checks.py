@@ -34,12 +34,15 @@ def reject_unknown_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
 
 # -- issue 12 item 1: never commit metadata the reader refuses ---------------------------------------
 def check_metadata_loads(blob: bytes, version: str) -> None:
-    """Unpickle ``blob`` (the pickled DCP ``Metadata`` about to be committed) with the reader's
-    allow-list; raise :class:`UnsupportedStateError` naming the refused class otherwise."""
+    """Unpickle the pickled part of ``blob`` (the DCP metadata object's contents about to be
+    committed, ``_metadata.pack``) with the reader's allow-list; raise
+    :class:`UnsupportedStateError` naming the refused class otherwise. The packed location and
+    chunk tables are plain integers that ``_metadata.pack`` itself wrote; not unpacked here."""
+    from ._metadata import pickled_part
     from .reader import RefusedClassError, _MetadataUnpickler
 
     try:
-        _MetadataUnpickler(io.BytesIO(blob)).load()
+        _MetadataUnpickler(io.BytesIO(pickled_part(blob))).load()
     except RefusedClassError as e:
         raise UnsupportedStateError(
             f"the DCP metadata of version {version!r} refers to {e.qualname}, which ckptstore's reader does "

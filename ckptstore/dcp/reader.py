@@ -756,7 +756,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _restricted_loads(blob: bytes, what: str):
+    """The DCP ``Metadata`` of a *verified* metadata object (format 1: a pickle; format 2: a pickle
+    plus packed tables, ``_metadata.unpack``); everything unpickled goes through the allow-list."""
+    from ._metadata import unpack
+
     try:
-        return _MetadataUnpickler(io.BytesIO(blob)).load()
+        return unpack(blob, lambda mv: _MetadataUnpickler(io.BytesIO(mv)).load(), what)
+    except IntegrityError:
+        raise
     except Exception as e:
         raise IntegrityError(f"{what}: DCP metadata does not unpickle with the allow-list: {e}", object=what) from None

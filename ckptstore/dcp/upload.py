@@ -1,10 +1,21 @@
 """Background staging of committed local objects to the remote tier, and the remote commit.
 
-Per rank (in ``write_data``, after the rank's local object is durable): upload the object (multipart,
-part size derived from its size, parts in parallel — see ``tiers/s3.py``), check the remote size,
-then write the *rank marker* ``attempts/<attempt>/uploaded.rNNNNN.json`` = ``{"size", "digest"}``.
-The digest is recomputed from the local file's frame headers just before the upload, so what is
-uploaded is what the manifest describes.
+Per rank, streamed (:class:`PartStream`, when the remote tier has ``open_multipart``): while
+``write_data`` appends frames to the rank's local object, every time a part's worth of bytes
+(the tier's ``part_size``, 8 MiB by default, doubling every ``max_parts // 10`` parts) has been
+written, the part is queued for upload. Its XXH3-64 is recorded as its bytes are written; the
+upload thread re-reads the part from the local file (page cache), checks that XXH3 and sends it
+(the server checks the CRC32 botocore sends with the part). The writing thread never waits for
+S3. Once the local object is committed (fsync), :meth:`Uploader.upload_object` sends the tail
+part, waits for every part, completes the upload, checks the remote size and writes the *rank
+marker* ``attempts/<attempt>/uploaded.rNNNNN.json`` = ``{"size", "digest", "frames", "rank"}``.
+An object smaller than one part is sent with one PUT after the local commit. A failed or aborted
+local write aborts the multipart upload (in the background; one that cannot be aborted now is
+retried by :meth:`Uploader.wait`, else left to ``ckptstore gc``).
+
+Not streamed (catch-up of versions committed locally only, remotes without multipart): the
+committed local file is walked (its frame headers and payload checksums recomputed and compared
+with the manifest), then uploaded with ``put_file``, then the marker is written.
 
 Coordinator (in ``finish``, after the local commit): upload the DCP metadata object, wait until a
 marker exists for every rank object named by the manifest (polling the remote listing — rank
@@ -37,7 +48,7 @@ import time
 import weakref
 
 from .. import _faults
-from ..codec.frame import FrameWalk
+from ..codec.frame import FrameWalk, xxh3, xxh3_stream
 from ..errors import CkptStoreError, IntegrityError, StorageError
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
@@ -51,6 +62,139 @@ _live: "weakref.WeakSet[Uploader]" = weakref.WeakSet()
 
 class UploadError(StorageError):
     """Staging a version to the remote tier failed; the remote commit did not happen."""
+
+
+class PartStream:
+    """The streamed upload of one rank object while it is written locally (see the module docstring).
+
+    Driven by ``writer._ObjectSink`` on the writing thread: :meth:`feed` for every byte string
+    appended to the local object (returns True when a part is complete), then — after the local
+    writer's ``flush()`` — :meth:`send`. :meth:`written` after the local commit, :meth:`abort`
+    after a failed or aborted local write. :meth:`finish` runs on the uploader's pool.
+    """
+
+    def __init__(self, up: "Uploader", key: str):
+        self._up = up
+        self.key = key
+        self._remote = up.remote
+        self._path = up.local.local_path(key)
+        self._part_size = max(int(getattr(up.remote, "part_size", 8 << 20)), 5 << 20)
+        self._grow_every = max(1, int(getattr(up.remote, "max_parts", 10000)) // 10)
+        self._hash = xxh3_stream()
+        self._start = 0  # offset of the part being filled
+        self._fill = 0  # its bytes so far
+        self._ready: list[tuple[int, int, int]] = []  # (offset, length, xxh3) cut, not yet sent
+        self._mp = None  # the remote PartUpload, opened with the first part
+        self._cut = 0  # parts cut so far
+        self._fd: int | None = None
+        self._fd_lock = threading.Lock()
+        self.size: int | None = None  # set by written(): the committed local size
+        self.aborted = False
+
+    # -- writing thread ---------------------------------------------------------------------
+    def feed(self, data) -> bool:
+        """Account ``data``, just appended to the local object; True when a part is complete."""
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            room = self._part_size - self._fill
+            chunk = mv[:room]
+            self._hash.update(chunk)
+            self._fill += len(chunk)
+            mv = mv[len(chunk):]
+            if self._fill == self._part_size:
+                self._ready.append((self._start, self._fill, self._hash.intdigest()))
+                self._start += self._fill
+                self._fill = 0
+                self._hash = xxh3_stream()
+                self._cut += 1
+                if self._cut % self._grow_every == 0:
+                    self._part_size = min(self._part_size * 2, 5 << 30)
+        return bool(self._ready)
+
+    def send(self) -> None:
+        """Queue the parts cut by :meth:`feed` (their bytes must have reached the local file)."""
+        for off, n, h in self._ready:
+            if self._mp is None:
+                self._mp = self._remote.open_multipart(self.key)
+            self._mp.send(self._mp.parts + 1, lambda off=off, n=n, h=h: self._read(off, n, h))
+        self._ready.clear()
+
+    def written(self, size: int) -> None:
+        """The local object is committed with ``size`` bytes."""
+        self.size = size
+
+    def abort(self) -> None:
+        """The local write failed: abort the remote upload (in the background)."""
+        if self.aborted:
+            return
+        self.aborted = True
+        self._up._forget_stream(self.key)
+        if self._mp is not None:
+            self._up._submit(f"{self.key} (abort of its streamed upload)", self._abort_remote)
+
+    def _abort_remote(self) -> None:
+        try:
+            self._mp.abort()
+        finally:
+            self._close_fd()
+            with self._up._lock:  # Uploader.wait() checks that no incomplete upload is left
+                self._up._failed_keys.add(self.key)
+
+    # -- upload threads ---------------------------------------------------------------------
+    def _read(self, off: int, n: int, h: int) -> bytes:
+        with self._fd_lock:
+            if self._fd is None:
+                self._fd = os.open(self._path, os.O_RDONLY)
+            fd = self._fd
+        data = _pread_all(fd, n, off)
+        if len(data) != n or xxh3(data) != h:
+            raise IntegrityError(
+                f"local object {self.key} changed after it was written (bytes {off}..{off + n} do not "
+                "match the checksum recorded while writing); not uploading it", object=self.key)
+        return data
+
+    def _close_fd(self) -> None:
+        with self._fd_lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def finish(self, entry: ObjectEntry) -> None:
+        """After the local commit: send the tail, complete the upload, verify the remote size."""
+        if self.aborted or self.size is None:
+            raise UploadError(f"{self.key}: the local write did not commit; nothing to upload")
+        if self._start + self._fill != entry.size or self.size != entry.size:
+            raise IntegrityError(
+                f"{self.key}: {self._start + self._fill} bytes streamed, the manifest says {entry.size}", object=self.key)
+        try:
+            if self._mp is None:  # smaller than one part: one PUT of the committed file
+                data = self._read(0, self._fill, self._hash.intdigest())
+                self._remote.put(self.key, data)
+            else:
+                if self._fill:
+                    self._ready.append((self._start, self._fill, self._hash.intdigest()))
+                    self.send()
+                self._mp.complete(entry.size)
+        except BaseException:
+            if self._mp is not None:
+                self._mp.abort()
+            with self._up._lock:
+                self._up._failed_keys.add(self.key)
+            raise
+        finally:
+            self._close_fd()
+
+
+def _pread_all(fd: int, n: int, off: int) -> bytes:
+    parts = []
+    while n > 0:
+        b = os.pread(fd, n, off)
+        if not b:
+            break
+        parts.append(b)
+        n -= len(b)
+        off += len(b)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def local_digest(local: Tier, key: str, size: int) -> tuple[str, int]:
@@ -72,13 +216,33 @@ class Uploader:
         self.errors: list[str] = []
         self._failed_keys: set[str] = set()
         self._versions: dict[cf.Future, str] = {}
+        self._streams: dict[str, PartStream] = {}
         _live.add(self)
 
     # -- rank side -------------------------------------------------------------------------
+    def open_stream(self, key: str) -> "PartStream | None":
+        """A :class:`PartStream` for the local object ``key`` about to be written, or None when the
+        remote tier has no multipart uploads (then :meth:`upload_object` uploads the committed file)."""
+        if not getattr(self.remote, "supports_multipart", False) or not hasattr(self.remote, "open_multipart"):
+            return None
+        st = PartStream(self, key)
+        with self._lock:
+            self._streams[key] = st
+        return st
+
+    def _forget_stream(self, key: str) -> "PartStream | None":
+        with self._lock:
+            return self._streams.pop(key, None)
+
     def upload_object(self, version: str, entry: ObjectEntry, rank: int) -> cf.Future:
+        key = layout.object_key(version, entry.name)
+        stream = self._forget_stream(key)
+
         def job():
             _faults.point("upload.object")
-            key = layout.object_key(version, entry.name)
+            if stream is not None:
+                stream.finish(entry)
+                return self._after_upload(version, entry, rank, key)
             digest, frames = local_digest(self.local, key, entry.size)
             if digest != entry.digest or frames != entry.frames:
                 raise IntegrityError(f"local object {key} changed after it was written; not uploading it", object=key)
@@ -88,15 +252,18 @@ class Uploader:
                 with self._lock:
                     self._failed_keys.add(key)
                 raise
-            got = self.remote.stat(key).size
-            if got != entry.size:
-                raise UploadError(f"remote object {key} has {got} bytes after upload, expected {entry.size}")
-            attempt = entry.name.split("/")[1]
-            marker = {"size": entry.size, "digest": entry.digest, "frames": entry.frames, "rank": rank}
-            self.remote.put(layout.object_key(version, layout.marker_name(attempt, rank)), json.dumps(marker).encode())
-            return key
+            return self._after_upload(version, entry, rank, key)
 
         return self._submit(f"{version}/{entry.name}", job, version)
+
+    def _after_upload(self, version: str, entry: ObjectEntry, rank: int, key: str) -> str:
+        got = self.remote.stat(key).size
+        if got != entry.size:
+            raise UploadError(f"remote object {key} has {got} bytes after upload, expected {entry.size}")
+        attempt = entry.name.split("/")[1]
+        marker = {"size": entry.size, "digest": entry.digest, "frames": entry.frames, "rank": rank}
+        self.remote.put(layout.object_key(version, layout.marker_name(attempt, rank)), json.dumps(marker).encode())
+        return key
 
     # -- coordinator side ----------------------------------------------------------------------
     def commit(self, m: Manifest, body: bytes, overwrite: bool) -> cf.Future:

@@ -61,6 +61,7 @@ from ..tiers import LocalTier, make_remote
 from . import _roots
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest, RootReport
 from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
+from ._metadata import pack as pack_metadata
 from .staging import Stager
 
 DEFAULT_FRAME_SIZE = 2 << 20  # bytes; a multiple of every element size (≤ 16). 2 MiB: AES-GCM and
@@ -452,7 +453,7 @@ class StorageWriter(_DCPStorageWriter):
                 per_item.append((item, refs, len(mv), dtype, shape))
                 yield from _split(mv, self.frame_size, width, refs)
 
-        sink = _ObjectSink(self._tier, layout.object_key(s.version, name), "write.frame")
+        sink = _ObjectSink(self._tier, layout.object_key(s.version, name), "write.frame", stream=self._part_stream(s, name))
         with cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
             _write_frames(sink, self._codec(s, pd), name, chunks(), pool, window=max(2, 2 * self.threads))
             _faults.point("write.commit")
@@ -529,7 +530,7 @@ class StorageWriter(_DCPStorageWriter):
             cipher = FrameCipher(data_key)
         codec = FrameCodec(s.version, s.attempt, cipher, compress=self.compression, level=self.level)
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
-        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pack_metadata(metadata)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
         check_metadata_loads(blob, s.version)  # never commit what the reader refuses
         meta_entry, meta_codecs = self._write_small_object(s, codec, layout.metadata_name(s.attempt), blob)
         reports.sort(key=lambda r: r.rank)
@@ -583,6 +584,12 @@ class StorageWriter(_DCPStorageWriter):
         if up is not None:
             up.shutdown()
             self._remote.close()  # its pool and client (re-created on the next use)
+
+    def _part_stream(self, s: _Save, name: str):
+        """The streamed upload of the rank object ``name`` (None without a remote tier)."""
+        if self._remote is None:
+            return None
+        return self.uploader.open_stream(layout.object_key(s.version, name))
 
     def _upload_rank_object(self, s: _Save, rep: ObjectReport) -> _UploadFailure | None:
         entry = ObjectEntry(rep.name, rep.size, rep.digest, rep.frames, rep.rank, rep.nbytes)
@@ -715,18 +722,24 @@ class _UploadFailure:
 
 def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict[str, dict[int, int]], dict]:
     """Split the ranks' write results into object reports, replica digests and DCP storage data."""
+    from operator import attrgetter
+
     reports: list[ObjectReport] = []
     replicas: dict[str, dict[int, int]] = {}
     storage_md: dict = {}
     for per_rank in results:
-        for wr in per_rank:
-            sd = wr.storage_data
+        # in bulk (a 1,024-rank commit holds ~300k items); then the few sentinels one by one
+        sds = list(map(attrgetter("storage_data"), per_rank))
+        storage_md.update(zip(map(attrgetter("index"), per_rank), sds))
+        for i in [i for i, t in enumerate(map(type, sds)) if t is not ItemLocation]:
+            sd = sds[i]
             if isinstance(sd, ObjectReport):
                 reports.append(sd)
             elif isinstance(sd, ReplicaDigest):
                 replicas.setdefault(sd.fqn, {})[sd.rank] = sd.digest
             else:
-                storage_md[wr.index] = sd
+                continue
+            storage_md.pop(per_rank[i].index, None)
     return reports, replicas, storage_md
 
 
@@ -739,11 +752,20 @@ def _split(mv: memoryview, frame_size: int, width: int, refs: list):
 
 class _ObjectSink:
     """One object being written: appends encoded frames, tracks size, digest and codec chains;
-    commits on a clean exit from ``with``, aborts on any exception."""
+    commits on a clean exit from ``with``, aborts on any exception.
 
-    def __init__(self, tier, key: str, fault: str) -> None:
-        self._w = tier.open_writer(key)
+    With ``stream`` (an ``upload.PartStream``), every part's worth of appended bytes is handed to
+    the remote upload as soon as it is in the local file; a failed or aborted write aborts it."""
+
+    def __init__(self, tier, key: str, fault: str, stream=None) -> None:
+        try:
+            self._w = tier.open_writer(key)
+        except BaseException:
+            if stream is not None:
+                stream.abort()
+            raise
         self._fault = fault
+        self._stream = stream
         self._digest = xxh3_stream()
         self.offset = 0
         self.frames = 0
@@ -758,6 +780,12 @@ class _ObjectSink:
         self.codecs.add(_chain_of(head))
         self.offset += ref.length
         self.frames += 1
+        st = self._stream
+        if st is not None:
+            cut = st.feed(head)
+            if st.feed(payload) or cut:
+                self._w.flush()  # the upload threads read the part back from the local file
+                st.send()
         return ref
 
     def hexdigest(self) -> str:
@@ -767,10 +795,20 @@ class _ObjectSink:
         return self
 
     def __exit__(self, et, e, tb) -> None:
+        st = self._stream
         if et is None:
-            self._w.commit()
+            try:
+                self._w.commit()
+            except BaseException:
+                if st is not None:
+                    st.abort()
+                raise
+            if st is not None:
+                st.written(self.offset)
         else:
             self._w.abort()
+            if st is not None:
+                st.abort()
 
 
 def _write_frames(sink: _ObjectSink, codec: FrameCodec, name: str, chunks, pool=None, window: int = 0) -> None:

@@ -42,6 +42,10 @@ class ObjectWriter(abc.ABC):
     @abc.abstractmethod
     def write(self, data: bytes | memoryview) -> None: ...
 
+    def flush(self) -> None:
+        """Hand buffered bytes to the operating system, so a reader of the object's local file
+        (:meth:`Tier.local_path`) sees everything written so far. Not durable; a no-op by default."""
+
     @abc.abstractmethod
     def commit(self) -> None:
         """Flush and make the object durable (fsync / complete upload)."""

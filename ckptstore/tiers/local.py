@@ -99,6 +99,12 @@ class _LocalWriter(ObjectWriter):
         except OSError as e:
             raise _oserror(e, "writing", self._key) from e
 
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            raise _oserror(e, "writing", self._key) from e
+
     def commit(self) -> None:
         if self._done:
             return

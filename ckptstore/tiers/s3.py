@@ -55,6 +55,10 @@ Writes
   parts so any object fits in ``max_parts``. The S3 writer replaces an existing key (the local
   tier's refuses); our layout never writes a shard name twice.
 * ``put_file`` uses :func:`part_size_for` and uploads parts in parallel straight from the file.
+* ``open_multipart`` returns a :class:`PartUpload` whose parts the caller cuts and supplies while
+  the object is still being produced elsewhere (the streamed upload of a rank object while it is
+  written locally, see ``ckptstore/dcp/upload.py``); each part's bytes are read on the tier's
+  pool, by a callable that may check them first.
 * Every multipart upload is aborted on any failure (including ``KeyboardInterrupt``). Every
   completed multipart upload and every ``put_file`` is verified with HEAD: the stored size must
   equal the bytes we sent. A single PUT is verified by the server itself: it checks the
@@ -94,7 +98,7 @@ from ..errors import (
 )
 from .base import ObjectInfo, ObjectWriter, Tier
 
-__all__ = ["S3Tier", "MultipartUploadInfo", "part_size_for", "parse_s3_url"]
+__all__ = ["S3Tier", "MultipartUploadInfo", "PartUpload", "part_size_for", "parse_s3_url"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -819,6 +823,11 @@ class S3Tier(Tier):
     def open_writer(self, key: str) -> ObjectWriter:
         return _S3Writer(self, key)
 
+    def open_multipart(self, key: str) -> "PartUpload":
+        """A multipart upload of ``key`` fed part by part by the caller (see :class:`PartUpload`).
+        Nothing is sent until the first part runs."""
+        return PartUpload(self, key)
+
     def put_file(self, key: str, path: str | os.PathLike, size: int | None = None) -> None:
         """Upload a local file: multipart with :func:`part_size_for` parts in parallel; verified."""
         self._full(key)
@@ -1034,6 +1043,97 @@ class _S3Writer(ObjectWriter):
         cf.wait(self._futures)  # no part may land after the abort
         if self._upload_id is not None:
             self._tier._abort_quietly(self._key, self._upload_id)
+
+
+class PartUpload:
+    """A multipart upload whose parts the caller cuts while the object is still being produced.
+
+    :meth:`send` queues part ``number`` (1, 2, … in order, every part but the last at least 5 MiB)
+    on the tier's pool; ``read()`` runs there and returns the part's bytes (it may check them and
+    raise). The upload itself is created by the first part that runs, so a caller never waits
+    for S3 in :meth:`send`. :meth:`complete` waits for every part — the first failure aborts the
+    upload and is raised — completes the upload and checks the stored size with HEAD.
+    :meth:`abort` cancels queued parts, waits for running ones (no part lands after it) and
+    aborts the upload; it never raises (a failed abort leaves an incomplete upload that
+    :meth:`S3Tier.list_multipart_uploads` finds). The server verifies each part's CRC32, which
+    botocore sends with every UploadPart.
+    """
+
+    def __init__(self, tier: S3Tier, key: str):
+        tier._full(key)
+        self._tier = tier
+        self.key = key
+        self._lock = threading.Lock()
+        self._upload_id: str | None = None
+        self._create_error: BaseException | None = None
+        self._futures: list[cf.Future] = []
+        self._closed = False
+
+    @property
+    def parts(self) -> int:
+        """Parts queued so far."""
+        return len(self._futures)
+
+    def _id(self) -> str:
+        with self._lock:
+            if self._closed:
+                raise StorageError(f"multipart upload of {self._tier._where(self.key)} was aborted")
+            if self._create_error is not None:
+                raise self._create_error
+            if self._upload_id is None:
+                try:
+                    self._upload_id = self._tier._create_upload(self.key)
+                except BaseException as e:
+                    self._create_error = e
+                    raise
+            return self._upload_id
+
+    def send(self, number: int, read: Callable[[], bytes]) -> cf.Future:
+        """Queue part ``number`` (the next one); its future yields ``{"PartNumber", "ETag"}``."""
+        t = self._tier
+        if self._closed:
+            raise StorageError(f"multipart upload of {t._where(self.key)} is already completed or aborted")
+        if number != len(self._futures) + 1:
+            raise ValueError(f"parts must be sent in order: expected {len(self._futures) + 1}, got {number}")
+        if number > t.max_parts:
+            raise StorageError(f"{t._where(self.key)}: object needs more than max_parts={t.max_parts} parts")
+
+        def job() -> dict:
+            body = read()
+            return t._upload_part(self.key, self._id(), number, body)
+
+        fut = t._pool.submit(job)
+        self._futures.append(fut)
+        return fut
+
+    def complete(self, size: int) -> None:
+        """Wait for every part, complete the upload and verify that ``size`` bytes are stored."""
+        try:
+            if not self._futures:
+                raise ValueError("a multipart upload needs at least one part")
+            done, _ = cf.wait(self._futures, return_when=cf.FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()
+            parts = [f.result() for f in self._futures]
+            self._tier._complete(self.key, self._id(), parts)
+            self._tier._verify_size(self.key, size)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+
+    def abort(self) -> None:
+        with self._lock:
+            self._closed = True
+            futures = list(self._futures)
+        for f in futures:
+            f.cancel()
+        cf.wait(futures)  # no part may land after the abort
+        with self._lock:
+            upload_id = self._upload_id
+        if upload_id is not None:
+            self._tier._abort_quietly(self.key, upload_id)
 
 
 def _pwrite_all(fd: int, data, off: int) -> None:
