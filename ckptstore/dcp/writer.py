@@ -16,9 +16,11 @@ Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.Stor
    AES-GCM, XXH3), appends them to the rank's object ``attempts/<attempt>/rNNNNN.ckd`` and fsyncs
    it and its directory; returns ``WriteResult``s carrying frame locations and the object's size
    and digest.
-5. (coordinator) ``finish`` — **phase 2**: writes the pickled DCP ``Metadata`` as a framed object,
-   fsyncs it, then commits ``manifest.json`` with put-if-absent (temp file, fsync, ``os.link``,
-   fsync dir). Only then does the version exist.
+5. (coordinator) ``finish`` — **phase 2**: writes DCP's ``Metadata`` (compact format 2,
+   docs/FORMAT.md "DCP metadata object") as a framed object, fsyncs it, then commits
+   ``manifest.json`` with put-if-absent (temp file, fsync, ``os.link``, fsync dir). Only then does
+   the version exist. With node-local roots the other roots then receive copies
+   (docs/FORMAT.md, "Placement").
 
 A crash anywhere before the link leaves only objects no manifest references (garbage for
 ``ckptstore gc`` after the grace period); the previous version stays the latest.
@@ -32,7 +34,6 @@ import concurrent.futures as cf
 import dataclasses
 import io
 import os
-import pickle
 import sys
 import threading
 import uuid
@@ -473,9 +474,9 @@ class StorageWriter(_DCPStorageWriter):
         s = self._cur()
         if s.attempt is None:  # a rank-less save (empty plans everywhere)
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
-        reports, replicas, storage_md = _collect(results)
-        upload_failures = [storage_md.pop(k) for k in [k for k, v in storage_md.items() if isinstance(v, _UploadFailure)]]
-        roots = [storage_md.pop(k) for k in [k for k, v in storage_md.items() if isinstance(v, RootReport)]]
+        reports, replicas, storage_md, extras = _collect(results)
+        upload_failures = [x for x in extras if isinstance(x, _UploadFailure)]
+        roots = [x for x in extras if isinstance(x, RootReport)]
         split = _roots.placement([r.group for r in roots])
         try:
             self._check_replicas(replicas)
@@ -720,13 +721,15 @@ class _UploadFailure:
     error: str
 
 
-def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict[str, dict[int, int]], dict]:
-    """Split the ranks' write results into object reports, replica digests and DCP storage data."""
+def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict[str, dict[int, int]], dict, list]:
+    """Split the ranks' write results into object reports, replica digests, DCP storage data and
+    the other sentinels (root reports, upload failures)."""
     from operator import attrgetter
 
     reports: list[ObjectReport] = []
     replicas: dict[str, dict[int, int]] = {}
     storage_md: dict = {}
+    extras: list = []
     for per_rank in results:
         # in bulk (a 1,024-rank commit holds ~300k items); then the few sentinels one by one
         sds = list(map(attrgetter("storage_data"), per_rank))
@@ -737,10 +740,12 @@ def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict
                 reports.append(sd)
             elif isinstance(sd, ReplicaDigest):
                 replicas.setdefault(sd.fqn, {})[sd.rank] = sd.digest
+            elif isinstance(sd, (RootReport, _UploadFailure)):
+                extras.append(sd)
             else:
                 continue
             storage_md.pop(per_rank[i].index, None)
-    return reports, replicas, storage_md
+    return reports, replicas, storage_md, extras
 
 
 def _split(mv: memoryview, frame_size: int, width: int, refs: list):
