@@ -44,6 +44,19 @@ TORCH_THREADS = int(os.environ.setdefault("CKPTBENCH_TORCH_THREADS", "1"))
 torch.set_num_threads(TORCH_THREADS)
 
 KINDS = ("ckpt-on", "ckpt-off", "dcp", "dcp-zstd")
+
+
+def _ckpt_threads() -> int:
+    from ckptstore.codec.stages import env_threads
+
+    return env_threads()
+
+
+# Every configuration writes with the same number of threads: ckptstore's default encoder/decoder
+# pool size (CKPTSTORE_THREADS, else cores / LOCAL_WORLD_SIZE + 1, between 2 and 8), passed as
+# ``threads=`` to ckptstore and as ``thread_count=`` to DCP's FileSystemWriter (whose default is 1).
+# DCP's FileSystemReader has no thread option in torch 2.13: it reads in the calling thread.
+THREADS = _ckpt_threads()
 LABELS = {
     "ckpt-on": "ckptstore zstd+xxh3+AES-GCM",
     "ckpt-off": "ckptstore off (none, no key)",
@@ -247,15 +260,18 @@ def make_writer(kind: str, path: str, **kw):
     if kind == "ckpt-on":
         import ckptstore
 
+        kw.setdefault("threads", THREADS)
         return ckptstore.StorageWriter(path, key=kw.pop("key", BENCH_KEY), **kw)
     if kind == "ckpt-off":
         import ckptstore
 
+        kw.setdefault("threads", THREADS)
         return ckptstore.StorageWriter(path, compression="none", **kw)
     from torch.distributed.checkpoint import FileSystemWriter
 
+    kw.setdefault("thread_count", THREADS)  # DCP's default is 1; equal threads for a fair comparison
     if kind == "dcp":
-        return FileSystemWriter(path, **kw)  # defaults: sync_files=True, thread_count=1
+        return FileSystemWriter(path, **kw)  # sync_files=True (default)
     if kind == "dcp-zstd":
         from torch.distributed.checkpoint._extension import ZStandard
 
@@ -267,15 +283,17 @@ def make_reader(kind: str, path: str, **kw):
     if kind == "ckpt-on":
         import ckptstore
 
+        kw.setdefault("threads", THREADS)
         return ckptstore.StorageReader(path, key=kw.pop("key", BENCH_KEY), **kw)
     if kind == "ckpt-off":
         import ckptstore
 
+        kw.setdefault("threads", THREADS)
         return ckptstore.StorageReader(path, **kw)
     from torch.distributed.checkpoint import FileSystemReader
 
     if kind == "dcp":
-        return FileSystemReader(path)
+        return FileSystemReader(path)  # no thread option in torch 2.13: one thread
     if kind == "dcp-zstd":
         from torch.distributed.checkpoint._extension import ExtensionRegistry
 
