@@ -499,6 +499,9 @@ def verdict(problems: list[str]) -> None:
 
 
 # -- (a) local only: save x5, restart, restore ---------------------------------------------------
+# slow: two torchrun agents take ~45 s here; the default set's representative case of the same
+# behaviour is tests/test_node_roots.py::test_two_nodes_local_only_save_prune_restore (spawned ranks)
+@pytest.mark.slow
 def test_two_nodes_local_only_save_restore(tmp_path):
     say("\n=== (a) 2 nodes x 2 ranks, node-local roots, local only, KeepLast(2) ===")
     r = roots(tmp_path)

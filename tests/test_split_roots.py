@@ -151,6 +151,7 @@ def test_gc_on_one_root_prunes_its_own_parts_only(roots):
 def test_gc_deletes_old_probes_only(roots):
     a, _b = roots
     pdir = os.path.join(a, "probes")
+    shutil.rmtree(pdir, ignore_errors=True)  # the fixture's saves left their (fresh) probes
     os.makedirs(pdir)
     for name in ("r0.old1", "r1.fresh", "notes.txt"):
         with open(os.path.join(pdir, name), "w") as f:
