@@ -66,8 +66,11 @@ def _report(local, remote, first: bool) -> dict:
 
 def _remote_view(remote, local_committed: dict) -> dict:
     """``{version: {"attempt", "created", "damaged"}}`` of the remote tier from one listing; a remote
-    manifest is read only for a version no local root of this rank holds that was committed after
-    every one this rank holds (``attempt``/``created`` None: same as the local copy)."""
+    manifest is read only for a version no local root of this rank holds whose remote manifest is
+    newer (LastModified) than that of every version this rank holds (``attempt``/``created`` None:
+    same as the local copy). LastModified has a resolution of one second on many servers: a
+    remote-only version committed in the same second as the newest local one is not considered
+    newer (the local one, committed in both tiers, is loaded)."""
     listing = list(remote.list(layout.VERSIONS + "/"))
     manifests = {}
     damaged = set()
@@ -89,7 +92,7 @@ def _remote_view(remote, local_committed: dict) -> dict:
     for v, t in manifests.items():
         if v in local_committed:
             out[v] = {"attempt": None, "created": None, "damaged": v in damaged}
-        elif newest_both is None or t >= newest_both:
+        elif newest_both is None or t > newest_both:
             try:
                 m = catalogue.read_manifest(remote, v).manifest
             except VersionNotFoundError:
