@@ -243,16 +243,24 @@ class _Window:
         return memoryview(data)[:n]
 
 
+def _open_local(tier: Tier, key: str) -> int | None:
+    """A read-only descriptor of ``key`` when ``tier`` is a local directory, else None; raises
+    ObjectNotFoundError / CkptStoreError."""
+    path = tier.local_path(key)
+    if path is None:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ObjectNotFoundError(f"object {key!r} not found in {tier.name} tier", object=key) from None
+    except OSError as e:
+        raise CkptStoreError(f"cannot open {key!r}: {e.strerror}") from None
+
+
 def _open_object(tier: Tier, key: str):
     """``(size, fetch, close)`` for ``key``; raises ObjectNotFoundError."""
-    path = tier.local_path(key)
-    if path is not None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"object {key!r} not found in {tier.name} tier", object=key) from None
-        except OSError as e:
-            raise CkptStoreError(f"cannot open {key!r}: {e.strerror}") from None
+    fd = _open_local(tier, key)
+    if fd is not None:
         size = os.fstat(fd).st_size
 
         def fetch(s, e):
@@ -619,14 +627,8 @@ def _walk(v: Verifier, src, size: int, entry: ObjectEntry, codec: FrameCodec | N
 
 def _open_source(v: Verifier, tier: Tier, key: str):
     """``(size, source)`` for ``key``; raises ObjectNotFoundError."""
-    path = tier.local_path(key)
-    if path is not None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"object {key!r} not found in {tier.name} tier", object=key) from None
-        except OSError as e:
-            raise CkptStoreError(f"cannot open {key!r}: {e.strerror}") from None
+    fd = _open_local(tier, key)
+    if fd is not None:
         try:
             size = os.fstat(fd).st_size
         except OSError:

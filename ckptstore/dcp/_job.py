@@ -116,19 +116,26 @@ class View:
     holders: list  # group ranks whose root has the manifest committed
     needed: list  # object names of the version (metadata object included)
 
+    def __post_init__(self) -> None:
+        # derived once: peer_plans asks for every read item of every rank
+        self._present = [set(r["parts"].get(self.version, {}).get(self.attempt, [])) for r in self.reports]
+        self._first_holder: dict[str, int] = {}
+        for j in reversed(range(len(self.reports))):
+            for name in self._present[j]:
+                self._first_holder[name] = j
+
     def present(self, i: int) -> set:
-        return set(self.reports[i]["parts"].get(self.version, {}).get(self.attempt, []))
+        return self._present[i]
 
     def global_rank(self, i: int) -> int:
         return self.reports[i]["rank"]
 
     def source(self, i: int, name: str):
         """Where group rank ``i`` reads object ``name``: "local", "remote" or a peer's group rank."""
-        if name in self.present(i):
+        if name in self._present[i]:
             return "local"
-        for j in range(len(self.reports)):
-            if name in self.present(j):
-                return j
+        if name in self._first_holder:
+            return self._first_holder[name]
         if self.remote_ok:
             return "remote"
         raise CkptStoreError(f"object {name!r} of version {self.version!r} is on no root of this job")
@@ -247,9 +254,9 @@ def fetch_manifest(view: View, me: int, local, remote, pg) -> tuple[bytes, bytes
     if need:
         obj = [None, None]
         if me == holder:
-            m = catalogue.read_manifest(local, view.version)
-            md = layout.object_key(view.version, m.manifest.metadata_object.name)
-            obj = [local.get(layout.manifest_key(view.version)), local.get(md)]
+            body = local.get(layout.manifest_key(view.version))
+            md = layout.object_key(view.version, parse(body, expect_version=view.version).manifest.metadata_object.name)
+            obj = [body, local.get(md)]
         dist.broadcast_object_list(obj, src=view.global_rank(holder), group=pg)
         if me in need:
             got = (obj[0], obj[1])

@@ -424,7 +424,8 @@ class StorageWriter(_DCPStorageWriter):
         results.append(WriteResult(MetadataIndex(_SENTINEL + f"root/{pd.rank}"), 0, RootReport(pd.rank, group)))
         if pd.probes and group[0] == pd.rank and pd.coordinator not in group:
             # this rank leads a root without the commit point: copy the manifest in once committed
-            self._follower.follow(self._tier, s.version, pd.attempt, group, self.upload_timeout, self._after_copy)
+            # its retention runs once the copy is in (the same rules as after the commit)
+            self._follower.follow(self._tier, s.version, pd.attempt, group, self.upload_timeout, self._after_commit)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if not self.allow_divergent_replicas and world > 1:  # one rank cannot diverge from itself
             for item in s.local_items:
@@ -637,11 +638,6 @@ class StorageWriter(_DCPStorageWriter):
         up = self._uploader
         apply_after_commit(self._tier, self.retention, m, tier_name="local", others={"remote": self._remote},
                            in_flight=up.in_flight() if up is not None else ())
-
-    def _after_copy(self, m: Manifest) -> None:
-        """A root without the commit point received ``m``'s manifest: its retention runs too."""
-        self._after_commit(m)
-
     # -- AsyncStager protocol (dcp.async_save uses the writer as its stager) --------------------
     _synchronize_after_execute = False
 

@@ -16,7 +16,7 @@ import dataclasses
 
 from ..tiers.base import Tier
 from . import layout
-from .schema import Manifest, ObjectEntry
+from .schema import Manifest
 
 
 def groups(m: Manifest) -> list[tuple[int, ...]]:
@@ -88,9 +88,4 @@ def part_held(tier: Tier, m: Manifest, *, remote: bool = False) -> Part:
     return whole(m)
 
 
-def objects_of(m: Manifest, ranks) -> list[ObjectEntry]:
-    rs = set(ranks)
-    return [o for o in m.objects if o.rank in rs]
-
-
-__all__ = ["Part", "groups", "is_split", "part_held", "whole", "objects_of"]
+__all__ = ["Part", "groups", "is_split", "part_held", "whole"]
