@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .._names import decode_version
-from ..errors import CkptStoreError, DamagedVersionError, IntegrityError, VersionNotFoundError
+from ..errors import (CkptStoreError, DamagedVersionError, IntegrityError, InvalidNameError, ManifestError,
+                      UnsupportedFormatError, VersionNotFoundError)
 from ..manifest import catalogue, layout
 from ..manifest.schema import parse
 from ._roots import copy_into
@@ -95,9 +96,11 @@ def _remote_view(remote, local_committed: dict) -> dict:
         elif newest_both is None or t > newest_both:
             try:
                 m = catalogue.read_manifest(remote, v).manifest
-            except VersionNotFoundError:
+            except VersionNotFoundError:  # un-committed since the listing
                 continue
-            except CkptStoreError as e:  # invalid: not a candidate (scrub reports it)
+            except (ManifestError, UnsupportedFormatError, InvalidNameError) as e:
+                # invalid: not a candidate (scrub reports it). A storage error is raised: transient
+                # is never absent (docs/FORMAT.md, Read rule 5)
                 log.warning("ignoring remote manifest of %r: %s", v, e)
                 continue
             out[v] = {"attempt": m.attempt, "created": m.created, "damaged": v in damaged, "step": m.step,
