@@ -483,3 +483,28 @@ def test_frame_with_hostile_bytegroup_payload_raises_integrity_error():
     head, _ = build_header(0, len(raw), bad, "bytegroup/1:2")
     with pytest.raises(IntegrityError):
         codec.decode("obj", head + bad, None)
+
+
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_tensor_plan_is_shared_but_each_frame_still_compresses_what_pays(encrypted):
+    """One plan per tensor (PlanCell): the first frame (noisy bf16) plans the mantissa plane raw;
+    a later all-zero frame of the same tensor must still come out tiny, and every frame decodes
+    bit-exactly (the plan changes nothing a reader sees)."""
+    from ckptstore.codec.crypto import FrameCipher
+
+    codec = FrameCodec("v1", "a1", FrameCipher(bytes(range(32))) if encrypted else None)
+    g = torch.Generator().manual_seed(5)
+    frame = 1 << 20  # elements per frame (2 MiB of bf16)
+    t = (torch.randn(3 * frame, generator=g) * 0.02).to(torch.bfloat16)
+    t[frame : 2 * frame] = 0  # the middle frame is all zeros
+    raw = tensor_bytes(t)
+    cell = bytegroup.PlanCell()
+    stored = []
+    for i in range(3):
+        chunk = memoryview(raw)[i * 2 * frame : (i + 1) * 2 * frame]
+        head, payload, _ = codec.encode("obj", i, chunk, 2, cell)
+        stored.append(len(payload))
+        assert bytes(codec.decode("obj", bytes(head) + bytes(payload), None)) == bytes(chunk)
+    assert cell.plan is not None and cell.plan.zstd == (False, True)  # decided by frame 0: mantissa raw
+    assert stored[1] < 0.01 * 2 * frame  # zeros: both planes compressed despite the plan
+    assert 0.6 * 2 * frame < stored[0] < 0.7 * 2 * frame and 0.6 * 2 * frame < stored[2] < 0.7 * 2 * frame

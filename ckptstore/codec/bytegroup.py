@@ -18,10 +18,15 @@ otherwise empty plane; 0.349 vs 0.334), so the encoder picks the transform per f
 
 Entropy coding. Each plane is, per frame, either stored raw or compressed as one zstd frame (with
 content size). Frames up to 64 Ki elements are encoded whole with both transforms and the smaller
-kept. Larger frames are decided from a sample of 32 Ki elements (four runs of 8 Ki spread over the
+kept. For larger frames the encoder decides once per tensor (a :class:`Plan`, from the first large
+frame of the tensor it encodes) from a sample of 32 Ki elements (four runs of 8 Ki spread over the
 frame): the sample is split and its planes compressed under each transform; the transform with the
-smaller sample wins; planes whose sample did not shrink below 97 % are stored raw without further
-work, the others are compressed whole and kept only if below 97 %. Planes are compressed with zstd
+smaller sample wins; planes whose sample did not shrink below 97 % are planned raw. Every frame of
+the tensor then uses the plan: planned-zstd planes are compressed whole and kept only if below 97 %;
+planned-raw planes are probed with a 16 KiB slice from the middle of the plane and compressed whole
+only when the slice shrinks below 97 % (so zeros later in a tensor are still found). Deciding per
+tensor instead of per frame cut the encoder's CPU time by ~9 % (the trials were ~0.2 of 2.3
+CPU-s/GB); the payload format is unchanged, so any ``bytegroup/1`` reader decodes it. Planes are compressed with zstd
 parameters that all but disable match finding (``strategy=fast, min_match=7, hash_log=6,
 search_log=1``), so zstd works as a fast Huffman coder of literals with per-128 KiB-block tables
 (runs and repeats are still found through repeat offsets, so all-zero planes still collapse). The
@@ -61,7 +66,10 @@ the zstd content size is checked before decompressing, trailing bytes are refuse
 failure raises :class:`~ckptstore.errors.IntegrityError`.
 
 Speed: split and merge are numpy shifts, narrowing casts and strided copies over 256 KiB chunks (so
-temporaries stay in cache); no Python loop runs per element. Both directions return a read-only
+temporaries stay in cache); no Python loop runs per element. When the caller consumes the planes at
+once (the encrypting frame codec, :func:`encode_parts`), they are split into a per-thread scratch
+buffer and handed over as parts, which saves both the first-touch page faults of fresh memory and
+the copy that joins the planes. Both directions return a read-only
 memoryview over a numpy buffer instead of ``bytes``: that saves a full copy of the data, and numpy
 asks for huge pages on large buffers, which makes first-touch page faults cheaper. zstandard releases
 the GIL, so frames may be encoded and decoded from several threads at once (the compressor objects
@@ -133,10 +141,24 @@ from .stages import _dctx  # noqa: E402  (one thread-local decompressor per thre
 # -- split / merge ----------------------------------------------------------------------------------
 
 
-def _split(x: np.ndarray, width: int, transform: int) -> np.ndarray:
-    """``x``: 1-D little-endian uint array of ``count`` elements → ``(width, count)`` uint8 planes."""
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable byte buffer of at least ``nbytes`` (grown, never shrunk): split planes
+    that are consumed before the thread's next frame land here instead of in fresh memory, whose
+    first-touch page faults cost as much as the split itself."""
+    buf = getattr(_tls, "scratch", None)
+    if buf is None or buf.shape[0] < nbytes:
+        buf = _tls.scratch = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return buf
+
+
+def _split(x: np.ndarray, width: int, transform: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``x``: 1-D little-endian uint array of ``count`` elements → ``(width, count)`` uint8 planes
+    (in ``out``, a byte buffer of at least ``width * count``, when given)."""
     count = x.shape[0]
-    planes = np.empty((width, count), dtype=np.uint8)
+    if out is None:
+        planes = np.empty((width, count), dtype=np.uint8)
+    else:
+        planes = out[: width * count].reshape(width, count)
     if count == 0:
         return planes
     if width == 1:
@@ -241,65 +263,124 @@ def _trial(x: np.ndarray, width: int, transform: int) -> tuple[int, list]:
     return size, out
 
 
-def _assemble(width: int, transform: int, count: int, planes: list) -> memoryview:
-    head = [_HEAD.pack(MAGIC, LAYOUT_VERSION, width, transform, b"\0\0\0", count)]
-    head += [_PLANE.pack(codec, len(data)) for codec, data in planes]
-    hb = b"".join(head)
-    out = np.empty(len(hb) + sum(len(d) for _, d in planes), dtype=np.uint8)
-    out[: len(hb)] = np.frombuffer(hb, dtype=np.uint8)
-    pos = len(hb)
-    for _, d in planes:
+class Plan:
+    """How the frames of one tensor are encoded: the transform and, per plane, whether to try zstd.
+
+    Decided once per tensor (from its first frame to be encoded; frames encoded concurrently before
+    that decide for themselves) and shared through a :class:`PlanCell`, so the trial compressions
+    that pick it run once per tensor instead of once per frame. A plane planned raw is still probed
+    in every frame (a 16 KiB slice), so a tensor whose later frames turn compressible (zeros, say)
+    still gets them compressed."""
+
+    __slots__ = ("transform", "zstd")
+
+    def __init__(self, transform: int, zstd: tuple):
+        self.transform = transform
+        self.zstd = zstd
+
+
+class PlanCell:
+    """A slot for one tensor's :class:`Plan`, shared by the encodes of its frames (lock-free: a
+    race only means two frames decide, with the same rule)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+
+
+#: bytes of a raw-planned plane probed with zstd in every frame
+_PROBE = 16 << 10
+
+
+def encode(raw, width: int, level: int = 1, cell: PlanCell | None = None) -> memoryview | None:
+    """Byte-group ``raw`` (``width``-byte elements, C order) and entropy-code its planes.
+
+    Returns the payload (layout in the module docstring) as a read-only, contiguous byte memoryview
+    (a bytes-like object backed by a numpy buffer, which saves a copy), or None when byte grouping
+    does not apply (unsupported ``width``, or a length that is not a multiple of ``width``).
+    ``level`` is unused (see the module docstring). ``cell`` shares the tensor's :class:`Plan`
+    between its frames. The caller decides whether the result is worth keeping. Thread-safe;
+    releases the GIL while compressing.
+    """
+    r = encode_parts(raw, width, cell, scratch=False)
+    return None if r is None else _join(*r)
+
+
+def _join(parts: list, total: int) -> memoryview:
+    out = np.empty(total, dtype=np.uint8)
+    pos = 0
+    for d in parts:
         a = np.frombuffer(d, dtype=np.uint8)
         out[pos : pos + a.shape[0]] = a
         pos += a.shape[0]
     return memoryview(out).toreadonly()
 
 
-def encode(raw, width: int, level: int = 1) -> memoryview | None:
-    """Byte-group ``raw`` (``width``-byte elements, C order) and entropy-code its planes.
-
-    Returns the payload (layout in the module docstring) as a read-only, contiguous byte memoryview
-    (a bytes-like object backed by a numpy buffer, which saves a copy), or None when byte grouping
-    does not apply (unsupported ``width``, or a length that is not a multiple of ``width``).
-    ``level`` is unused (see the module docstring). The caller decides whether the result is worth
-    keeping. Thread-safe; releases the GIL while compressing.
-    """
+def encode_parts(raw, width: int, cell: PlanCell | None = None, *, scratch: bool = False):
+    """:func:`encode` without the final concatenation: ``(parts, total)``, the payload as a list of
+    bytes-likes (header and plane table, then the planes) whose lengths sum to ``total``; or None
+    when byte grouping does not apply. With ``scratch`` the raw planes are views of this thread's
+    scratch buffer: the caller must consume (copy, encrypt) them before this thread encodes again."""
     if width not in WIDTHS:
         return None
-    transforms = (TRANSFORM_ROTL1, TRANSFORM_NONE) if width > 1 else (TRANSFORM_NONE,)
-    return _encode(raw, width, transforms)
-
-
-def _encode(raw, width: int, transforms) -> memoryview | None:
-    """Encode with the best of ``transforms`` (an int or a tuple; ties go to the first)."""
-    if isinstance(transforms, int):
-        transforms = (transforms,)
     b = np.frombuffer(raw, dtype=np.uint8)
     n = b.shape[0]
     if n % width:
         return None
+    transforms = (TRANSFORM_ROTL1, TRANSFORM_NONE) if width > 1 else (TRANSFORM_NONE,)
     count = n // width
     x = b.view(_UINT[width])
-    sample = _sample(x)
-    if sample is None:  # small: try every transform on the whole frame and keep the smallest
-        best = min((_trial(x, width, t) + (t,) for t in transforms), key=lambda r: r[0])
-        return _assemble(width, best[2], count, best[1])
-    # large: choose the transform and which planes to compress from a sample (32 Ki elements)
-    trials = [(_trial(sample, width, t), t) for t in transforms]
-    (_, sample_planes), transform = min(trials, key=lambda r: r[0][0])
-    planes = _split(x, width, transform)
+    plan = cell.plan if cell is not None else None
+    if plan is None:
+        sample = _sample(x)
+        if sample is None:  # small: try every transform on the whole frame and keep the smallest
+            best = min((_trial(x, width, t) + (t,) for t in transforms), key=lambda r: r[0])
+            return _parts(width, best[2], count, best[1])
+        # choose the transform and which planes to compress from a sample (32 Ki elements)
+        trials = [(_trial(sample, width, t), t) for t in transforms]
+        (_, sample_planes), transform = min(trials, key=lambda r: r[0][0])
+        plan = Plan(transform, tuple(c == CODEC_ZSTD for c, _ in sample_planes))
+        if cell is not None:
+            cell.plan = plan
+    planes = _split(x, width, plan.transform, _scratch(n) if scratch else None)
     keep = 1.0 - MIN_SAVING
     cctx = _cctx()
     out = []
     for k in range(width):
         p = planes[k]
-        if sample_planes[k][0] == CODEC_ZSTD:
+        try_zstd = plan.zstd[k]
+        if not try_zstd and count >= 4 * _PROBE:  # probe a slice from the middle of a raw-planned plane
+            mid = (count - _PROBE) // 2
+            try_zstd = len(cctx.compress(p[mid : mid + _PROBE])) < _PROBE * keep
+        if try_zstd and count >= 64:
             c = cctx.compress(p)
-            if len(c) < p.shape[0] * keep:
+            if len(c) < count * keep:
                 out.append((CODEC_ZSTD, c))
                 continue
         out.append((CODEC_RAW, p))
-    return _assemble(width, transform, count, out)
+    return _parts(width, plan.transform, count, out)
+
+
+def _parts(width: int, transform: int, count: int, planes: list) -> tuple[list, int]:
+    head = [_HEAD.pack(MAGIC, LAYOUT_VERSION, width, transform, b"\0\0\0", count)]
+    head += [_PLANE.pack(codec, len(data)) for codec, data in planes]
+    hb = b"".join(head)
+    parts = [hb] + [d for _, d in planes]
+    return parts, len(hb) + sum(len(d) for _, d in planes)
+
+
+def _encode(raw, width: int, transforms) -> memoryview | None:
+    """Encode with the best of ``transforms`` (an int or a tuple; ties go to the first); for tests
+    and benchmarks that pin a transform."""
+    if isinstance(transforms, int):
+        transforms = (transforms,)
+    b = np.frombuffer(raw, dtype=np.uint8)
+    if b.shape[0] % width:
+        return None
+    x = b.view(_UINT[width])
+    best = min((_trial(x, width, t) + (t,) for t in transforms), key=lambda r: r[0])
+    return _join(*_parts(width, best[2], x.shape[0], best[1]))
 
 
 # -- decode ---------------------------------------------------------------------------------------

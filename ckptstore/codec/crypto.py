@@ -167,6 +167,24 @@ class FrameCipher:
         out[end : end + TAG] = enc.tag
         return mv[: end + TAG]
 
+    def encrypt_parts(self, parts: list, total: int, aad: bytes):
+        """:meth:`encrypt` of the concatenation of ``parts`` (bytes-likes whose lengths sum to
+        ``total``) without joining them first: each part is encrypted straight into the output."""
+        nonce = secrets.token_bytes(NONCE)
+        enc = Cipher(self._alg, modes.GCM(nonce)).encryptor()
+        enc.authenticate_additional_data(aad)
+        out = bytearray(NONCE + total + TAG + 15)  # update_into wants len(part) + block - 1 of room
+        out[:NONCE] = nonce
+        mv = memoryview(out)
+        pos = NONCE
+        for p in parts:
+            p = memoryview(p).cast("B")
+            if len(p):
+                pos += enc.update_into(p, mv[pos:])
+        enc.finalize()
+        out[pos : pos + TAG] = enc.tag
+        return mv[: pos + TAG]
+
     def decrypt(self, blob, aad: bytes, what: str):
         if len(blob) < NONCE + TAG:
             raise IntegrityError(f"{what}: encrypted payload too short", object=what)

@@ -122,21 +122,24 @@ class FrameCodec:
         self.level = level
 
     # -- encode ---------------------------------------------------------------------------------
-    def encode(self, obj: str, index: int, raw, float_width: int = 0) -> tuple[bytes, object, int]:
+    def encode(self, obj: str, index: int, raw, float_width: int = 0, cell=None) -> tuple[bytes, object, int]:
         """Encode one frame. Returns ``(header, payload, payload_xxh3)``; write header then payload.
 
         ``raw``: a bytes-like of the item's bytes (C order); ``float_width``: element size in bytes
-        when the data are IEEE floats (enables byte-grouping), else 0.
+        when the data are IEEE floats (enables byte-grouping), else 0; ``cell``: a
+        ``bytegroup.PlanCell`` shared by the frames of one tensor (the plan is decided once).
         """
         raw = memoryview(raw).cast("B")
         raw_len = len(raw)
         payload: object = raw
+        parts = None
         chain: list[str] = []
         if self.compress != "none" and raw_len >= 64:
-            payload, chain = _compress(raw, self.level, float_width)
+            payload, chain, parts = _compress(raw, self.level, float_width, cell, self.cipher is not None)
         cs = "|".join(chain)
         if self.cipher is not None:
-            payload = self.cipher.encrypt(payload, aad(self.version, self.attempt, obj, index, raw_len, cs))
+            ad = aad(self.version, self.attempt, obj, index, raw_len, cs)
+            payload = self.cipher.encrypt_parts(*parts, ad) if parts is not None else self.cipher.encrypt(payload, ad)
             cs = f"{cs}|aesgcm/1" if cs else "aesgcm/1"
         head, h = build_header(index, raw_len, payload, cs)
         return head, payload, h
@@ -194,24 +197,29 @@ class FrameCodec:
         return data
 
 
-def _compress(raw: memoryview, level: int, float_width: int):
+def _compress(raw: memoryview, level: int, float_width: int, cell=None, parts_ok: bool = False):
+    """``(payload, chain, parts)``: the compressed payload and its chain, or ``raw`` and ``[]`` when
+    compression does not pay. With ``parts_ok`` a byte-grouped payload may come back as
+    ``parts = (list of bytes-likes, total)`` and ``payload`` None; the caller consumes the parts
+    before this thread encodes again (they may view its scratch buffer)."""
     n = len(raw)
     if float_width in (2, 4, 8) and n >= 4096 and n % float_width == 0 and "bytegroup/1" in stages._DECODERS:
         from . import bytegroup
 
-        out = bytegroup.encode(raw, float_width, level)
-        if out is not None and len(out) < n * 0.97:
-            return out, [f"bytegroup/1:{float_width}"]
-        return raw, []
+        r = bytegroup.encode_parts(raw, float_width, cell, scratch=parts_ok)
+        if r is not None and r[1] < n * 0.97:
+            chain = [f"bytegroup/1:{float_width}"]
+            return (None, chain, r) if parts_ok else (bytegroup._join(*r), chain, None)
+        return raw, [], None
     # sample first: skip zstd quickly on incompressible data
     if n > (1 << 20):
         sample = raw[: 128 << 10]
         if len(stages.zstd_compress(sample, level)) > len(sample) * 0.95:
-            return raw, []
+            return raw, [], None
     c = stages.zstd_compress(raw, level)
     if len(c) < n * 0.97:
-        return c, ["zstd/1"]
-    return raw, []
+        return c, ["zstd/1"], None
+    return raw, [], None
 
 
 class FrameWalk:

@@ -51,6 +51,7 @@ from torch.futures import Future
 from .. import _faults
 from .._names import check_version
 from ..codec import FrameCodec, FrameRef, xxh3
+from ..codec.bytegroup import PlanCell
 from ..codec.frame import FIXED_LEN, xxh3_stream
 from ..codec.crypto import FrameCipher, key_id, new_data_key, resolve_key, unwrap_key, wrap_key
 from ..codec.stages import env_threads
@@ -745,10 +746,12 @@ def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict
 
 
 def _split(mv: memoryview, frame_size: int, width: int, refs: list):
-    """(chunk, element width, refs list) for each frame of ``mv``; one empty frame when empty."""
+    """(chunk, element width, refs list, plan cell) for each frame of ``mv``; one empty frame when
+    empty. The frames of one item share a ``bytegroup.PlanCell``: its encoding is decided once."""
     n = len(mv)
+    cell = PlanCell() if width and n > frame_size else None
     for start in range(0, n, frame_size) if n else [0]:
-        yield mv[start : start + frame_size], width, refs
+        yield mv[start : start + frame_size], width, refs, cell
 
 
 class _ObjectSink:
@@ -813,7 +816,7 @@ class _ObjectSink:
 
 
 def _write_frames(sink: _ObjectSink, codec: FrameCodec, name: str, chunks, pool=None, window: int = 0) -> None:
-    """The one frame-writing loop: encode each (chunk, width, refs) — in ``pool``, at most ``window``
+    """The one frame-writing loop: encode each (chunk, width, refs, cell) — in ``pool``, at most ``window``
     frames ahead — and append the frames to ``sink`` in order, recording a FrameRef in ``refs``."""
     pending: collections.deque = collections.deque()
 
@@ -824,8 +827,11 @@ def _write_frames(sink: _ObjectSink, codec: FrameCodec, name: str, chunks, pool=
             refs.append(sink.append(head, payload, h, raw_len, index))
 
     try:
-        for index, (chunk, width, refs) in enumerate(chunks):
-            job = pool.submit(codec.encode, name, index, chunk, width) if pool is not None else codec.encode(name, index, chunk, width)
+        for index, (chunk, width, refs, cell) in enumerate(chunks):
+            if pool is not None:
+                job = pool.submit(codec.encode, name, index, chunk, width, cell)
+            else:
+                job = codec.encode(name, index, chunk, width, cell)
             pending.append((refs, index, len(chunk), job))
             drain(window if pool is not None else 0)
         drain(0)
