@@ -384,7 +384,9 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
     Every rank "wrote" a shard of each of ``items_per_rank`` FSDP-sharded tensors (8 MiB per shard,
     one 8 MiB frame): DCP's metadata holds a chunk per rank per tensor, ``storage_data`` one
     location per chunk, and (ckptstore) each rank adds its ObjectReport sentinel exactly as
-    ``dcp/writer.py`` ``_write_object`` returns it. Times ``finish(metadata, results)`` as
+    ``dcp/writer.py`` ``_write_object`` returns it (one packed item table per rank: the packing runs
+    on every rank in parallel, outside the timed region; ``rank_pack_s`` reports the slowest rank's
+    packing time). Times ``finish(metadata, results)`` as
     ``dcp.save`` calls it on the coordinator: for ckptstore the pickle, the framed+encrypted
     metadata object and the put-if-absent manifest (all fsync'd); for DCP ``FileSystemWriter``
     (``kind="dcp"``) its pickle + fsync + rename of ``.metadata``.
@@ -417,6 +419,7 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
         w.set_up_storage_writer(True)
         os.makedirs(root, exist_ok=True)
     results = []
+    rank_pack = []  # seconds each rank spends packing its item table (in write_data, in parallel)
     for r in range(ranks):
         per = []
         off = 0
@@ -429,11 +432,14 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
                     ln = min(fs, n - j)
                     frames.append(FrameRef(off, ln + 64, ln, (r * 7919 + i * 31 + j) & 0xFFFFFFFFFFFFFFFF, len(frames)))
                     off += ln + 64
-                per.append(WriteResult(idx, n, ItemLocation(name, tuple(frames), n, "bfloat16", (shard_rows, cols))))
+                per.append((idx, ItemLocation(name, tuple(frames), n, "bfloat16", (shard_rows, cols))))
             else:
                 per.append(WriteResult(idx, n, _StorageInfo(name, off, n)))
                 off += n
-        if kind.startswith("ckpt"):
+        if kind.startswith("ckpt"):  # what a rank's write_data returns: its packed item table and its report
+            t_pack = time.perf_counter()
+            per = [wmod._items_result(r, n * items_per_rank, [i for i, _ in per], [loc for _, loc in per])]
+            rank_pack.append(time.perf_counter() - t_pack)
             per.append(WriteResult(MetadataIndex(wmod._SENTINEL + f"object/{r}"), off,
                                    ObjectReport(name, off, f"{r:016x}", items_per_rank, r, off, ("bytegroup/1:2|aesgcm/1",))))
         results.append(per)
@@ -456,7 +462,8 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
                 meta = os.path.getsize(os.path.join(d, f))
     shutil.rmtree(root, ignore_errors=True)
     return {"kind": kind, "ranks": ranks, "items_per_rank": items_per_rank, "seconds": dt,
-            "manifest_bytes": msize, "metadata_bytes": meta, "items": ranks * items_per_rank}
+            "manifest_bytes": msize, "metadata_bytes": meta, "items": ranks * items_per_rank,
+            "rank_pack_s": max(rank_pack) if rank_pack else 0.0}
 
 
 # -- codecs ----------------------------------------------------------------------------------------

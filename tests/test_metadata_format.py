@@ -217,3 +217,40 @@ def test_pack_cost_is_linear_in_items():
         t.append((time.process_time() - t0, len(b)))
     assert t[1][1] < 9 * t[0][1]
     assert _metadata.unpack(_metadata.pack(big), pickle.loads, "m") == big
+
+
+def test_rank_item_tables_concatenate_to_the_same_metadata_and_returned_mapping():
+    """Each rank packs its own items (ItemTable); the coordinator concatenates the tables. The
+    metadata object must hold exactly what packing the merged dict holds (bytes items with no
+    dtype, per-rank object names, repeated fqns), and the mapping dcp.save returns
+    (ItemTables) must equal that dict, in order, and survive pickling as the packed tables."""
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from ckptstore.codec.frame import FrameRef
+    from ckptstore.dcp._types import ItemLocation
+
+    per_rank, merged = [], {}
+    for r in range(3):
+        idx, locs = [], []
+        for i in range(4):
+            k = MetadataIndex(f"w{i}", torch.Size([r * 8, 0]), r)
+            loc = ItemLocation(f"attempts/a/r{r:05d}.ckd", (FrameRef(i * 50, 50, 32, r * 100 + i, 2 * i),
+                                                             FrameRef(i * 50 + 50, 40, 16, 7, 2 * i + 1)),
+                               48, "bfloat16" if i % 2 else "float32", (8, 3))
+            idx.append(k), locs.append(loc)
+        idx.append(MetadataIndex(f"extra.r{r}")), locs.append(ItemLocation(f"attempts/a/r{r:05d}.ckd", (FrameRef(999, 9, 3, 1, 8),), 3, None, None))
+        per_rank.append(_metadata.pack_items(idx, locs))
+        merged.update(zip(idx, locs))
+    md = Metadata(state_dict_metadata={})
+    from_tables = _metadata.unpack(_metadata.pack(md, per_rank), pickle.loads, "t")
+    from_dict = _metadata.unpack(_metadata.pack(Metadata(state_dict_metadata={}, storage_data=merged)), pickle.loads, "t")
+    assert list(from_tables.storage_data.items()) == list(merged.items()) == list(from_dict.storage_data.items())
+    returned = _metadata.ItemTables(per_rank)
+    assert len(returned) == len(merged) == 15
+    assert list(returned.items()) == list(merged.items()) and returned == merged
+    assert returned[MetadataIndex("extra.r2")].dtype is None
+    again = pickle.loads(pickle.dumps(returned))
+    assert type(again) is _metadata.ItemTables and list(again.items()) == list(merged.items())
+    with pytest.raises(TypeError):  # a rank's table with a column that does not add up
+        bad = _metadata.ItemTable(per_rank[0].names, per_rank[0].items + 1, per_rank[0].frames, per_rank[0].columns)
+        _metadata.pack(md, [bad])

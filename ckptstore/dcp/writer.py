@@ -63,6 +63,7 @@ from ..tiers import LocalTier, make_remote
 from . import _roots
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest, RootReport
 from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
+from ._metadata import ItemTable, ItemTables, pack_items
 from ._metadata import pack as pack_metadata
 from .staging import Stager
 
@@ -460,10 +461,9 @@ class StorageWriter(_DCPStorageWriter):
         with cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
             _write_frames(sink, self._codec(s, pd), name, chunks(), pool, window=max(2, 2 * self.threads))
             _faults.point("write.commit")
-        results = [
-            WriteResult(item.index, n, ItemLocation(name, tuple(refs), n, dtype, shape)) for item, refs, n, dtype, shape in per_item
-        ]
         total_raw = sum(n for _, _, n, _, _ in per_item)
+        results = [_items_result(pd.rank, total_raw, [item.index for item, *_ in per_item],
+                                 [ItemLocation(name, tuple(refs), n, dtype, shape) for _item, refs, n, dtype, shape in per_item])]
         rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw, tuple(sorted(sink.codecs)))
         results.append(WriteResult(MetadataIndex(_SENTINEL + f"object/{pd.rank}"), total_raw, rep))
         if self._remote is not None:
@@ -476,14 +476,13 @@ class StorageWriter(_DCPStorageWriter):
         s = self._cur()
         if s.attempt is None:  # a rank-less save (empty plans everywhere)
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
-        reports, replicas, storage_md, extras = _collect(results)
+        reports, replicas, tables, extras = _collect(results)
         upload_failures = [x for x in extras if isinstance(x, _UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
         split = _roots.placement([r.group for r in roots])
         try:
             self._check_replicas(replicas)
-            metadata.storage_data = storage_md
-            m, body = self._seal_manifest(s, metadata, reports, world_size=len(results), placement=split)
+            m, body = self._seal_manifest(s, metadata, tables, reports, world_size=len(results), placement=split)
             commit_manifest(
                 self._tier, s.version, body, overwrite=self.overwrite, fault="commit.manifest",
                 hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
@@ -523,9 +522,10 @@ class StorageWriter(_DCPStorageWriter):
                     f"f'{fqn}.rank{{rank}}', or pass allow_divergent_replicas=True to keep only one copy"
                 )
 
-    def _seal_manifest(self, s: _Save, metadata: Metadata, reports: list, world_size: int,
+    def _seal_manifest(self, s: _Save, metadata: Metadata, tables: list, reports: list, world_size: int,
                        placement: list | None = None) -> tuple[Manifest, bytes]:
-        """Phase 2 up to the commit: write the DCP metadata object, build and seal the manifest."""
+        """Phase 2 up to the commit: write the DCP metadata object (``metadata`` with the ranks' item
+        ``tables``), build and seal the manifest."""
         wrapped, kid = s.wrapped
         data_key = cipher = None
         if wrapped is not None:
@@ -533,7 +533,9 @@ class StorageWriter(_DCPStorageWriter):
             cipher = FrameCipher(data_key)
         codec = FrameCodec(s.version, s.attempt, cipher, compress=self.compression, level=self.level)
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
-        blob = pack_metadata(metadata)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
+        # the item locations stay packed: dcp.save returns (and DCP broadcasts) them as ItemTables
+        metadata.storage_data = ItemTables(tables)
+        blob = pack_metadata(metadata, tables)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
         check_metadata_loads(blob, s.version)  # never commit what the reader refuses
         meta_entry, meta_codecs = self._write_small_object(s, codec, layout.metadata_name(s.attempt), blob)
         reports.sort(key=lambda r: r.rank)
@@ -718,31 +720,37 @@ class _UploadFailure:
     error: str
 
 
-def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict[str, dict[int, int]], dict, list]:
-    """Split the ranks' write results into object reports, replica digests, DCP storage data and
-    the other sentinels (root reports, upload failures)."""
-    from operator import attrgetter
+def _items_result(rank: int, nbytes: int, idx: list, locs: list) -> WriteResult:
+    """The one WriteResult that carries all of a rank's item locations (``MetadataIndex`` ``idx`` →
+    ``ItemLocation`` ``locs``), packed as an ``ItemTable`` (docs/FORMAT.md, "DCP metadata object"):
+    DCP gathers a few byte strings per rank instead of one object per item, and the coordinator's
+    ``finish`` concatenates them without touching single items."""
+    return WriteResult(MetadataIndex(_SENTINEL + f"items/{rank}"), nbytes, pack_items(idx, locs))
 
+
+def _collect(results: list[list[WriteResult]]) -> tuple[list[ObjectReport], dict[str, dict[int, int]], list, list]:
+    """Split the ranks' write results into object reports, replica digests, the ranks' item tables
+    (in rank order) and the other sentinels (root reports, upload failures)."""
     reports: list[ObjectReport] = []
     replicas: dict[str, dict[int, int]] = {}
-    storage_md: dict = {}
+    tables: list[ItemTable] = []
     extras: list = []
     for per_rank in results:
-        # in bulk (a 1,024-rank commit holds ~300k items); then the few sentinels one by one
-        sds = list(map(attrgetter("storage_data"), per_rank))
-        storage_md.update(zip(map(attrgetter("index"), per_rank), sds))
-        for i in [i for i, t in enumerate(map(type, sds)) if t is not ItemLocation]:
-            sd = sds[i]
-            if isinstance(sd, ObjectReport):
+        for r in per_rank:  # a few sentinels per rank (and a digest per replicated item)
+            sd = r.storage_data
+            if isinstance(sd, ItemTable):
+                tables.append(sd)
+            elif isinstance(sd, ObjectReport):
                 reports.append(sd)
             elif isinstance(sd, ReplicaDigest):
                 replicas.setdefault(sd.fqn, {})[sd.rank] = sd.digest
             elif isinstance(sd, (RootReport, _UploadFailure)):
                 extras.append(sd)
             else:
-                continue
-            storage_md.pop(per_rank[i].index, None)
-    return reports, replicas, storage_md, extras
+                raise CkptStoreError(
+                    f"write result {r.index.fqn!r} carries {type(sd).__name__}, not a ckptstore record: every "
+                    "rank of a save must use ckptstore.StorageWriter of the same release")
+    return reports, replicas, tables, extras
 
 
 def _split(mv: memoryview, frame_size: int, width: int, refs: list):
