@@ -713,3 +713,34 @@ def test_local_writer_early_writeback_keeps_every_byte(tmp_path, monkeypatch):
         assert calls and calls[0][0] == 0
         assert all(a[0] + a[1] == b[0] for a, b in zip(calls, calls[1:]))
         assert calls[-1][0] + calls[-1][1] <= len(data)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("signing", [False, True])
+def test_payload_signing_choice_is_what_goes_on_the_wire(s3_url, signing):
+    """Default: bodies go as UNSIGNED-PAYLOAD with a CRC32 the server checks; payload_signing=True
+    puts the body's SHA-256 into the signature. Either way the object reads back byte for byte."""
+    t = _s3(s3_url, payload_signing=signing, part_size=5 * MiB)
+    seen = []
+
+    def record(request, **_):
+        h = request.headers
+        seen.append((h.get("x-amz-content-sha256"), h.get("x-amz-checksum-crc32")))
+
+    t.client.meta.events.register("before-send.s3.PutObject", record)
+    t.client.meta.events.register("before-send.s3.UploadPart", record)
+    small, big = _data(1000, 3), _data(11 * MiB, 4)
+    t.put("sig/small", small)
+    mp = t.open_multipart("sig/big")
+    mp.send(1, lambda: big[: 6 * MiB])
+    mp.send(2, lambda: big[6 * MiB :])
+    mp.complete(len(big))
+    assert t.get("sig/small") == small and t.get("sig/big") == big
+    assert len(seen) == 3
+    for sha, crc in seen:
+        sha = sha.decode() if isinstance(sha, bytes) else sha
+        assert crc  # the server-checked body checksum is always there
+        if signing:
+            assert len(sha) == 64 and int(sha, 16) >= 0
+        else:
+            assert sha == "UNSIGNED-PAYLOAD"

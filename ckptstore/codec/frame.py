@@ -177,8 +177,9 @@ class FrameCodec:
                 raise KeyMismatchError(
                     f"{what} is encrypted but no key was given; supply key=, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
                 )
-            data = self.cipher.decrypt(
-                data, aad(self.version, self.attempt, obj, hd.index, hd.raw_len, hd.chain.rpartition("|")[0] if "|" in hd.chain else ""), what
+            data = self.cipher.decrypt(  # the plaintext may sit in scratch when later stages copy it out
+                data, aad(self.version, self.attempt, obj, hd.index, hd.raw_len, hd.chain.rpartition("|")[0] if "|" in hd.chain else ""), what,
+                scratch=len(parsed) > 1,
             )
             parsed = parsed[:-1]
         elif self.cipher is not None:
