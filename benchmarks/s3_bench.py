@@ -14,8 +14,9 @@ Runs only when everything it needs is there, and says why not otherwise:
 Goals: time until durable ≤ 0.7× s3torchconnector's (issue 14 item 5: ckptstore streams each
 rank object's parts to S3 while writing it, so the upload overlaps the local write); load ≥ 0.8×
 (provisional).
-SeaweedFS on loopback has no network bottleneck, so these numbers show the client-side CPU costs,
-not what compression saves on a real network link.
+SeaweedFS on loopback has no network bottleneck and shares the 2 cores with the client, so 7a shows
+CPU costs (of both the client and the server), not what compression saves on a network link; row
+7d runs the same saves through ``link_proxy.py``, a loopback link limited to ``LINK_RATE``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,36 @@ import os
 import shutil
 import statistics
 import time
+
+
+#: the modelled link for row 7d, bytes/s from the client to S3 (~0.8 Gb/s: one rank's share of a
+#: node's NIC). Below ckptstore's encode rate (~0.4 GB/s of state here), so the link is the bottleneck.
+LINK_RATE = 100e6
+
+
+class _Proxy:
+    """``benchmarks/link_proxy.py`` in a subprocess, forwarding to ``endpoint`` at ``rate`` bytes/s."""
+
+    def __init__(self, endpoint: str, rate: float) -> None:
+        import subprocess
+        import sys
+
+        host, port = endpoint.split("://", 1)[1].rstrip("/").rsplit(":", 1)
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.proc = subprocess.Popen([sys.executable, os.path.join(here, "link_proxy.py"), "0", host, port, str(rate)],
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().strip()
+        if not line.isdigit():
+            self.close()
+            raise RuntimeError(f"link_proxy.py did not start (said {line!r})")
+        self.endpoint = f"http://127.0.0.1:{line}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except Exception:  # noqa: BLE001 - a stuck proxy is killed
+            self.proc.kill()
 
 
 def _why_not() -> str | None:
@@ -70,30 +101,35 @@ def run_section(run, B) -> dict:
         os.environ.update(sw.env)
         cfg = S3ClientConfig(force_path_style=True)
         dest = B.empty_like_state(sd)
+        def durable(k: str, tag: str, endpoint: str) -> tuple[float, str]:
+            """Seconds until ``k``'s save of ``sd`` is durable in S3 (through ``endpoint``), and its URL."""
+            if k == "ckpt":
+                root = os.path.join(run.work, f"s3-ckpt-local-{tag}")
+                url = f"s3://{bucket}/ckpt{tag}"
+                w = ckptstore.StorageWriter(root, remote=url, durability="remote", key=B.BENCH_KEY, endpoint_url=endpoint)
+                os.sync()
+                t0 = time.perf_counter()
+                dcp.save(sd, checkpoint_id="v1", storage_writer=w, no_dist=True)
+                w.close()
+                dt = time.perf_counter() - t0
+                shutil.rmtree(root, ignore_errors=True)  # loads come from S3 only
+                return dt, url
+            url = f"s3://{bucket}/s3tc{tag}/"
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+            w = S3StorageWriter(region=REGION, path=url, s3client_config=cfg)
+            os.sync()
+            t0 = time.perf_counter()
+            dcp.save(sd, checkpoint_id=url, storage_writer=w, no_dist=True)
+            return time.perf_counter() - t0, url
+
         for rep in range(reps):
             order = ["ckpt", "s3tc"]
             run.rng.shuffle(order)
             urls = {}
             for k in order:
-                if k == "ckpt":
-                    root = os.path.join(run.work, f"s3-ckpt-local-{rep}")
-                    url = f"s3://{bucket}/ckpt{rep}"
-                    w = ckptstore.StorageWriter(root, remote=url, durability="remote", key=B.BENCH_KEY, endpoint_url=sw.endpoint)
-                    os.sync()
-                    t0 = time.perf_counter()
-                    dcp.save(sd, checkpoint_id="v1", storage_writer=w, no_dist=True)
-                    w.close()
-                    res[k]["durable_s"].append(time.perf_counter() - t0)
-                    shutil.rmtree(root, ignore_errors=True)  # loads come from S3 only
-                    urls[k] = url
-                else:
-                    url = f"s3://{bucket}/s3tc{rep}/"
-                    w = S3StorageWriter(region=REGION, path=url, s3client_config=cfg)
-                    os.sync()
-                    t0 = time.perf_counter()
-                    dcp.save(sd, checkpoint_id=url, storage_writer=w, no_dist=True)
-                    res[k]["durable_s"].append(time.perf_counter() - t0)
-                    urls[k] = url
+                dt, urls[k] = durable(k, str(rep), sw.endpoint)
+                res[k]["durable_s"].append(dt)
+            os.environ["AWS_ENDPOINT_URL"] = sw.endpoint
             run.rng.shuffle(order)
             for k in order:
                 B.zero_(dest)
@@ -109,6 +145,21 @@ def run_section(run, B) -> dict:
                 res[k]["exact"].append(B.bit_exact(sd, dest))
             print(f"  rep {rep + 1}/{reps}: " + ", ".join(
                 f"{k} durable {res[k]['durable_s'][-1]:.2f} s load {n / res[k]['load_s'][-1] / B.GB:.2f} GB/s" for k in res), flush=True)
+        # 7d: the same saves through a link of LINK_RATE bytes/s (benchmarks/link_proxy.py)
+        link = {"ckpt": [], "s3tc": []}
+        proxy = _Proxy(sw.endpoint, LINK_RATE)
+        try:
+            for rep in range(1 if run.quick else 2):
+                order = ["ckpt", "s3tc"]
+                run.rng.shuffle(order)
+                for k in order:
+                    link[k].append(durable(k, f"link{rep}", proxy.endpoint)[0])
+                print(f"  link {LINK_RATE / 1e6:.0f} MB/s rep {rep + 1}: " + ", ".join(
+                    f"{k} durable {link[k][-1]:.2f} s" for k in link), flush=True)
+        finally:
+            proxy.close()
+            os.environ["AWS_ENDPOINT_URL"] = sw.endpoint
+        res["link"] = dict(link, rate_bytes_per_s=LINK_RATE)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -128,6 +179,11 @@ def run_section(run, B) -> dict:
             f"{med(s['durable_s']):.2f} s s3torchconnector", f"{dur:.2f}x", "<= 0.70x", dur <= 0.7, "7")
     run.row("7b", "S3: load throughput from S3 only", f"{n / med(c['load_s']) / B.GB:.2f} GB/s",
             f"{n / med(s['load_s']) / B.GB:.2f} GB/s S3StorageReader", f"{load:.2f}x", ">= 0.80x (provisional)", load >= 0.8, "7")
+    ld = med([a / b for a, b in zip(res["link"]["ckpt"], res["link"]["s3tc"])])
+    res["ratio_durable_time_link"] = ld
+    run.row("7d", f"S3: time until durable through a {LINK_RATE / 1e6:.0f} MB/s link (both clients; link_proxy.py)",
+            f"{med(res['link']['ckpt']):.2f} s", f"{med(res['link']['s3tc']):.2f} s s3torchconnector", f"{ld:.2f}x",
+            "<= 0.70x", ld <= 0.7, "7")
     run.row("7c", "S3: loaded values bit-exact", "yes" if all(c["exact"]) else "NO", "yes" if all(s["exact"]) else "NO",
             "", "exact", all(c["exact"]), "7")
     return res

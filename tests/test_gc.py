@@ -231,6 +231,8 @@ import os, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from ckptstore.dcp.upload import Uploader
 from ckptstore.tiers import LocalTier
+# Python's own Ctrl-C handler, even when started from a background job (which inherits SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 up = Uploader(LocalTier(sys.argv[2]), LocalTier(sys.argv[3]), threads=2, timeout=60)
 for i in range(2):
     up._submit(f"job {i}", lambda: time.sleep(6))
