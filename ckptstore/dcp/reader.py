@@ -31,6 +31,7 @@ import threading
 import uuid
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
@@ -623,11 +624,12 @@ class StorageReader(_DCPStorageReader):
         whole = b0 == 0 and b1 == loc.nbytes and start == 0 and tuple(ri.lengths) == tuple(loc.shape)
         if whole and target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu":
             # fast path: the item is the whole stored chunk; copy frames straight into place
-            dst = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+            dst = target.reshape(-1).view(torch.uint8).numpy()
             pos = 0
-            for p in parts:
-                dst[pos : pos + len(p)] = p
-                pos += len(p)
+            for p in parts:  # numpy copies release the GIL (a memoryview slice assignment holds it)
+                n = len(p)
+                np.copyto(dst[pos : pos + n], np.frombuffer(p, dtype=np.uint8))
+                pos += n
             planner.commit_tensor(ri, target)
             return
         total = sum(len(p) for p in parts)
