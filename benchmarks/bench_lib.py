@@ -438,7 +438,10 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
                 off += n
         if kind.startswith("ckpt"):  # what a rank's write_data returns: its packed item table and its report
             t_pack = time.perf_counter()
-            per = [wmod._items_result(r, n * items_per_rank, [i for i, _ in per], [loc for _, loc in per])]
+            if hasattr(wmod, "_items_result"):
+                per = [wmod._items_result(r, n * items_per_rank, [i for i, _ in per], [loc for _, loc in per])]
+            else:  # ckptstore before per-rank item tables (to measure an older snapshot): one result per item
+                per = [WriteResult(i, n, loc) for i, loc in per]
             rank_pack.append(time.perf_counter() - t_pack)
             per.append(WriteResult(MetadataIndex(wmod._SENTINEL + f"object/{r}"), off,
                                    ObjectReport(name, off, f"{r:016x}", items_per_rank, r, off, ("bytegroup/1:2|aesgcm/1",))))
