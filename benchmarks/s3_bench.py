@@ -29,7 +29,7 @@ import time
 
 #: the modelled link for row 7d, bytes/s from the client to S3 (~0.8 Gb/s: one rank's share of a
 #: node's NIC). Below ckptstore's encode rate (~0.4 GB/s of state here), so the link is the bottleneck.
-LINK_RATE = 100e6
+LINK_RATE = float(os.environ.get("CKPTBENCH_LINK_RATE", 100e6))  # CKPTBENCH_LINK_RATE=50e6 for a slower link
 
 
 class _Proxy:
