@@ -146,8 +146,8 @@ def _scratch(nbytes: int) -> np.ndarray:
     that are consumed before the thread's next frame land here instead of in fresh memory, whose
     first-touch page faults cost as much as the split itself."""
     buf = getattr(_tls, "scratch", None)
-    if buf is None or buf.shape[0] < nbytes:
-        buf = _tls.scratch = np.empty(max(nbytes, 1), dtype=np.uint8)
+    if buf is None or buf.shape[0] < nbytes:  # grown in whole MiB: frames differ in size
+        buf = _tls.scratch = np.empty(max(-(-nbytes // (1 << 20)) << 20, 1), dtype=np.uint8)
     return buf
 
 
