@@ -34,7 +34,7 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 #: ``bytes_per_sync`` idea): the disk writes while the encoder still works, so the fsync at commit
 #: waits only for the tail. Without it nothing reaches the disk before the fsync unless the dirty
 #: pages pass ``vm.dirty_background_ratio`` (10 % of RAM by default), and a save spent 35-40 % of its
-#: wall time in that final fsync (512 MiB state, benchmarks/README.md "Early writeback").
+#: wall time in that final fsync (512 MiB state; benchmarks/README.md, "Where the time goes").
 WRITEBACK_BYTES = 8 << 20
 
 

@@ -401,7 +401,7 @@ class S3Tier(Tier):
     XXH3 (and with a key an AES-GCM tag) that every reader verifies, and the headers stay signed.
     This is what botocore itself does over https; over plain http (an on-premises endpoint) it
     would otherwise hash every body with SHA-256 on both sides, which measured 0.8 CPU-s of the
-    client and 0.3-0.6 CPU-s of the server per 356 MB uploaded (benchmarks/README.md, "S3").
+    client and 0.3-0.6 CPU-s of the server per 356 MB uploaded (benchmarks/README.md, "Where the time goes").
     """
 
     name = "remote"
