@@ -251,6 +251,9 @@ def test_rank_item_tables_concatenate_to_the_same_metadata_and_returned_mapping(
     assert returned[MetadataIndex("extra.r2")].dtype is None
     again = pickle.loads(pickle.dumps(returned))
     assert type(again) is _metadata.ItemTables and list(again.items()) == list(merged.items())
+    # the Metadata dcp.save returns (storage_data = ItemTables) packs like the dict it stands for
+    repacked = _metadata.unpack(_metadata.pack(Metadata(state_dict_metadata={}, storage_data=again)), pickle.loads, "t")
+    assert list(repacked.storage_data.items()) == list(merged.items())
     with pytest.raises(TypeError):  # a rank's table with a column that does not add up
         bad = _metadata.ItemTable(per_rank[0].names, per_rank[0].items + 1, per_rank[0].frames, per_rank[0].columns)
         _metadata.pack(md, [bad])

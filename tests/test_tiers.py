@@ -717,9 +717,12 @@ def test_local_writer_early_writeback_keeps_every_byte(tmp_path, monkeypatch):
 
 @pytest.mark.s3
 @pytest.mark.parametrize("signing", [False, True])
-def test_payload_signing_choice_is_what_goes_on_the_wire(s3_url, signing):
+def test_payload_signing_choice_is_what_goes_on_the_wire(s3_url, signing, monkeypatch):
     """Default: bodies go as UNSIGNED-PAYLOAD with a CRC32 the server checks; payload_signing=True
-    puts the body's SHA-256 into the signature. Either way the object reads back byte for byte."""
+    puts the body's SHA-256 into the signature. Either way the object reads back byte for byte,
+    and the CRC32 is sent even when the environment asks botocore for checksums only where an API
+    requires them."""
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
     t = _s3(s3_url, payload_signing=signing, part_size=5 * MiB)
     seen = []
 

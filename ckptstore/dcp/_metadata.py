@@ -197,6 +197,8 @@ def pack(md: Metadata, tables: list | None = None) -> bytes:
     it is None, from ``md.storage_data`` (mapping ``MetadataIndex`` to ``ItemLocation``). ``md`` is
     not modified. Raises ``TypeError`` when the items are anything else.
     """
+    if tables is None and isinstance(md.storage_data, ItemTables):  # the Metadata dcp.save returned
+        tables = md.storage_data._tables
     if tables is None:
         sd = md.storage_data if md.storage_data is not None else {}
         if not isinstance(sd, dict):

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import stat
+import sys
 from typing import Callable, Iterator, Sequence
 
 from .. import _faults
@@ -42,7 +43,7 @@ def _writeback_fn() -> Callable[[int, int, int], None] | None:
     """``start(fd, offset, nbytes)``: ask the kernel to start writing that range back, without
     waiting for it (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; ctypes releases the GIL).
     None where it does not exist: then the commit's fsync does all the work, as before."""
-    if not os.uname().sysname == "Linux":
+    if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes

@@ -502,6 +502,9 @@ class S3Tier(Tier):
             cfg = Config(
                 retries={"mode": kw["retry_mode"], "total_max_attempts": kw["max_attempts"]},
                 s3={"addressing_style": style, "payload_signing_enabled": kw["payload_signing"]},
+                # explicit, so that AWS_REQUEST_CHECKSUM_CALCULATION=when_required cannot leave an
+                # unsigned body without the CRC32 the server checks
+                request_checksum_calculation="when_supported",
                 max_pool_connections=2 * self.max_concurrency + 8,
                 connect_timeout=kw["connect_timeout"],
                 read_timeout=kw["read_timeout"],
