@@ -12,6 +12,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptstore
+from ckptstore.codec import xxh3
+from ckptstore.codec.frame import FrameCodec
+from ckptstore.manifest import catalogue, layout
+from ckptstore.manifest.schema import ObjectEntry
+from ckptstore.tiers import LocalTier
 
 
 def failures(exc: BaseException) -> list[BaseException]:
@@ -66,3 +71,19 @@ def small_tmpfs(where, size: str = "2m", nr_inodes: int | None = None):
     finally:
         if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def forge_metadata(root: str, version: str, blob: bytes) -> None:
+    """Replace the DCP metadata object of unencrypted ``version`` by one frame holding ``blob``,
+    with valid frame checksums, object digest and manifest seal: what someone with write access
+    to an unencrypted store can do."""
+    tier = LocalTier(root)
+    m = catalogue.read_manifest(tier, version).manifest
+    name = m.metadata_object.name
+    head, payload, _h = FrameCodec(version, m.attempt, None, compress="none").encode(name, 0, blob, 0)
+    data = head + bytes(payload)
+    with open(tier.local_path(layout.object_key(version, name)), "wb") as f:
+        f.write(data)
+    m.metadata_object = ObjectEntry(name, len(data), f"{xxh3(head):016x}", 1, None, len(blob))
+    with open(tier.local_path(layout.manifest_key(version)), "wb") as f:
+        f.write(m.to_bytes(None))

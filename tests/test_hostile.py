@@ -36,10 +36,11 @@ from ckptstore.codec.stages import decode_stage
 from ckptstore.errors import CkptStoreError, ManifestError, UnsupportedFormatError
 from ckptstore.manifest import catalogue, layout
 from ckptstore.manifest.schema import MAGIC as MMAGIC
-from ckptstore.manifest.schema import ObjectEntry, parse
+from ckptstore.manifest.schema import parse
 from ckptstore.tiers import LocalTier
 
 import crash_ranks
+from helpers import forge_metadata
 
 FULL = os.environ.get("CKPTSTORE_FULL") == "1"
 N_EXAMPLES = int(os.environ.get("CKPTSTORE_FUZZ_EXAMPLES", "5000" if FULL else "300"))
@@ -78,22 +79,6 @@ def saved(tmp_path_factory):
     crash_ranks.local_save(root, "enc", 2, key=bytes(32))
     body = json.loads(open(os.path.join(root, layout.manifest_key("v1")), "rb").read().split(b"\n")[1])
     return root, body
-
-
-def forge_metadata(root: str, version: str, blob: bytes) -> None:
-    """Replace the DCP metadata object of unencrypted ``version`` by one frame holding ``blob``,
-    with valid frame checksums, object digest and manifest seal: what someone with write access
-    to an unencrypted store can do."""
-    tier = LocalTier(root)
-    m = catalogue.read_manifest(tier, version).manifest
-    name = m.metadata_object.name
-    head, payload, _h = FrameCodec(version, m.attempt, None, compress="none").encode(name, 0, blob, 0)
-    data = head + bytes(payload)
-    with open(tier.local_path(layout.object_key(version, name)), "wb") as f:
-        f.write(data)
-    m.metadata_object = ObjectEntry(name, len(data), f"{xxh3(head):016x}", 1, None, len(blob))
-    with open(tier.local_path(layout.manifest_key(version)), "wb") as f:
-        f.write(m.to_bytes(None))
 
 
 def typed_load_error(root, version, seed=1, **kw) -> list:

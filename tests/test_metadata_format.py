@@ -13,14 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptstore
-from ckptstore.codec import xxh3
-from ckptstore.codec.frame import FrameCodec
 from ckptstore.dcp import _metadata
-from ckptstore.manifest import catalogue, layout
-from ckptstore.manifest.schema import ObjectEntry
+from ckptstore.manifest import catalogue
 from ckptstore.tiers import LocalTier
 
-from helpers import bits_equal, failures
+from helpers import bits_equal, failures, forge_metadata
 
 
 def _state():
@@ -48,21 +45,6 @@ def _metadata_bytes(root, version):
     r.reset(version)
     r.read_metadata()
     return r._read_whole_object(m.metadata_object)
-
-
-def _forge(root, version, blob):
-    """Replace unencrypted ``version``'s metadata object by one frame holding ``blob`` with valid
-    checksums, digest and manifest seal (what write access to an unencrypted store allows)."""
-    tier = LocalTier(root)
-    m = catalogue.read_manifest(tier, version).manifest
-    name = m.metadata_object.name
-    head, payload, _h = FrameCodec(version, m.attempt, None, compress="none").encode(name, 0, blob, 0)
-    data = head + bytes(payload)
-    with open(tier.local_path(layout.object_key(version, name)), "wb") as f:
-        f.write(data)
-    m.metadata_object = ObjectEntry(name, len(data), f"{xxh3(head):016x}", 1, None, len(blob))
-    with open(tier.local_path(layout.manifest_key(version)), "wb") as f:
-        f.write(m.to_bytes(None))
 
 
 def _load(root, version, sd):
@@ -104,7 +86,7 @@ def test_format1_metadata_still_loads(saved):
     r.reset("v1")
     md = r.read_metadata()
     md.storage_meta.load_id = None
-    _forge(root, "v1", pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
+    forge_metadata(root, "v1", pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
     assert not _metadata_bytes(root, "v1").startswith(_metadata.MAGIC)
     assert _same(_load(root, "v1", sd), sd)
 
@@ -146,7 +128,7 @@ def test_inconsistent_format2_tables_raise_typed_errors(saved, tmp_path):
     for what, h in _mutations(head):
         r2 = str(tmp_path / "m" / what.replace(" ", "_"))
         shutil.copytree(root, r2)
-        _forge(r2, "v1", _metadata.MAGIC + pickle.dumps(h, protocol=5))
+        forge_metadata(r2, "v1", _metadata.MAGIC + pickle.dumps(h, protocol=5))
         with pytest.raises(BaseException) as ei:  # CheckpointException is a BaseException
             _load(r2, "v1", sd)
         errs = failures(ei.value)
@@ -164,7 +146,7 @@ def test_format2_pickle_goes_through_the_allow_list(saved, tmp_path):
 
     head = _head(root)
     head["metadata"].planner_data = Evil()
-    _forge(root, "v1", _metadata.MAGIC + pickle.dumps(head, protocol=5))
+    forge_metadata(root, "v1", _metadata.MAGIC + pickle.dumps(head, protocol=5))
     r = ckptstore.StorageReader(root)
     r.reset("v1")
     with pytest.raises(ckptstore.IntegrityError, match="allow"):

@@ -167,19 +167,9 @@ class FrameCipher:
         self._alg = algorithms.AES(self._key)
 
     def encrypt(self, data, aad: bytes):
+        """``nonce ‖ ciphertext ‖ tag`` of ``data`` (a byte memoryview)."""
         data = memoryview(data).cast("B")
-        n = len(data)
-        nonce = secrets.token_bytes(NONCE)
-        enc = Cipher(self._alg, modes.GCM(nonce)).encryptor()
-        enc.authenticate_additional_data(aad)
-        out = bytearray(NONCE + n + TAG + 15)  # update_into wants len(data) + block - 1 of room
-        out[:NONCE] = nonce
-        mv = memoryview(out)
-        written = enc.update_into(data, mv[NONCE:]) if n else 0
-        enc.finalize()
-        end = NONCE + written
-        out[end : end + TAG] = enc.tag
-        return mv[: end + TAG]
+        return self.encrypt_parts([data], len(data), aad)
 
     def encrypt_parts(self, parts: list, total: int, aad: bytes):
         """:meth:`encrypt` of the concatenation of ``parts`` (bytes-likes whose lengths sum to
