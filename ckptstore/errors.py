@@ -61,9 +61,20 @@ class IntegrityError(CkptStoreError):
 
     exit_code = 4
 
-    def __init__(self, message: str, *, object: str | None = None):
+    def __init__(self, message: str, *, object: str | None = None, version: str | None = None):
         super().__init__(message)
         self.object = object
+        self.version = version
+
+    def __reduce__(self):  # keep ``object``/``version`` when DCP gathers a rank's failure to the others
+        return (_rebuild, (type(self), str(self), {"object": self.object, "version": self.version}))
+
+
+def _rebuild(cls, message, attrs):
+    e = cls.__new__(cls)
+    Exception.__init__(e, message)
+    e.__dict__.update(attrs)
+    return e
 
 
 class ManifestError(IntegrityError):
@@ -121,6 +132,9 @@ class ObjectNotFoundError(CkptStoreError, FileNotFoundError):
     def __init__(self, message: str, *, object: str | None = None):
         super().__init__(message)
         self.object = object
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), {"object": self.object}))
 
 
 class ObjectExistsError(CkptStoreError, FileExistsError):

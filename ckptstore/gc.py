@@ -63,8 +63,9 @@ from typing import Callable, Iterable, Mapping
 from . import _faults
 from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError
 from .manifest import catalogue, layout, placement
+from .manifest.order import order_key
 from .manifest.schema import Manifest, parse
-from .retention import Decision, RetentionPolicy, across_tiers, evaluate, format_duration
+from .retention import Decision, RetentionPolicy, across_tiers, format_duration
 from .tiers.base import ObjectInfo, Tier, tiers_of
 
 log = logging.getLogger("ckptstore")
@@ -608,9 +609,10 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     """Apply ``policy`` in ``tier`` right after ``committed`` was committed there (docs/FORMAT.md,
     Delete rule 7).
 
-    Only versions whose commit time is at or before ``committed.created`` are considered (a newer
-    save that committed meanwhile is neither counted nor deleted, so the newest durable version is
-    never deleted on behalf of an older save), and ``committed`` itself is always kept. Each
+    Only versions ordered at or before ``committed`` are considered (docs/FORMAT.md, "Order": step,
+    then commit sequence — a newer save that committed meanwhile is neither counted nor deleted, so
+    the newest durable version is never deleted on behalf of an older save, whatever the clocks say),
+    and ``committed`` itself is always kept. Each
     version to delete is un-committed first (re-checked as in :func:`apply`), then its objects are
     deleted. Garbage is left to :func:`run` and its grace period.
 
@@ -632,11 +634,12 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
         return []
     try:
         entries = catalogue.scan(tier)
-        recs = [r for r in catalogue.merge({name: entries}) if r.created <= committed.created_dt]
+        mine = order_key(committed.step, committed.seq, committed.created, committed.version)
+        recs = [r for r in catalogue.merge({name: entries}) if r.order <= mine]
         other_recs = {n: _records_or_none(t, n) for n, t in (others or {}).items() if t is not None}
         recs, cross = across_tiers(name, recs, other_recs, in_flight=in_flight)
         keep = {**cross, **(protect or {}), committed.version: "just committed"}
-        decisions = evaluate(recs, rules, now or _dt.datetime.now(_dt.timezone.utc), protect=keep)
+        decisions = policy.decide(name, recs, now or _dt.datetime.now(_dt.timezone.utc), protect=keep)
     except Exception as e:  # noqa: BLE001 - the save is committed; retention is best effort
         log.warning("retention after committing %r in the %s tier failed: %s", committed.version, name, e)
         return []

@@ -78,7 +78,16 @@ class RestoreInfo:
     """What the last :meth:`CheckpointManager.restore` loaded: ``version``, its ``step``, the
     ``world_size`` that saved it, whether this rank's RNG states and ``per_rank_keys`` values were
     restored (only when the world size is unchanged; otherwise they are left as they are), and
-    ``seconds`` spent (agreeing on the version and loading it)."""
+    ``seconds`` spent (agreeing on the version and loading it).
+
+    What the choice passed over (docs/FORMAT.md, "Restore choice"): ``skipped`` — newer versions
+    not loaded, newest first, each a :class:`ckptstore.choice.Skipped` with its ``kind``
+    (``damaged``, ``missing``, ``unverified``: failed verification while loading, ``shape``,
+    ``restarts``) and ``reason``; ``remote_error`` — why the remote tier was not consulted (None: it
+    was, or there is none); ``restore_count`` — restores in a row before this one that loaded the
+    same version with nothing newer committed in between (the job died after each: a restart loop);
+    ``attempt`` — the attempt loaded; ``stale`` — ``(where, attempt)`` copies of the name that are
+    not the version (reported, not loaded)."""
 
     version: str
     step: int | None
@@ -86,6 +95,19 @@ class RestoreInfo:
     rng_restored: bool
     per_rank_restored: bool
     seconds: float
+    attempt: str | None = None
+    skipped: list = dataclasses.field(default_factory=list)
+    remote_error: str | None = None
+    restore_count: int = 0
+    stale: list = dataclasses.field(default_factory=list)
+    #: this rank's read counters of the load (``StorageReader.stats``: ``fallback_reads``,
+    #: ``remote_reads``, ``peer_bytes``, ``repaired``)
+    reads: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def fell_back(self) -> bool:
+        """A newer version was skipped."""
+        return bool(self.skipped)
 
 
 class CheckpointManager:
@@ -113,7 +135,15 @@ class CheckpointManager:
             equal on every rank (DCP saves one copy; ckptstore refuses diverging copies).
         prefix: version names are ``f"{prefix}{step}"`` ...
         version_format: ... or ``version_format.format(step=step)`` when given
-            (e.g. ``"step-{step:06d}"``).
+            (e.g. ``"step-{step:06d}"``). The names scope the manager: :meth:`restore`,
+            :meth:`latest` and ``retention`` consider only versions named this way, so managers with
+            different prefixes share a root without seeing each other's versions.
+        reshard: let :meth:`restore` load a version saved by another number of ranks (default
+            False: such a version is skipped, with its reason in ``last_restore.skipped``).
+        fall_back_after: when the version :meth:`restore` would pick has been restored this many
+            times in a row with nothing newer committed in between (the job dies after every resume),
+            skip it and restore the one before (default None: never; the count is always in
+            ``last_restore.restore_count`` and warned about from 2 on).
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``endpoint_url``, ...).
     """
@@ -137,6 +167,8 @@ class CheckpointManager:
         per_rank_keys: tuple[str, ...] = (),
         prefix: str = "step-",
         version_format: str | None = None,
+        reshard: bool = False,
+        fall_back_after: int | None = None,
         **writer_options: Any,
     ) -> None:
         if interval_steps < 1:
@@ -156,6 +188,18 @@ class CheckpointManager:
         self.save_rng = save_rng
         self.prefix = prefix
         self.version_format = version_format
+        self.reshard = reshard
+        if fall_back_after is not None and fall_back_after < 1:
+            raise ValueError("fall_back_after must be >= 1 (or None)")
+        self.fall_back_after = fall_back_after
+        from .choice import version_pattern
+
+        #: the regular expression of the names this manager saves (its scope)
+        self.scope = version_pattern(prefix, version_format)
+        if retention is not None and getattr(retention, "match", None) is None and dataclasses.is_dataclass(retention):
+            retention = dataclasses.replace(retention, match=self.scope)
+        #: ``{name: {attempt: reason}}``: versions the next save of that name supersedes (set by restore)
+        self._supersede: dict[str, dict[str, str]] = {}
         self.state = state
         self.last_restore: RestoreInfo | None = None
         self.per_rank_keys = tuple(per_rank_keys)
@@ -211,7 +255,10 @@ class CheckpointManager:
             return False
         version = self.version_name(step)
         sd = self._state_dict(self._state(state))
-        self._writer.save_options(version, step=int(step), user_metadata=metadata)
+        # a name left by a damaged, unloadable or abandoned version is superseded, not refused
+        # (docs/FORMAT.md, "Superseding")
+        self._writer.save_options(version, step=int(step), user_metadata=metadata,
+                                  supersede=self._supersede.get(version))
         if self.executor == "process":
             self._wait_process()
             self._raise_errors()
@@ -257,6 +304,7 @@ class CheckpointManager:
                     info.local_commit_s = time.monotonic() - t0
                     self._track_remote(info, t0)
                 except BaseException as e:  # CheckpointException is a BaseException
+                    staged = job = None  # noqa: F841 - the host copy goes back to the stager now
                     self._failed(info, e)
             finally:
                 self._queue.task_done()
@@ -327,55 +375,111 @@ class CheckpointManager:
 
     # -- restoring ---------------------------------------------------------------------------------
     def latest(self) -> str | None:
-        """The newest version every rank can load (a collective on the manager's group:
-        :meth:`ckptstore.Store.latest_in_job`, the version ``StorageReader`` picks), or None."""
-        rec = self._agree(None)
-        return None if rec is None else rec.version
+        """The newest version in this manager's scope that every rank can load (a collective on the
+        manager's group: the choice :meth:`restore` makes), or None."""
+        view = self._choose(None, {})
+        return None if view is None else view.version
 
-    def _agree(self, version: str | None):
-        """The record of ``version`` (None: the newest every rank can load) as the job sees it."""
+    def _choose(self, version: str | None, failed: dict):
+        """The restore choice (:func:`ckptstore.choice.decide`) for ``version`` (None: the newest
+        loadable in scope), passing over ``failed`` versions; a collective on the manager's group."""
         from .store import Store
 
         st = Store(self.root, remote=self.remote, key=self._key, endpoint_url=self._reader_options.get("endpoint_url"))
+        world = dist.get_world_size(self._pg) if self._dist else 1
         try:
-            return st.agree(version, self._pg if self._dist else None)
+            return st.choose(version, self._pg if self._dist else None, exclude=failed, scope=self.scope,
+                             world_size=world, reshard=self.reshard, fall_back_after=self.fall_back_after)
         finally:
             st.close()
 
     def restore(self, state: dict[str, Any] | None = None, version: str | None = None) -> int | None:
-        """Load the newest version every rank can load (or ``version``) into ``state`` (default:
-        the constructor's) in place; return its step, or None when there is no checkpoint
-        (``state`` is left unchanged). :attr:`last_restore` then says what was loaded.
-        Raises :class:`~ckptstore.errors.VersionNotFoundError` (naming the missing objects) when
-        versions are committed but none can be loaded by every rank (e.g. a node lost its local root
-        and there is no remote tier): starting from scratch there would silently drop the run's
+        """Load the newest version in scope that every rank can load and verify (or ``version``) into
+        ``state`` (default: the constructor's) in place; return its step, or None when there is no
+        checkpoint (``state`` is left unchanged). :attr:`last_restore` then says what was loaded and
+        what was passed over.
+
+        Never needs a person (docs/FORMAT.md, "Restore choice"): a version marked damaged anywhere,
+        missing an object on every root and tier, saved by another number of ranks (unless
+        ``reshard``), or that fails verification while it is loaded is skipped on every rank — with
+        one warning naming version, object and place — and the next older one is loaded; whatever the
+        failed load wrote into ``state`` is overwritten by that version (model, optimizer, data loader
+        and RNG come from one version). The next :meth:`save` of a skipped or newer name supersedes it
+        instead of raising ``VersionExistsError``. An unreachable remote tier does not stop a restore
+        the roots can serve (``last_restore.remote_error``). An explicit ``version`` falls back to
+        nothing: its problem is raised.
+
+        Raises :class:`~ckptstore.errors.VersionNotFoundError` (listing why each version was skipped)
+        when versions are committed but none can be loaded by every rank (e.g. a node lost its local
+        root and there is no remote tier): starting from scratch there would silently drop the run's
         progress. Roots may be node-local (docs/FORMAT.md, "Placement").
 
-        When the version was saved by another world size (a resharded load), this rank's RNG
-        states and ``per_rank_keys`` values are not restored (there is no copy for this rank);
+        When the version was saved by another world size (``reshard=True``), this rank's RNG states
+        and ``per_rank_keys`` values are not restored (there is no copy for this rank);
         ``last_restore.rng_restored`` is False, so the caller can reseed.
         Raises what ``dcp.load`` raises (``ckptstore.errors`` types) when the version cannot be read."""
-        from .store import Store
-
         state = self._state(state)
         t0 = time.monotonic()
         self.wait()
-        rec = self._agree(version)
-        if rec is None:
-            return None
-        version = rec.version
         world = dist.get_world_size(self._pg) if self._dist else 1
-        same_world = rec.world_size is None or rec.world_size == world
-        sd = self._state_dict(state, for_load=True, per_rank=same_world)
-        reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg, **self._reader_options)
-        dcp.load(sd, checkpoint_id=version, storage_reader=reader, process_group=self._pg)
+        failed: dict[tuple, str] = {}
+        unverified: list = []
+        while True:
+            view = self._choose(version, failed)
+            if view is None:
+                return None
+            same_world = view.world_size in (None, 0, world)
+            sd = self._state_dict(state, for_load=True, per_rank=same_world)
+            reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg, **self._reader_options)
+            try:
+                dcp.load(sd, checkpoint_id=view.version, storage_reader=reader, process_group=self._pg)
+                break
+            except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+                why = _unverifiable(e)
+                if why is None or version is not None:
+                    raise
+                # the same exception reached every rank (DCP gathers every rank's failure), so every
+                # rank passes over the same version and agrees on the next one
+                failed[(view.version, view.attempt)] = why
+                unverified.append(view.version)
+                if self.rank == 0:
+                    log.warning("ckptstore: version %r failed verification while loading (%s); restoring the next "
+                                "older loadable version instead", view.version, why[0])
         self._apply(state, sd, per_rank=same_world)
         if not same_world and (self.save_rng or self.per_rank_keys):
             log.warning("ckptstore: %s was saved by %s ranks, this job has %s: per-rank values (RNG, %s) not restored",
-                        version, rec.world_size, world, ", ".join(self.per_rank_keys) or "-")
-        self.last_restore = RestoreInfo(version, rec.step, rec.world_size, same_world and self.save_rng,
-                                        same_world and bool(self.per_rank_keys), time.monotonic() - t0)
-        return rec.step
+                        view.version, view.world_size, world, ", ".join(self.per_rank_keys) or "-")
+        skipped = list(view.skipped)
+        if self.rank == 0:
+            for sk in skipped:
+                if sk.version not in unverified:
+                    log.warning("ckptstore: skipped version %r (%s): %s", sk.version, sk.kind, sk.reason)
+            if view.restore_count >= 1:
+                log.warning("ckptstore: version %r is restored for the %d%s time in a row and nothing newer was committed "
+                            "in between: the job ends after every resume%s", view.version, view.restore_count + 1,
+                            _nth(view.restore_count + 1),
+                            "" if self.fall_back_after else " (CheckpointManager(fall_back_after=K) skips it after K tries)")
+            self._log_restore(view)
+        self._supersede = {n: {a: _supersede_reason(n, skipped) for a in atts} for n, atts in view.newer.items()}
+        self.last_restore = RestoreInfo(view.version, view.step, view.world_size, same_world and self.save_rng,
+                                        same_world and bool(self.per_rank_keys), time.monotonic() - t0,
+                                        attempt=view.attempt, skipped=skipped, remote_error=view.remote_error,
+                                        restore_count=view.restore_count, stale=list(view.stale),
+                                        reads=dict(reader.stats))
+        return view.step
+
+    def _log_restore(self, view) -> None:
+        """Append this restore to the restore log of rank 0's root (docs/FORMAT.md, "Restore log")."""
+        from .dcp import _job
+        from .manifest.schema import utcnow
+
+        entry = {"version": view.version, "attempt": view.attempt, "newest": list(view.newest or ()), "time": utcnow(),
+                 "world_size": dist.get_world_size(self._pg) if self._dist else 1,
+                 "skipped": [sk.version for sk in view.skipped]}
+        try:
+            _job.append_restore_log(self._writer._tier, entry)
+        except OSError as e:  # the restore stands; only the restart-loop count misses it
+            log.warning("ckptstore: could not append to the restore log of %s: %s", self.root, e)
 
     def resume(self, state: dict[str, Any] | None = None, *, first_step: int = 1) -> int:
         """:meth:`restore` and return the step to run next: the restored step + 1, or
@@ -484,6 +588,36 @@ class CheckpointManager:
             self.close()
         except BaseException as e:  # noqa: BLE001
             log.error("ckptstore: CheckpointManager.close() after %s: %s", exc_type.__name__, e)
+
+
+def _unverifiable(e: BaseException) -> tuple | None:
+    """Why a failed load shows that its version cannot be loaded and verified (stored bytes that fail
+    their checksum or tag, an object missing everywhere, a damage mark): ``(one line naming the rank,
+    version, object and place, the object)`` — or None when the failure is of another kind (a key, a
+    state dict mismatch, the job itself), which falling back would not cure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .errors import DamagedVersionError, IntegrityError, KeyMismatchError, ObjectNotFoundError
+
+    if isinstance(e, CheckpointException):
+        fails = sorted((r, f[0] if isinstance(f, tuple) else f) for r, f in e.failures.items())
+    else:
+        fails = [(None, e)]
+    for r, x in fails:
+        if isinstance(x, (IntegrityError, DamagedVersionError, ObjectNotFoundError)) and not isinstance(x, KeyMismatchError):
+            return ("" if r is None else f"rank {r}: ") + f"{type(x).__name__}: {x}", getattr(x, "object", None)
+    return None
+
+
+def _supersede_reason(name: str, skipped: list) -> str:
+    for sk in skipped:
+        if sk.version == name:
+            return f"skipped at restore ({sk.kind})" + (f": {sk.object}" if sk.object else "")
+    return "newer than the restored version (an abandoned timeline)"
+
+
+def _nth(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
 def _the_module(state: dict[str, Any]) -> torch.nn.Module | None:

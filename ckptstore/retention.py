@@ -324,14 +324,15 @@ def evaluate(
 ) -> list[Decision]:
     """Decide, for the committed versions of one tier, which to keep and why. Pure.
 
-    ``versions`` in any order (sorted here, oldest → newest by commit time, then name); ``rules``
+    ``versions`` in any order (sorted here, oldest → newest by :attr:`VersionRecord.order`: step,
+    commit sequence, commit time, name — so a skewed clock never makes the last save deletable); ``rules``
     as above (empty: keep everything); ``now`` an aware datetime; ``protect``: extra
     ``{version: reason}`` to keep unconditionally. Returns one :class:`Decision` per version,
     oldest → newest.
     """
     if now.tzinfo is None:
         raise ValueError("now must be timezone-aware (UTC)")
-    recs = sorted(versions, key=lambda r: (r.created, r.version))
+    recs = sorted(versions, key=lambda r: r.order)  # step, commit sequence: never a clock (docs/FORMAT.md, "Order")
     reasons: dict[str, list[str]] = {r.version: [] for r in recs}
     if recs:
         reasons[recs[-1].version].append(REASON_NEWEST)
@@ -383,9 +384,15 @@ class RetentionPolicy:
 
     rules: tuple = ()
     per_tier: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    #: a regular expression (``re.fullmatch``) of the version names the policy governs; the others are
+    #: kept, and the newest-version protection applies per scope. None: every version.
+    #: ``CheckpointManager`` sets it to the names it saves (``prefix=``/``version_format=``).
+    match: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rules", _tuple(self.rules))
+        if self.match is not None:
+            re.compile(self.match)
         per = {}
         for t, rs in dict(self.per_tier or {}).items():
             if t not in ("local", "remote"):
@@ -400,8 +407,20 @@ class RetentionPolicy:
     def is_empty(self) -> bool:
         return not self.rules and not any(self.per_tier.values())
 
+    def in_scope(self, version: str) -> bool:
+        return self.match is None or re.fullmatch(self.match, version) is not None
+
     def decide(self, tier: str, versions: Iterable[VersionRecord], now: _dt.datetime, **kw) -> list[Decision]:
-        return evaluate(versions, self.rules_for(tier), now, **kw)
+        """:func:`evaluate` over the versions in scope (:attr:`match`); the others are kept."""
+        versions = list(versions)
+        inside = [r for r in versions if self.in_scope(r.version)]
+        out = evaluate(inside, self.rules_for(tier), now, **kw)
+        if len(inside) < len(versions):
+            why = (f"outside this policy's scope (names matching {self.match!r})",)
+            out += [Decision(r.version, True, why, r.created, r.step, r.attempt, r.pinned, r.damaged)
+                    for r in versions if not self.in_scope(r.version)]
+            out.sort(key=lambda d: next(r.order for r in versions if r.version == d.version))
+        return out
 
     def describe(self, tier: str | None = None) -> str:
         if tier is not None:
@@ -418,6 +437,7 @@ class RetentionPolicy:
         return {
             "rules": [r.to_json() for r in self.rules],
             "per_tier": {t: [r.to_json() for r in rs] for t, rs in sorted(self.per_tier.items())},
+            **({} if self.match is None else {"match": self.match}),
         }
 
     @classmethod
@@ -425,6 +445,7 @@ class RetentionPolicy:
         return cls(
             rules=[rule_from_json(r) for r in d.get("rules", [])],
             per_tier={t: [rule_from_json(r) for r in rs] for t, rs in d.get("per_tier", {}).items()},
+            match=d.get("match"),
         )
 
 
@@ -485,10 +506,10 @@ def across_tiers(
         remote = others["remote"]
         flying = set(in_flight)
         there = None if remote is None else {r.version for r in remote}
-        newest = None if not remote else max(r.created for r in remote)
+        newest = None if not remote else max(r.order for r in remote)
         for r in out:
             if there is not None and r.version in there:
                 continue
-            if there is None or r.version in flying or newest is None or r.created > newest:
+            if there is None or r.version in flying or newest is None or r.order > newest:
                 protect[r.version] = _pending_reason("remote")
     return out, protect

@@ -92,7 +92,7 @@ UNCHECKED = "unchecked"
 #: damage kinds of one object
 OBJECT_KINDS = ("missing", "truncated", "oversized", "corrupt", "digest", "frame-count", "undecodable")
 #: damage kinds of a version as a whole
-VERSION_KINDS = ("manifest", "key", "metadata", "marked")
+VERSION_KINDS = ("manifest", "key", "metadata", "marked", "divergent")
 
 _WINDOW = 16 << 20
 
@@ -767,7 +767,28 @@ def _scrub_version(tiers, entries, v, parts, verifier, deep, repair, master, key
             _check_metadata(tiers[n], vc, holders[n], codecs[n], master)
     for n, vc in checks.items():
         _settle_mark(tiers[n], vc, holders[n], repair, deep)
+    _check_divergence(holders, checks)
     report.versions.extend(checks[n] for n in tiers if n in checks)
+
+
+def _check_divergence(holders: dict, checks: dict[str, VersionCheck]) -> None:
+    """Tiers that hold different attempts of one name (docs/FORMAT.md, "One name, one content"):
+    every copy but the one :func:`ckptstore.manifest.order.resolve` chooses is reported (kind
+    ``divergent``): it is never loaded, and it is not repaired (it is another save)."""
+    from .manifest.order import resolve
+
+    if len({te.manifest.attempt for te in holders.values()}) < 2:
+        return
+    chosen = resolve([catalogue.copy_of(te.manifest, remote=(n == "remote")) for n, te in holders.items()])
+    winner = next(n for n, te in holders.items() if te.manifest.attempt == chosen)
+    for n, te in holders.items():
+        if te.manifest.attempt != chosen:
+            why = ("supersedes it" if te.manifest.attempt in holders[winner].manifest.superseded_attempts
+                   else "is the copy of record")
+            checks[n].issues.append(Issue("divergent", (
+                f"this copy (attempt {te.manifest.attempt}) is not the version: the {winner} tier holds attempt {chosen}, "
+                f"which {why}; this copy is never loaded. Remove it with 'ckptstore drop ROOT {te.manifest.version} "
+                f"--tier {n}' (the {winner} copy stays), or let the pending upload replace it")))
 
 
 def _codec_for(vc: VersionCheck, te, master, key_problem) -> FrameCodec | None:

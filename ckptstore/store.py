@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import TYPE_CHECKING
 
-from .errors import DamagedVersionError, VersionNotFoundError
+from .errors import DamagedVersionError, TransientStorageError, VersionNotFoundError
 from .manifest import catalogue, layout, placement
 from .manifest.catalogue import VersionRecord
 from .manifest.schema import ParsedManifest
 from .tiers import LocalTier, Tier, make_remote
+
+if TYPE_CHECKING:
+    from .choice import View
 
 
 class Store:
@@ -103,20 +107,28 @@ class Store:
     def agree(self, version: str | None, process_group=None) -> VersionRecord | None:
         """:meth:`latest_in_job` for ``version`` (None: the newest loadable): its record as the job
         sees it — also on a rank whose own root does not hold it. A collective in a job."""
+        view = self.choose(version, process_group)
+        if view is None:
+            return None
+        try:
+            for r in self.versions():
+                if r.version == view.version and r.attempt == view.attempt:
+                    return r
+        except TransientStorageError:  # the remote tier does not answer: the view's facts suffice
+            pass
+        return record_of(view)
+
+    def choose(self, version: str | None = None, process_group=None, **choice) -> "View | None":
+        """The restore choice (:func:`ckptstore.choice.decide`) over what every rank of
+        ``process_group`` holds — a collective in a job of more than one rank, this process's roots
+        otherwise. ``choice``: ``exclude``, ``scope``, ``world_size``, ``reshard``,
+        ``fall_back_after``. None when nothing is committed anywhere (and every tier answered).
+        Raises what :func:`~ckptstore.choice.decide` raises."""
         from .dcp import _job
 
-        if not _job.in_job(process_group):
-            return self.latest() if version is None else self.get(version)
-        try:
-            view, _me = _job.exchange(self.local, self.remote, process_group, version)
-        except VersionNotFoundError as e:
-            if version is None and "no committed version" in str(e):
-                return None
-            raise
-        for r in self.versions():
-            if r.version == view.version and r.attempt == view.attempt:
-                return r
-        return _record_from(view)
+        view, _me = _job.exchange(self.local, self.remote, process_group, version,
+                                  empty_ok=version is None, **choice)
+        return view
 
     def get(self, version: str) -> VersionRecord:
         for r in self.versions():
@@ -165,17 +177,21 @@ class Store:
             t.close()
 
 
-def _record_from(view) -> VersionRecord:
-    """The record of the view's version from another rank's report (this rank's tiers lack it)."""
+def record_of(view) -> VersionRecord:
+    """The record of the view's version from the reports (no further I/O)."""
     import datetime as _dt
 
+    created = _dt.datetime.fromisoformat((view.created or "1970-01-01T00:00:00Z").replace("Z", "+00:00"))
+    tiers = set()
+    if view.holders:
+        tiers.add("local")
+    if view.remote_ok:
+        tiers.add("remote")
+    nbytes = 0
     for rep in view.reports:
         e = rep["committed"].get(view.version)
         if e is not None and e["attempt"] == view.attempt:
-            created = _dt.datetime.fromisoformat(e["created"].replace("Z", "+00:00"))
-            return VersionRecord(view.version, created, e.get("step"), e.get("world_size", 0), e.get("nbytes", 0), 0,
-                                 frozenset(), False, False, view.attempt, False, None, {})
-    rem = (view.reports[0]["remote"] or {}).get(view.version) or {}
-    created = _dt.datetime.fromisoformat((rem.get("created") or "1970-01-01T00:00:00Z").replace("Z", "+00:00"))
-    return VersionRecord(view.version, created, rem.get("step"), rem.get("world_size", 0), 0, 0, frozenset({"remote"}),
+            nbytes = e.get("nbytes", 0)
+            break
+    return VersionRecord(view.version, created, view.step, view.world_size or 0, nbytes, 0, frozenset(tiers),
                          False, False, view.attempt, False, None, {})

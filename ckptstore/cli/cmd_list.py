@@ -16,7 +16,10 @@ def list_cmd(root, remote, endpoint_url, as_json):
     reads ``local(part k/n)`` (in --json: ``"parts": {"local": {"index", "count", "ranks",
     "whole"}}``; empty for a version held whole).
 
-    Invalid manifests are reported once each on stderr (in --json also under "problems").
+    Invalid manifests are reported once each on stderr (in --json also under "problems"). FLAGS:
+    ``supersedes`` (the commit replaced an earlier attempt of the name: ``ckptstore show``),
+    ``future-time`` (committed at a time ahead of this host's clock), ``stale:TIER`` (that tier holds
+    another copy of the name, which is not loaded).
     """
     st = open_store(root, remote, endpoint_url)
     with reported_here():
@@ -32,6 +35,14 @@ def list_cmd(root, remote, endpoint_url, as_json):
         _print_table(recs)
     for tier, key, why in st.problems:
         click.echo(f"warning: {tier} tier: ignored invalid manifest {key}: {why}", err=True)
+    for r in recs:
+        for t, a in r.stale:
+            click.echo(f"warning: {r.version}: the {t} tier holds another copy (attempt {a}) than the one listed "
+                       f"(attempt {r.attempt}); it is stale and is never loaded ('ckptstore scrub' reports it)", err=True)
+        if r.in_future:
+            click.echo(f"warning: {r.version} was committed at {r.created:%Y-%m-%d %H:%M:%S} UTC, in the future of this "
+                       "host's clock (a skewed clock on the saving host); its order comes from its step and commit "
+                       "sequence, not from that time", err=True)
 
 
 def _print_table(recs) -> None:
@@ -41,7 +52,9 @@ def _print_table(recs) -> None:
     tw = max([13] + [len("+".join(r.tier_labels)) for r in recs])
     click.echo(f"{'VERSION':<24} {'STEP':>8} {'CREATED (UTC)':<20} {'RANKS':>5} {'LOGICAL':>10} {'STORED':>10} {'TIERS':<{tw}} FLAGS")
     for r in recs:
-        flags = ",".join(x for x, on in (("pinned", r.pinned), ("damaged", r.damaged), ("encrypted", r.encrypted)) if on)
+        flags = ",".join(x for x, on in (("pinned", r.pinned), ("damaged", r.damaged), ("encrypted", r.encrypted),
+                                         ("supersedes", bool(r.supersedes)), ("future-time", r.in_future)) if on)
+        flags += "".join(f",stale:{t}" for t, _a in r.stale)
         click.echo(
             f"{r.version:<24} {('-' if r.step is None else r.step):>8} {r.created.strftime('%Y-%m-%d %H:%M:%S'):<20} "
             f"{r.world_size:>5} {human(r.nbytes):>10} {human(r.stored_bytes):>10} {'+'.join(r.tier_labels):<{tw}} {flags}"

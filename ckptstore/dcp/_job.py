@@ -22,15 +22,17 @@ the local roots hold, so a restore on the same nodes makes no remote GET.
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._names import decode_version
-from ..errors import (CkptStoreError, DamagedVersionError, IntegrityError, InvalidNameError, ManifestError,
+from ..choice import View, decide
+from ..errors import (CkptStoreError, InvalidNameError, ManifestError, ObjectNotFoundError, TransientStorageError,
                       UnsupportedFormatError, VersionNotFoundError)
 from ..manifest import catalogue, layout
 from ..manifest.schema import parse
@@ -38,43 +40,70 @@ from ._roots import copy_into
 
 log = logging.getLogger("ckptstore")
 
+__all__ = ["View", "exchange", "fetch_manifest", "in_job", "peer_plans", "run_peer_exchange",
+           "append_restore_log", "read_restore_log"]
+
+#: restore-log entries read back (the restart-loop rule needs only the last run of entries)
+_RESTORE_LOG_TAIL = 64
+
 
 def in_job(pg) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(pg) > 1
 
 
-def _report(local, remote, first: bool) -> dict:
-    """What this rank's root holds (and, on the first rank, the remote tier)."""
+def _facts(m, damaged: bool) -> dict:
+    """What the restore choice needs to know about one committed copy (``choice`` module docstring)."""
+    return {"attempt": m.attempt, "created": m.created, "seq": m.seq, "step": m.step, "damaged": damaged,
+            "objects": sorted(o.name for o in m.all_objects()), "world_size": m.world_size, "nbytes": m.nbytes,
+            "supersedes": sorted(m.superseded_attempts), "groups": len(m.placement or ()) or 1}
+
+
+def _report(local, remote, first: bool, rank: int) -> dict:
+    """What this rank's root holds (and, on the first rank, the remote tier and the restore log)."""
     committed: dict[str, dict] = {}
     parts: dict[str, dict[str, list]] = {}
+    problems: list = []
     if local is not None:
-        for v, e in catalogue.scan(local).items():
-            m = e.manifest
-            committed[v] = {"attempt": m.attempt, "created": m.created, "damaged": e.damaged,
-                            "objects": sorted(o.name for o in m.all_objects()), "step": m.step,
-                            "world_size": m.world_size, "nbytes": m.nbytes}
+        for v, e in catalogue.scan(local, problems).items():
+            committed[v] = {**_facts(e.manifest, e.damaged), "md5": e.md5}
         for info in local.list(layout.VERSIONS + "/"):
             att = layout.attempt_of_key(info.key)
             v = layout.version_of_key(info.key)
             if att is None or v is None or layout.is_temporary(info.key):
                 continue
             parts.setdefault(v, {}).setdefault(att, []).append(info.key[len(layout.version_dir(v)) + 1 :])
-    rep: dict[str, Any] = {"rank": dist.get_rank(), "committed": committed, "parts": parts, "remote": None}
-    if first and remote is not None:
-        rep["remote"] = _remote_view(remote, committed)
+    invalid = {}
+    for _t, key, why in problems:
+        v = layout.version_of_key(key)
+        if v is not None:
+            invalid[v] = f"{why} (in {local.url})"
+    rep: dict[str, Any] = {"rank": rank, "root": None if local is None else local.url, "committed": committed,
+                           "parts": parts, "remote": None, "remote_error": None, "restores": [], "invalid": invalid}
+    if first:
+        rep["restores"] = read_restore_log(local)
+        if remote is not None:
+            try:
+                rep["remote"] = _remote_view(remote, committed, invalid)
+            except TransientStorageError as e:
+                # the remote tier does not answer: restore from what the roots hold (docs/FORMAT.md,
+                # Read rule 9); transient is never absent, so nothing is marked or deleted because of it
+                rep["remote_error"] = str(e)
     return rep
 
 
-def _remote_view(remote, local_committed: dict) -> dict:
-    """``{version: {"attempt", "created", "damaged"}}`` of the remote tier from one listing; a remote
-    manifest is read only for a version no local root of this rank holds whose remote manifest is
-    newer (LastModified) than that of every version this rank holds (``attempt``/``created`` None:
-    same as the local copy). LastModified has a resolution of one second on many servers: a
-    remote-only version committed in the same second as the newest local one is not considered
-    newer (the local one, committed in both tiers, is loaded)."""
+def _remote_view(remote, local_committed: dict, invalid: dict | None = None) -> dict:
+    """``{version: facts}`` of the remote tier from one listing (docs/FORMAT.md, Read rule 6).
+
+    A remote manifest whose ETag is the MD5 of this rank's copy is that copy (no GET). Otherwise it is
+    read when this rank holds another copy of the name (a possibly divergent copy: docs/FORMAT.md,
+    "One name, one content"), or when this rank lacks the version and its remote manifest is newer
+    (LastModified, the server's one clock) than that of every version this rank holds; the others are
+    listed as ``{"attempt": None}`` (not read: older than what the roots hold). LastModified has a
+    resolution of one second on many servers: a remote-only version committed in the same second as
+    the newest local one is not considered newer. A damage mark is read to check its attempt."""
     listing = list(remote.list(layout.VERSIONS + "/"))
-    manifests = {}
-    damaged = set()
+    manifests: dict[str, Any] = {}
+    marks = set()
     for i in listing:
         parts = i.key.split("/")
         if len(parts) != 3:
@@ -84,16 +113,17 @@ def _remote_view(remote, local_committed: dict) -> dict:
         except Exception:  # noqa: BLE001 - not a version directory: catalogue/scrub report it
             continue
         if parts[2] == layout.MANIFEST:
-            manifests[v] = i.mtime
+            manifests[v] = i
         elif parts[2] == layout.DAMAGED:
-            damaged.add(v)
-    both = [t for v, t in manifests.items() if v in local_committed]
+            marks.add(v)
+    both = [i.mtime for v, i in manifests.items() if v in local_committed]
     newest_both = max(both) if both else None
-    out = {}
-    for v, t in manifests.items():
-        if v in local_committed:
-            out[v] = {"attempt": None, "created": None, "damaged": v in damaged}
-        elif newest_both is None or t > newest_both:
+    out: dict[str, dict] = {}
+    for v, info in manifests.items():
+        lc = local_committed.get(v)
+        if lc is not None and info.etag and info.etag == lc.get("md5"):
+            facts = {k: val for k, val in lc.items() if k != "md5"}
+        elif lc is not None or newest_both is None or info.mtime > newest_both:
             try:
                 m = catalogue.read_manifest(remote, v).manifest
             except VersionNotFoundError:  # un-committed since the listing
@@ -102,57 +132,64 @@ def _remote_view(remote, local_committed: dict) -> dict:
                 # invalid: not a candidate (scrub reports it). A storage error is raised: transient
                 # is never absent (docs/FORMAT.md, Read rule 5)
                 log.warning("ignoring remote manifest of %r: %s", v, e)
+                if invalid is not None:
+                    invalid[v] = f"{e} (in {remote.url})"
                 continue
-            out[v] = {"attempt": m.attempt, "created": m.created, "damaged": v in damaged, "step": m.step,
-                      "world_size": m.world_size}
+            facts = _facts(m, False)
+        else:
+            out[v] = {"attempt": None, "damaged": v in marks}
+            continue
+        facts["damaged"] = v in marks and catalogue._mark_applies(remote, layout.damaged_key(v), facts["attempt"])
+        out[v] = facts
     return out
 
 
-@dataclasses.dataclass
-class View:
-    """The decisions of one load, identical on every rank."""
-
-    version: str
-    attempt: str
-    reports: list  # by group rank
-    remote_ok: bool  # the remote tier holds this attempt committed
-    holders: list  # group ranks whose root has the manifest committed
-    needed: list  # object names of the version (metadata object included)
-
-    def __post_init__(self) -> None:
-        # derived once: peer_plans asks for every read item of every rank
-        self._present = [set(r["parts"].get(self.version, {}).get(self.attempt, [])) for r in self.reports]
-        self._first_holder: dict[str, int] = {}
-        for j in reversed(range(len(self.reports))):
-            for name in self._present[j]:
-                self._first_holder[name] = j
-
-    def present(self, i: int) -> set:
-        return self._present[i]
-
-    def global_rank(self, i: int) -> int:
-        return self.reports[i]["rank"]
-
-    def source(self, i: int, name: str):
-        """Where group rank ``i`` reads object ``name``: "local", "remote" or a peer's group rank."""
-        if name in self._present[i]:
-            return "local"
-        if name in self._first_holder:
-            return self._first_holder[name]
-        if self.remote_ok:
-            return "remote"
-        raise CkptStoreError(f"object {name!r} of version {self.version!r} is on no root of this job")
-
-    def has_manifest(self, i: int) -> bool:
-        return i in self.holders
+def read_restore_log(local) -> list:
+    """The last entries of the root's restore log (docs/FORMAT.md, "Restore log"), oldest first; a
+    torn or unreadable line is skipped."""
+    if local is None:
+        return []
+    try:
+        data = local.get(layout.RESTORE_LOG)
+    except (ObjectNotFoundError, CkptStoreError, OSError):
+        return []
+    out = []
+    for line in data.splitlines()[-_RESTORE_LOG_TAIL:]:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(e, dict):
+            out.append(e)
+    return out
 
 
-def exchange(local, remote, pg, version: str | None) -> tuple[View, int]:
-    """Gather every rank's report and decide (see the module docstring); returns the view and this
-    rank's index in the group. Raises the same error on every rank when nothing can be loaded."""
+def append_restore_log(local, entry: dict) -> None:
+    """Append one line to the root's restore log (one ``write`` of a line with ``O_APPEND``, then
+    fsync: a crash leaves at most a torn last line, which :func:`read_restore_log` skips)."""
+    path = local.local_path(layout.RESTORE_LOG)
+    if path is None:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    line = (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def exchange(local, remote, pg, version: str | None, **choice) -> tuple[View, int]:
+    """Gather every rank's report and decide (see the module docstring; ``choice``: keyword arguments
+    of :func:`ckptstore.choice.decide`); returns the view and this rank's index in the group. Outside
+    a job of more than one rank, the one report is this process's. Raises the same error on every
+    rank when nothing can be loaded."""
+    if not in_job(pg):
+        return _said(decide([_report(local, remote, True, 0)], version, where=_where(local, remote), **choice)), 0
     me = dist.get_rank(pg)
     try:
-        mine: Any = _report(local, remote, me == 0)
+        mine: Any = _report(local, remote, me == 0, dist.get_rank())
     except Exception as e:  # noqa: BLE001 - every rank must reach the collective; raised below
         mine = {"error": e}
     reports: list = [None] * dist.get_world_size(pg)
@@ -164,86 +201,26 @@ def exchange(local, remote, pg, version: str | None) -> tuple[View, int]:
                 raise err
             raise type(err)(f"rank {i} of the load could not read its root: {err}") if isinstance(err, CkptStoreError) \
                 else CkptStoreError(f"rank {i} of the load could not read its root: {err!r}")
-    return decide(reports, version, where=_where(local, remote)), me
+    view = decide(reports, version, where=_where(local, remote), **choice)
+    return (_said(view) if me == 0 else view), me
+
+
+def _said(view):
+    """Warn (once per load, on the first rank) what the choice passed over."""
+    if view is None:
+        return view
+    if view.remote_error:
+        log.warning("ckptstore: the remote tier could not be read (%s); restoring %r from what the roots of this "
+                    "job hold, without consulting it", view.remote_error, view.version)
+    for where, att in view.stale:
+        log.warning("ckptstore: %s holds another copy of version %r (attempt %s), not the one the catalogue chose "
+                    "(attempt %s): it is stale or superseded and is not loaded ('ckptstore scrub' reports it)",
+                    where, view.version, att, view.attempt)
+    return view
 
 
 def _where(local, remote) -> str:
     return " or ".join(f"{t.name} tier {t.url}" for t in (local, remote) if t is not None)
-
-
-def decide(reports: list, version: str | None, where: str = "") -> View:
-    remote = reports[0]["remote"] or {}
-    cands: dict[str, tuple] = {}  # version -> (created, attempt)
-    damaged: set = set()
-    for rep in reports:
-        for v, e in rep["committed"].items():
-            if e["damaged"]:
-                damaged.add((v, e["attempt"]))
-                continue
-            key = (e["created"], e["attempt"])
-            if v not in cands or key > cands[v]:
-                cands[v] = key
-    for v, e in remote.items():
-        if e["created"] is not None and not e["damaged"] and v not in cands:
-            cands[v] = (e["created"], e["attempt"])
-
-    def remote_ok(v, a) -> bool:
-        e = remote.get(v)
-        return e is not None and not e["damaged"] and e["attempt"] in (None, a)
-
-    def needed(v, a) -> list:
-        for rep in reports:
-            e = rep["committed"].get(v)
-            if e is not None and e["attempt"] == a:
-                return e["objects"]
-        return []
-
-    def missing(v, a) -> list:
-        have = set()
-        for rep in reports:
-            have.update(rep["parts"].get(v, {}).get(a, []))
-        return [n for n in needed(v, a) if n not in have]
-
-    def view(v, a) -> View:
-        holders = [i for i, rep in enumerate(reports) if rep["committed"].get(v, {}).get("attempt") == a
-                   and not rep["committed"][v]["damaged"]]
-        return View(v, a, reports, remote_ok(v, a), holders, needed(v, a))
-
-    if version is not None:
-        if any(v == version for v, _a in damaged) and version not in cands:
-            raise DamagedVersionError(f"version {version!r} is marked damaged on a root of this job; load another "
-                                      "version or run 'ckptstore scrub --repair' on that node")
-        if version not in cands:
-            raise VersionNotFoundError(f"version {version!r} is not committed on any root of this job nor in {where}; "
-                                       "run 'ckptstore list' on the nodes to see what is")
-        a = cands[version][1]
-        if not remote_ok(version, a):
-            lost = missing(version, a)
-            if lost:  # committed, but objects are lost: as a load of a missing object (Read rule 4)
-                raise IntegrityError(_lost_message(version, lost, reports), object=lost[0])
-        return view(version, a)
-    order = sorted(cands.items(), key=lambda kv: (kv[1][0], kv[0]), reverse=True)
-    skipped = []
-    for v, (_created, a) in order:
-        if remote_ok(v, a) or not missing(v, a):
-            if skipped:
-                log.warning("ckptstore: newer versions %s are not loadable by every rank of this job (objects on no "
-                            "root and not in the remote tier); loading %r", skipped, v)
-            return view(v, a)
-        skipped.append(v)
-    if order:
-        v, (_c, a) = order[0]
-        raise VersionNotFoundError(_lost_message(v, missing(v, a), reports, newest=True))
-    raise VersionNotFoundError(f"no committed version on any root of this job nor in {where}; nothing to load "
-                               "(save one first, or check root/remote)")
-
-
-def _lost_message(v: str, lost: list, reports: list, newest: bool = False) -> str:
-    shown = ", ".join(lost[:8]) + (" ..." if len(lost) > 8 else "")
-    return (f"{'no version is loadable by every rank: the newest, ' if newest else ''}version {v!r} cannot be "
-            f"loaded by this job: objects {shown} are on none of the roots of ranks "
-            f"{[r['rank'] for r in reports]} and the version is not committed in a remote tier. Start the job "
-            "on the nodes that hold them, restore those roots, or load another version")
 
 
 def fetch_manifest(view: View, me: int, local, remote, pg) -> tuple[bytes, bytes | None]:

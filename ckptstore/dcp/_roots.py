@@ -169,8 +169,16 @@ def copy_into(tier: LocalTier, version: str, attempt: str, manifest: bytes, meta
     if len(metadata) != m.metadata_object.size:
         raise CkptStoreError(f"metadata object copy of {version!r} has {len(metadata)} bytes, manifest says {m.metadata_object.size}")
     tier.put(key, metadata)
+    mkey = layout.manifest_key(version)
     try:
-        tier.put_if_absent(layout.manifest_key(version), manifest)
+        tier.put_if_absent(mkey, manifest)
     except ObjectExistsError:
-        pass
+        # a copy of an attempt this commit supersedes is replaced (docs/FORMAT.md, "Superseding");
+        # any other copy stays (the same attempt, or a divergent one the restore choice reports)
+        try:
+            old = parse(tier.get(mkey), expect_version=version).manifest.attempt
+        except CkptStoreError:
+            old = None
+        if old is not None and old in m.superseded_attempts:
+            tier.put(mkey, manifest)
     return m

@@ -17,6 +17,8 @@ class LocalPlanData:
 
     rank: int
     probe: int | None = None  # the nonce of this rank's root probe (docs/FORMAT.md, "Placement")
+    seq: int | None = None  # the highest commit sequence in this rank's root (docs/FORMAT.md, "Order")
+    existing: str | None = None  # the attempt of this version name already committed in this rank's root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,9 @@ class PlanData:
     key_id: str | None
     probes: tuple = ()
     coordinator: int = 0
+    #: versions committed locally but not remotely that every rank uploads its part of again in this
+    #: save (a crash or an outage cut their remote commit off; docs/FORMAT.md, Save rule 6)
+    restage: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

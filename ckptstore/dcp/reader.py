@@ -50,6 +50,7 @@ from ..errors import (
     KeyMismatchError,
     ObjectNotFoundError,
     StateDictKeysError,
+    TransientStorageError,
     VersionNotFoundError,
 )
 from ..manifest import layout, placement
@@ -161,7 +162,6 @@ class StorageReader(_DCPStorageReader):
         self._objects: dict[str, ObjectEntry] = {}
         self._metadata: Metadata | None = None
         self._deferred: Exception | None = None
-        self._alt: list | None = None
         self._alt_lock = threading.Lock()
         self._repaired: set[str] = set()
         self.rank = 0
@@ -187,24 +187,12 @@ class StorageReader(_DCPStorageReader):
         return self.version
 
     # -- metadata --------------------------------------------------------------------------
-    def _resolve_version(self) -> str:
-        if self.version is not None:
-            return self.version
-        rec = self._store.latest()
-        if rec is None:
-            raise VersionNotFoundError(
-                f"no committed version in {self._store._where()}; nothing to load (save one first, "
-                "or check root/remote)"
-            )
-        return rec.version
-
-    def _join(self) -> tuple | None:
-        """In a job of more than one rank: the load's shared decisions (``_job``), made once per
-        load by every rank together — before anything that can fail on one rank only, and never
-        again for DCP's retry of ``read_metadata`` — else None."""
+    def _join(self) -> tuple:
+        """The load's decisions (:func:`ckptstore.choice.decide` over every rank's report, ``_job``):
+        in a job made once per load by every rank together — before anything that can fail on one
+        rank only, and never again for DCP's retry of ``read_metadata``; outside a job from this
+        process's own report. Returns ``(view, group rank, manifest file, metadata bytes or None)``."""
         if self._joined is None:
-            if not _job.in_job(self._pg):
-                return None
             try:
                 view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version)
                 body, meta = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
@@ -215,37 +203,26 @@ class StorageReader(_DCPStorageReader):
             raise self._joined[0]
         return self._joined
 
+    @property
+    def view(self):
+        """The :class:`ckptstore.choice.View` of the last load (None before ``read_metadata``)."""
+        j = self._joined
+        return j[0] if j is not None and len(j) > 1 else None
+
     def _tier_for(self, obj: str):
-        """The tier this rank reads ``obj`` from first: in a job, its root, else the remote tier,
-        else a peer's root (bytes received in ``read_data``)."""
-        if self._joined is None or len(self._joined) == 1:
-            return self.tier
+        """The tier this rank reads ``obj`` from first: its root, else another rank's root (bytes
+        received in ``read_data``), else the remote tier (``choice.View.source``)."""
         view, me = self._joined[0], self._joined[1]
         src = view.source(me, obj)
         if src == "local":
             return self._store.local
         if src == "remote" or (view.remote_ok and obj == self.manifest.metadata_object.name):
             return self._store.remote  # the metadata object is read whole: never from a peer's bytes
-        return _PeerTier(self.version, self._peer, view.global_rank(src))
-
-    def _open_version(self, version: str) -> None:
-        """Pick the tier, verify the manifest and set up the frame codec."""
-        last: Exception | None = None
-        for name, tier in self._store.tiers.items():
-            try:
-                parsed = self._store.manifest(version, name)
-            except VersionNotFoundError as e:
-                last = e
-                continue
-            self._open_parsed(parsed, tier)
-            return
-        raise last or VersionNotFoundError(f"version {version!r} not found")
+        return _PeerTier(self.version, self._peer, view.global_rank(src), view.reports[src].get("root"))
 
     def _open_parsed(self, parsed, tier) -> None:
         """Verify ``parsed`` (the HMAC with a key) and set up the frame codec for its version."""
         version = parsed.manifest.version
-        if tier is not None:
-            self._store.check_not_damaged(version, tier)
         m = parsed.manifest
         cipher = None
         if m.encrypted:
@@ -267,55 +244,54 @@ class StorageReader(_DCPStorageReader):
         self.codec = FrameCodec(version, m.attempt, cipher)
         self._objects = {o.name: o for o in m.all_objects()}
 
-    def _alt_tiers(self) -> list:
-        """Other tiers holding the same attempt (fallback when an object fails in the first).
+    def _alt_tiers(self, obj: str) -> list:
+        """Other places holding ``obj`` of the chosen attempt, tried when the first fails: this rank's
+        root (when it holds an unmarked copy) and the remote tier (when its committed copy is this
+        attempt) — known from the view, so a healthy load reads no other manifest."""
+        view, me = self._joined[0], self._joined[1]
+        out = []
+        if self._store.local is not None and obj in view.present(me):
+            out.append(self._store.local)
+        if view.remote_ok and self._store.remote is not None:
+            out.append(self._store.remote)
+        return out
 
-        Looked up once, on the first failure, and cached: a healthy load reads no other manifest.
-        """
-        with self._alt_lock:
-            if self._alt is None:
-                alt = []
-                for name, tier in self._store.tiers.items():
-                    if tier is self.tier:
-                        continue
-                    try:
-                        p = self._store.manifest(self.version, name)
-                    except CkptStoreError:
-                        continue
-                    if p.manifest.attempt == self.manifest.attempt:
-                        alt.append(tier)
-                self._alt = alt
-            return self._alt
+    def _place(self, tier) -> str:
+        name = self._tier_name(tier)
+        return f"the {name} tier ({tier.url})" if name in ("local", "remote") else getattr(tier, "url", name)
 
     def _with_fallback(self, obj: str, read):
-        """``read(tier)`` on the chosen tier, then on the other tiers holding the same attempt.
+        """``read(tier)`` on the chosen tier, then on the other places holding the same attempt.
 
-        A read served by another tier is never silent: warned, counted, optionally repaired.
+        A read served by another tier is never silent: warned, counted, optionally repaired. When no
+        place serves a verified copy, :class:`IntegrityError` names the version, the object and every
+        place tried (``.version``/``.object`` set, so a manager can skip the version).
         """
         first_tier = self._tier_for(obj)
+        tried = []
         try:
             return read(first_tier)
         except (IntegrityError, ObjectNotFoundError) as e:
             last: Exception = e
+            tried.append(f"{self._place(first_tier)}: {e}")
         first = last
-        for tier in self._alt_tiers():
+        for tier in self._alt_tiers(obj):
             if tier is first_tier:
                 continue
             try:
                 out = read(tier)
             except (IntegrityError, ObjectNotFoundError) as e:
                 last = e
+                tried.append(f"{self._place(tier)}: {e}")
                 continue
-            self._fell_back(obj, tier, first)
+            self._fell_back(obj, tier, first, first_tier)
             return out
-        if isinstance(last, ObjectNotFoundError):
-            hint = ""
-            if placement.is_split(self.manifest) and self._joined is None:
-                hint = (f". Version {self.version!r} is split over {len(placement.groups(self.manifest))} roots "
-                        f"(root groups of ranks {self.manifest.placement}); load it in a job whose ranks see those roots "
-                        "(every node's ranks pass their node's root) or from a remote tier that holds it")
-            raise IntegrityError(f"object {obj!r} of version {self.version!r} is missing from every tier: {last}{hint}", object=obj)
-        raise last
+        what = "is missing from" if isinstance(last, ObjectNotFoundError) else "fails verification in"
+        raise IntegrityError(
+            f"version {self.version!r}: object {obj!r} {what} every place that holds it ({'; '.join(tried)}). "
+            "Load another version (CheckpointManager.resume() falls back to the next older loadable one), "
+            "or restore the object ('ckptstore scrub --repair' with a tier that holds a verified copy)",
+            object=obj, version=self.version)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Verify and return the DCP metadata of the version (see the module docstring).
@@ -340,23 +316,24 @@ class StorageReader(_DCPStorageReader):
                 return name
         return type(tier).__name__
 
-    def _fell_back(self, obj: str, tier, cause: Exception) -> None:
+    def _fell_back(self, obj: str, tier, cause: Exception, failed) -> None:
         with self._alt_lock:
             self.stats["fallback_reads"] += 1
         log.warning(
-            "ckptstore: object %r of version %r failed in the %s tier (%s); read it from the %s tier instead%s",
-            obj, self.version, self._tier_name(self.tier), cause, self._tier_name(tier),
+            "ckptstore: object %r of version %r failed in %s (%s); read it from %s instead%s",
+            obj, self.version, self._place(failed), cause, self._place(tier),
             "" if self.read_repair else " (pass read_repair=True to StorageReader to rewrite the local copy, "
             "or run 'ckptstore scrub --repair')",
         )
-        if self.read_repair:
+        if self.read_repair and failed is self._store.local:
             self._repair(obj, tier)
 
     def _repair(self, obj: str, good_tier) -> None:
-        """Rewrite ``obj`` in the chosen (local) tier from ``good_tier``'s copy, verified in full first."""
+        """Rewrite ``obj`` in this rank's root from ``good_tier``'s copy, verified in full first."""
         from ..tiers import LocalTier
 
-        if not isinstance(self.tier, LocalTier):
+        local = self._store.local
+        if not isinstance(local, LocalTier):
             return
         with self._alt_lock:
             if obj in self._repaired:  # once per object and load, whichever thread fails first
@@ -369,34 +346,31 @@ class StorageReader(_DCPStorageReader):
         try:
             data = good_tier.get(key)
             self._decode_whole(entry, data)  # every frame, the header digest and the size
-            self.tier.put(key, data)  # temp file, fsync, atomic replace
+            local.put(key, data)  # temp file, fsync, atomic replace
         except CkptStoreError as e:
             log.warning("ckptstore: read-repair of %r in version %r failed: %s", obj, self.version, e)
             return
         with self._alt_lock:
             self.stats["repaired"] += 1
-        log.warning("ckptstore: repaired %r of version %r in the %s tier from the %s tier",
-                    obj, self.version, self._tier_name(self.tier), self._tier_name(good_tier))
+        log.warning("ckptstore: repaired %r of version %r in %s from %s",
+                    obj, self.version, self._place(local), self._place(good_tier))
 
     def _read_metadata(self) -> Metadata:
         if self._metadata is not None:
             return self._metadata
-        joined = self._join()
-        if joined is None:
-            self.version = self._resolve_version()
-            self._open_version(self.version)
-            blob = self._read_whole_object(self.manifest.metadata_object)
-        else:
-            view, me, body, meta = joined
-            self.version = view.version
-            tier = self._store.local if view.has_manifest(me) or not view.remote_ok else self._store.remote
-            self._open_parsed(parse_manifest(body, expect_version=view.version), tier)
-            entry = self.manifest.metadata_object
-            blob = self._decode_whole(entry, meta) if meta is not None else self._read_whole_object(entry)
+        view, me, body, meta = self._join()
+        self.version = view.version
+        tier = self._store.local if view.has_manifest(me) or not view.remote_ok else self._store.remote
+        parsed = parse_manifest(body, expect_version=view.version)
+        if parsed.manifest.attempt != view.attempt:  # re-committed between the listing and this read
+            raise TransientStorageError(f"version {view.version!r} was committed again while this load started "
+                                        f"(attempt {parsed.manifest.attempt}, chose {view.attempt}); load again")
+        self._open_parsed(parsed, tier)
         entry = self.manifest.metadata_object
+        blob = self._decode_whole(entry, meta) if meta is not None else self._read_whole_object(entry)
         md = _restricted_loads(blob, entry.name)
         if not isinstance(md, Metadata):
-            raise IntegrityError(f"{entry.name} does not hold DCP Metadata", object=entry.name)
+            raise IntegrityError(f"{entry.name} does not hold DCP Metadata", object=entry.name, version=self.version)
         self._validate_storage_data(md)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -467,8 +441,7 @@ class StorageReader(_DCPStorageReader):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", 0) or 0
         if self.codec is None:  # metadata handed in from elsewhere: open our version now
-            self.version = self._resolve_version()
-            self._open_version(self.version)
+            self._read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -656,10 +629,10 @@ class _PeerTier:
 
     name = "peer"
 
-    def __init__(self, version: str, got: dict, rank: int) -> None:
+    def __init__(self, version: str, got: dict, rank: int, root: str | None = None) -> None:
         self._vdir = layout.version_dir(version) + "/"
         self._got = got
-        self.url = f"rank {rank}'s root"
+        self.url = f"the root of rank {rank} ({root or '?'})"
 
     def get_ranges(self, key: str, ranges) -> list[bytes]:
         obj = key[len(self._vdir):]

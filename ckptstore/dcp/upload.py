@@ -49,7 +49,8 @@ import weakref
 
 from .. import _faults
 from ..codec.frame import FrameWalk, xxh3, xxh3_stream
-from ..errors import CkptStoreError, IntegrityError, StorageError
+from ..errors import (CkptStoreError, IntegrityError, ManifestError, ObjectNotFoundError, StorageError,
+                      VersionExistsError, VersionNotFoundError)
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry
@@ -185,6 +186,15 @@ class PartStream:
             self._close_fd()
 
 
+def _remote_attempt(remote: Tier, version: str) -> str | None:
+    from ..manifest import catalogue
+
+    try:
+        return catalogue.read_manifest(remote, version).manifest.attempt
+    except (VersionNotFoundError, ManifestError):
+        return None
+
+
 def _pread_all(fd: int, n: int, off: int) -> bytes:
     parts = []
     while n > 0:
@@ -217,6 +227,8 @@ class Uploader:
         self._failed_keys: set[str] = set()
         self._versions: dict[cf.Future, str] = {}
         self._streams: dict[str, PartStream] = {}
+        #: failed jobs, submitted again at the next save (or close): ``{what: (kind, args)}``
+        self._retry: dict[str, tuple] = {}
         _live.add(self)
 
     # -- rank side -------------------------------------------------------------------------
@@ -234,7 +246,12 @@ class Uploader:
         with self._lock:
             return self._streams.pop(key, None)
 
-    def upload_object(self, version: str, entry: ObjectEntry, rank: int) -> cf.Future:
+    def upload_object(self, version: str, entry: ObjectEntry, rank: int, *, retry: bool = True) -> cf.Future:
+        """Upload this rank's committed object ``entry`` of ``version`` and write its rank marker.
+        First submits again the uploads of earlier versions that failed (an unreachable remote tier):
+        the next save stages what an outage held back (docs/FORMAT.md, Save rule 6)."""
+        if retry:
+            self.retry_failed("object")
         key = layout.object_key(version, entry.name)
         stream = self._forget_stream(key)
 
@@ -254,7 +271,41 @@ class Uploader:
                 raise
             return self._after_upload(version, entry, rank, key)
 
-        return self._submit(f"{version}/{entry.name}", job, version)
+        return self._submit(f"{version}/{entry.name}", job, version, retry=("object", (version, entry, rank)))
+
+    def retry_failed(self, kind: str | None = None) -> list[str]:
+        """Submit again the failed jobs of ``kind`` (``"object"``, ``"commit"``; None: both, objects
+        first) whose version is still committed locally with the same attempt; returns what was
+        submitted. A job that fails again is recorded again."""
+        from ..manifest import catalogue
+
+        with self._lock:
+            todo = [(w, k, a) for w, (k, a) in self._retry.items() if kind is None or k == kind]
+        todo.sort(key=lambda t: t[1] != "object")
+        done = []
+        for what, k, args in todo:
+            version = args[0] if k == "object" else args[0].version
+            attempt = (args[1].name.split("/")[1]) if k == "object" else args[0].attempt
+            try:
+                if k == "object":
+                    if self.local.stat(layout.object_key(version, args[1].name)).size != args[1].size:
+                        raise ObjectNotFoundError("changed")
+                elif catalogue.read_manifest(self.local, version).manifest.attempt != attempt:
+                    raise VersionNotFoundError("re-committed")
+            except (ObjectNotFoundError, VersionNotFoundError, ManifestError):
+                with self._lock:
+                    self._retry.pop(what, None)  # gone or replaced locally: nothing left to stage
+                continue
+            with self._lock:
+                self._retry.pop(what, None)
+            if k == "object":
+                self.upload_object(*args, retry=False)
+            else:
+                self.commit(*args, retry=False)
+            done.append(what)
+        if done:
+            log.info("ckptstore: staging again what an earlier save could not upload: %s", done)
+        return done
 
     def _after_upload(self, version: str, entry: ObjectEntry, rank: int, key: str) -> str:
         got = self.remote.stat(key).size
@@ -266,8 +317,13 @@ class Uploader:
         return key
 
     # -- coordinator side ----------------------------------------------------------------------
-    def commit(self, m: Manifest, body: bytes, overwrite: bool) -> cf.Future:
-        return self._submit(f"{m.version} (remote commit)", lambda: self._commit(m, body, overwrite), m.version)
+    def commit(self, m: Manifest, body: bytes, overwrite: bool, *, retry: bool = True) -> cf.Future:
+        """The remote commit of ``m`` (after every rank's marker); first submits again the remote
+        commits of earlier versions that failed (see :meth:`upload_object`)."""
+        if retry:
+            self.retry_failed("commit")
+        return self._submit(f"{m.version} (remote commit)", lambda: self._commit(m, body, overwrite), m.version,
+                            retry=("commit", (m, body, overwrite)))
 
     def _commit(self, m: Manifest, body: bytes, overwrite: bool) -> str:
         v = m.version
@@ -305,7 +361,15 @@ class Uploader:
             mk = seen[r]
             if mk.get("size") != o.size or mk.get("digest") != o.digest:
                 raise UploadError(f"version {v!r}: rank {r}'s uploaded object does not match the manifest")
-        commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest", hint="the remote copy was not replaced")
+        try:
+            commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest",
+                            hint="the remote copy was not replaced")
+        except VersionExistsError:
+            # a superseding save replaces the remote copy of an attempt it supersedes, and no other
+            # (docs/FORMAT.md, "Superseding")
+            if not m.superseded_attempts or _remote_attempt(self.remote, v) not in m.superseded_attempts:
+                raise
+            commit_manifest(self.remote, v, body, overwrite=True, fault="remote.manifest", hint="")
         key = layout.manifest_key(v)
         log.info("ckptstore: version %s committed in %s", v, self.remote.url)
         pin = layout.pin_key(v)
@@ -355,21 +419,25 @@ class Uploader:
         with self._lock:
             return {v for f, v in self._versions.items() if not f.done()}
 
-    def _submit(self, what: str, fn, version: str | None = None) -> cf.Future:
+    def _submit(self, what: str, fn, version: str | None = None, retry: tuple | None = None) -> cf.Future:
         fut = self._pool.submit(fn)
         with self._lock:
-            self._pending = [(w, f) for w, f in self._pending if not f.done() or f.exception() is not None]
+            # a job submitted again replaces its earlier failure: close() reports the last outcome
+            self._pending = [(w, f) for w, f in self._pending
+                             if (not f.done() or f.exception() is not None) and not (w == what and f.done())]
             self._pending.append((what, fut))
             self._versions = {f: v for f, v in self._versions.items() if not f.done()}
             if version is not None:
                 self._versions[fut] = version
 
         def done(f, what=what):
-            e = f.exception()
+            e = f.exception() if not f.cancelled() else None
             if e is not None:
                 msg = f"{what}: {type(e).__name__}: {e}"
                 with self._lock:
                     self.errors.append(msg)
+                    if retry is not None and not isinstance(e, VersionExistsError):
+                        self._retry[what] = retry
                 log.error("ckptstore upload failed: %s", msg)
 
         fut.add_done_callback(done)
@@ -439,6 +507,7 @@ def _wait_at_exit() -> None:  # pragma: no cover - exercised by subprocess tests
 def check_uploads(up: "Uploader | None", timeout: float | None) -> None:
     if up is None:
         return
+    up.retry_failed()  # what an outage held back gets one more try before it is reported
     left = up.wait(timeout)
     if left:
         raise UploadError("uploads to the remote tier did not complete:\n  " + "\n  ".join(left))

@@ -33,9 +33,11 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import io
+import logging
 import os
 import sys
 import threading
+import time
 import uuid
 import weakref
 from typing import Any
@@ -55,9 +57,11 @@ from ..codec.bytegroup import PlanCell
 from ..codec.frame import FIXED_LEN, xxh3_stream
 from ..codec.crypto import FrameCipher, key_id, new_data_key, resolve_key, unwrap_key, wrap_key
 from ..codec.stages import env_threads
-from ..errors import CkptStoreError, KeyMismatchError, StateDictKeysError, VersionExistsError
+from ..errors import (CkptStoreError, InvalidNameError, KeyMismatchError, ManifestError, StateDictKeysError,
+                      TransientStorageError, UnsupportedFormatError, VersionExistsError, VersionNotFoundError)
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
+from ..manifest.order import next_seq, order_key
 from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
 from . import _roots
@@ -66,6 +70,11 @@ from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
 from ._metadata import ItemTable, ItemTables, pack_items
 from ._metadata import pack as pack_metadata
 from .staging import Stager
+
+log = logging.getLogger("ckptstore")
+
+#: seconds the coordinator skips the remote existence check after the remote tier did not answer
+_REMOTE_DOWN_S = 60.0
 
 DEFAULT_FRAME_SIZE = 2 << 20  # bytes; a multiple of every element size (≤ 16). 2 MiB: AES-GCM and
 # zstd run fastest on buffers that stay below the allocator's mmap threshold; 48 B of header per frame.
@@ -104,6 +113,13 @@ class _Save:
     local_items: list = dataclasses.field(default_factory=list)
     attempt: str | None = None
     wrapped: tuple = (None, None)  # (wrapped data key, key id) drawn by the coordinator
+    #: ``{attempt: reason}`` of existing copies of this name the save may replace (docs/FORMAT.md, "Superseding")
+    supersede: dict = dataclasses.field(default_factory=dict)
+    existing: str | None = None  # the attempt of this name committed in this rank's root, if any
+    existing_remote: str | None = None  # ... in the remote tier (coordinator)
+    seq: int | None = None  # commit sequence (coordinator)
+    restage: tuple = ()  # versions staged again with this save (see StorageWriter._restage)
+    replaced: tuple = ()  # attempts this commit replaces, every rank's root and the remote tier (coordinator)
 
 
 class StorageWriter(_DCPStorageWriter):
@@ -218,6 +234,7 @@ class StorageWriter(_DCPStorageWriter):
         self._stager = Stager(max_staged, timeout=upload_timeout)
         self._uploader = None
         self._caught_up = False
+        self._remote_down_until = 0.0  # monotonic time before which set-up does not wait for the remote tier
         self._in_subprocess = False  # this copy runs in DCP's checkpoint subprocess (PROCESS)
         self._shipped = False  # a copy of this writer was sent to DCP's checkpoint subprocess
         self._ship_rank = 0  # the rank that sent it (only rank 0 re-checks the uploads at close)
@@ -254,11 +271,11 @@ class StorageWriter(_DCPStorageWriter):
 
     # -- per-save state --------------------------------------------------------------------------
     def _new_save(self, version: str | None) -> _Save:
-        step, user = self.step, self.user_metadata
+        step, user, supersede = self.step, self.user_metadata, {}
         if version is not None:
             with self._lock:
-                step, user = self._options_for.pop(version, (step, user))
-        s = _Save(version, step, dict(user))
+                step, user, supersede = self._options_for.pop(version, (step, user, supersede))
+        s = _Save(version, step, dict(user), supersede=dict(supersede))
         self._tls.save = s
         return s
 
@@ -269,13 +286,21 @@ class StorageWriter(_DCPStorageWriter):
             s = self._new_save(self._default_version)
         return s
 
-    def save_options(self, version: str, *, step: int | None = None, user_metadata: dict | None = None) -> None:
+    def save_options(self, version: str, *, step: int | None = None, user_metadata: dict | None = None,
+                     supersede: dict | None = None) -> None:
         """Record ``step``/``user_metadata`` for the next save of ``version`` (for callers that run
-        overlapping saves through one writer, where setting ``writer.step`` would race)."""
+        overlapping saves through one writer, where setting ``writer.step`` would race).
+
+        ``supersede``: ``{attempt: reason}`` — copies of ``version`` with one of these attempts (a
+        damaged, unloadable or abandoned version, see :class:`ckptstore.CheckpointManager`) may be
+        replaced by this save; it records them in its manifest (``supersedes``) and the old attempt's
+        objects become garbage once the new one committed (docs/FORMAT.md, "Superseding"). A copy
+        with any other attempt is still refused with :class:`VersionExistsError`."""
         with self._lock:
             self._options_for[check_version(version)] = (
                 self.step if step is None else step,
                 self.user_metadata if user_metadata is None else dict(user_metadata),
+                dict(supersede or {}),
             )
 
     # The attributes below read (and, for tests, set) the calling thread's save.
@@ -353,27 +378,65 @@ class StorageWriter(_DCPStorageWriter):
         self._follower.wait(self.upload_timeout)  # the previous save's copy into this root, if any
         if _multi_rank():
             _roots.write_probe(self._tier, s.rank, self._probe)
-        if not self.overwrite:
-            self._refuse_existing(s)
+        self._check_existing(s)
 
-    def _refuse_existing(self, s: _Save) -> None:
+    def _check_existing(self, s: _Save) -> None:
         """One name, one version, across tiers: every rank checks its own root (so every root of the
-        job is checked) and the coordinator the remote tier, before anything is committed anywhere."""
+        job is checked) and the coordinator the remote tier, before anything is committed anywhere.
+        A copy is replaced only with ``overwrite=True`` or when its attempt is one the save was told
+        to supersede; otherwise :class:`VersionExistsError`. The attempts found are recorded in the
+        new manifest's ``supersedes`` (docs/FORMAT.md, "Superseding")."""
+        s.existing = self._existing_attempt(self._tier, s.version)
         where = None
-        if self._tier.exists(layout.manifest_key(s.version)):
+        if s.existing is not None and not self._may_replace(s, s.existing):
             where = f"the local tier {self.root}"
-        elif s.is_coordinator and self._remote is not None and self._remote.exists(layout.manifest_key(s.version)):
-            where = f"the remote tier {self.remote_url}"
+        elif s.is_coordinator and self._remote is not None and (self._sync_remote or time.monotonic() >= self._remote_down_until):
+            try:
+                s.existing_remote = self._existing_attempt(self._remote, s.version)
+            except TransientStorageError as e:
+                if self._sync_remote:
+                    raise
+                # durability="local": commit locally now; the remote commit is put-if-absent and
+                # refuses the name there if it exists (docs/FORMAT.md, Save rule 6). For a minute
+                # the next saves do not wait for the remote tier's retries again.
+                self._remote_down_until = time.monotonic() + _REMOTE_DOWN_S
+                log.warning("ckptstore: could not check the remote tier for an existing %r (%s); saving locally, "
+                            "the upload follows when the remote tier answers", s.version, e)
+            if s.existing_remote is not None and not self._may_replace(s, s.existing_remote):
+                where = f"the remote tier {self.remote_url}"
         if where is not None:
             raise VersionExistsError(
                 f"Checkpoint already exists: version {s.version!r} in {where}; choose a new checkpoint_id "
                 "or pass overwrite=True to replace it"
             )
 
+    def _may_replace(self, s: _Save, attempt: str) -> bool:
+        return self.overwrite or attempt in s.supersede
+
+    @staticmethod
+    def _existing_attempt(tier, version: str) -> str | None:
+        """The attempt of ``version`` committed in ``tier`` (None: not committed there). A manifest
+        that does not parse counts as a copy of an unknown attempt: never replaced unless overwrite."""
+        from ..manifest import catalogue
+
+        key = layout.manifest_key(version)
+        if not tier.exists(key):
+            return None
+        try:
+            return catalogue.read_manifest(tier, version).manifest.attempt
+        except VersionNotFoundError:
+            return None
+        except (ManifestError, UnsupportedFormatError, InvalidNameError):
+            return "(invalid manifest)"
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         s = self._cur()
         s.local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
-        return dataclasses.replace(plan, storage_data=LocalPlanData(rank=s.rank, probe=self._probe if _multi_rank() else None))
+        from ..manifest import catalogue
+
+        return dataclasses.replace(plan, storage_data=LocalPlanData(
+            rank=s.rank, probe=self._probe if _multi_rank() else None, seq=catalogue.max_seq(self._tier),
+            existing=s.existing))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         s = self._cur()
@@ -387,13 +450,72 @@ class StorageWriter(_DCPStorageWriter):
             (r, p.storage_data.probe) for r, p in zip(ranks, plans)
             if isinstance(p.storage_data, LocalPlanData) and p.storage_data.probe is not None
         )
+        restage = self._restage(s.version)
         out = [
-            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank))
+            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank,
+                                                         restage))
             for r, p in zip(ranks, plans)
         ]
         s.attempt = attempt
         s.wrapped = (wrapped, kid)
+        local = [p.storage_data for p in plans if isinstance(p.storage_data, LocalPlanData)]
+        s.seq = next_seq([d.seq for d in local])
+        s.replaced = tuple(sorted({d.existing for d in local if d.existing is not None}
+                                  | ({s.existing_remote} if s.existing_remote is not None else set())))
         return out
+
+    def _restage(self, version: str) -> tuple:
+        """Coordinator, first save of this writer with a remote tier: the versions committed in its
+        root but not in the remote tier that are newer than every remote commit (a crash or an
+        outage cut their remote commit off). Every rank uploads its part of them in this save and the
+        coordinator commits them remotely (docs/FORMAT.md, Save rule 6), so a job restarted after an
+        S3 outage stages what it could not — also with node-local roots, where no single root holds
+        every object. One remote listing and one manifest read; retried at the next save when the
+        remote tier does not answer."""
+        if self._remote is None or self._in_subprocess or self._caught_up:
+            return ()
+        from ..manifest import catalogue
+
+        try:
+            local = catalogue.merge({"local": catalogue.scan(self._tier)})
+            listed = {}
+            for info in self._remote.list(layout.VERSIONS + "/"):
+                parts = info.key.split("/")
+                if len(parts) == 3 and parts[2] == layout.MANIFEST:
+                    listed[parts[1]] = info.mtime
+            there = {r.version for r in local if layout.version_dir(r.version).split("/")[1] in listed}
+            todo = [r for r in local if r.version not in there and r.version != version]
+            newest = None
+            if listed and todo:
+                enc = max(listed, key=lambda k: listed[k])
+                from .._names import decode_version
+
+                m = catalogue.read_manifest(self._remote, decode_version(enc)).manifest
+                newest = order_key(m.step, m.seq, m.created, m.version)
+        except CkptStoreError as e:
+            log.warning("ckptstore: cannot compare the local and remote tiers to stage what an earlier run did not "
+                        "upload (%s); trying again at the next save", e)
+            return ()
+        self._caught_up = True
+        out = tuple(r.version for r in todo if newest is None or r.order > newest)
+        if out:
+            log.warning("ckptstore: versions %s are committed locally but not in %s; staging them with this save",
+                        list(out), self.remote_url)
+        return out
+
+    def _restage_objects(self, pd: PlanData) -> None:
+        """This rank's part of ``pd.restage``: its own objects of those versions, as its root holds
+        them (the upload checks every frame against the manifest before it sends)."""
+        from ..manifest import catalogue
+
+        for v in pd.restage:
+            try:
+                m = catalogue.read_manifest(self._tier, v).manifest
+            except CkptStoreError:
+                continue  # this root holds no copy of it (another node's part)
+            for o in m.objects:
+                if o.rank == pd.rank and self._tier.exists(layout.object_key(v, o.name)):
+                    self.uploader.upload_object(v, o, o.rank, retry=False)
 
     def _codec(self, s: _Save, pd: PlanData) -> FrameCodec:
         cipher = None
@@ -419,6 +541,9 @@ class StorageWriter(_DCPStorageWriter):
     def _write_data(self, s: _Save, plan: SavePlan, planner: SavePlanner, staged: list) -> list[WriteResult]:
         pd: PlanData = plan.storage_data
         s.attempt = pd.attempt
+        s.restage = pd.restage
+        if pd.restage:
+            self._restage_objects(pd)
         results: list[WriteResult] = []
         if plan.items:
             results.extend(self._write_object(s, plan, planner, pd, staged))
@@ -484,7 +609,7 @@ class StorageWriter(_DCPStorageWriter):
             self._check_replicas(replicas)
             m, body = self._seal_manifest(s, metadata, tables, reports, world_size=len(results), placement=split)
             commit_manifest(
-                self._tier, s.version, body, overwrite=self.overwrite, fault="commit.manifest",
+                self._tier, s.version, body, overwrite=self.overwrite or s.existing is not None, fault="commit.manifest",
                 hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
             )
         except BaseException:
@@ -505,7 +630,7 @@ class StorageWriter(_DCPStorageWriter):
             )
         if self._remote is not None:
             try:
-                self._commit_remote(m, body)
+                self._commit_remote(s, m, body)
             finally:
                 if self._in_subprocess:
                     self._drop_uploader()
@@ -556,6 +681,8 @@ class StorageWriter(_DCPStorageWriter):
             codecs=[c for c in codecs if c],
             writer=f"ckptstore {_version()} torch {torch.__version__}",
             placement=placement,
+            seq=s.seq,
+            supersedes=[{"attempt": a, "reason": s.supersede.get(a, "overwritten (overwrite=True)")} for a in s.replaced] or None,
         )
         return m, m.to_bytes(data_key)
 
@@ -608,11 +735,15 @@ class StorageWriter(_DCPStorageWriter):
                 return _UploadFailure(rep.rank, f"{type(e).__name__}: {e}")
         return None
 
-    def _commit_remote(self, m: Manifest, body: bytes) -> None:
-        with self._lock:
-            catch_up, self._caught_up = not (self._caught_up or self._in_subprocess), True
-        if catch_up:  # once per writer: finish remote commits a crash cut off
-            self.uploader.catch_up(exclude=m.version)
+    def _commit_remote(self, s: _Save, m: Manifest, body: bytes) -> None:
+        from ..manifest import catalogue
+
+        for v in s.restage:  # what an earlier run could not commit remotely (see _restage)
+            try:
+                p = catalogue.read_manifest(self._tier, v)
+                self.uploader.commit(p.manifest, self._tier.get(layout.manifest_key(v)), False, retry=False)
+            except CkptStoreError as e:
+                log.warning("ckptstore: cannot stage version %r again: %s", v, e)
         fut = self.uploader.commit(m, body, self.overwrite)
         with self._lock:
             self._remote_futs[m.version] = fut

@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     mgr = ckptstore.CheckpointManager(
         root, state, remote=remote, interval_steps=cfg["save_every"], version_format=backend.VERSION_FORMAT, on_save=saved,
+        # --resume-world-size: the restarted job loads the crashed job's versions resharded, on purpose
+        reshard=cfg.get("resume_world_size") not in (None, cfg["world_size"]),
     )
 
     # ---- resume ------------------------------------------------------------------------------

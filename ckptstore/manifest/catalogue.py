@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..tiers.base import Tier
-from . import layout
+from . import layout, order
 from .schema import Manifest, ParsedManifest, parse
 
 log = logging.getLogger("ckptstore")
@@ -36,6 +37,10 @@ class VersionRecord:
     ``local_part``: for a version split over several local roots (``placement.is_split``), the
     :class:`~ckptstore.manifest.placement.Part` this local root holds; None for every other version
     (and when the ``local`` tier does not commit it) — see :attr:`tier_labels`.
+    ``seq``: commit sequence (docs/FORMAT.md, "Order"; None for older manifests); ``supersedes``:
+    ``((attempt, reason), ...)`` the earlier attempts of this name the commit replaced; ``stale``:
+    ``((tier, attempt), ...)`` tiers that hold another copy of the name, which lost to this one
+    (docs/FORMAT.md, "One name, one content"): reported, never loaded. Records sort by :attr:`order`.
     """
 
     version: str
@@ -52,6 +57,20 @@ class VersionRecord:
     key_id: str | None
     user: dict
     local_part: object = None  # placement.Part | None
+    seq: int | None = None
+    supersedes: tuple = ()
+    stale: tuple = ()
+
+    @property
+    def order(self) -> tuple:
+        """The sort key (oldest first): step, commit sequence, commit time, name (docs/FORMAT.md, "Order")."""
+        return order.order_key(self.step, self.seq, _iso(self.created), self.version)
+
+    @property
+    def in_future(self) -> bool:
+        """The commit time lies in the future of this host's clock (by more than a few minutes): a
+        skewed clock on the saving host. Order does not depend on it (docs/FORMAT.md, "Order")."""
+        return order.in_future(self.created)
 
     @property
     def tier_labels(self) -> list[str]:
@@ -65,10 +84,17 @@ class VersionRecord:
         of a split version to ``{"index", "count", "ranks", "whole"}`` (empty otherwise)."""
         d = dataclasses.asdict(dataclasses.replace(self, local_part=None))
         del d["local_part"]
-        d["created"] = self.created.isoformat().replace("+00:00", "Z")
+        d["created"] = _iso(self.created)
         d["tiers"] = sorted(self.tiers)
+        d["supersedes"] = [{"attempt": a, "reason": r} for a, r in self.supersedes]
+        d["stale"] = [{"tier": t, "attempt": a} for t, a in self.stale]
+        d["in_future"] = self.in_future
         d["parts"] = {} if self.local_part is None else {"local": self.local_part.to_json()}
         return d
+
+
+def _iso(t: _dt.datetime) -> str:
+    return t.astimezone(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 @dataclasses.dataclass
@@ -77,6 +103,7 @@ class TierEntry:
     parsed: ParsedManifest
     pinned: bool
     damaged: bool
+    md5: str = ""  # MD5 (hex) of the manifest file: what S3 reports as its ETag (docs/FORMAT.md, "One name, one content")
 
 
 def manifest_keys(tier: Tier) -> list[str]:
@@ -122,7 +149,8 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
         enc = key.split("/")[1]
         try:
             version = decode_version(enc)
-            parsed = parse(tier.get(key), expect_version=version)
+            data = tier.get(key)
+            parsed = parse(data, expect_version=version)
         except ObjectNotFoundError:
             continue  # un-committed while we listed
         except (ManifestError, UnsupportedFormatError, InvalidNameError) as e:
@@ -139,7 +167,7 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
             damaged = d + layout.DAMAGED in listing
         if damaged:
             damaged = _mark_applies(tier, d + layout.DAMAGED, parsed.manifest.attempt)
-        out[version] = TierEntry(parsed.manifest, parsed, pinned, damaged)
+        out[version] = TierEntry(parsed.manifest, parsed, pinned, damaged, hashlib.md5(data, usedforsecurity=False).hexdigest())
     return out
 
 
@@ -156,17 +184,20 @@ def _mark_applies(tier: Tier, key: str, attempt: str) -> bool:
 
 
 def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
-    """Combine the tiers' entries into records, oldest → newest by commit time then name."""
+    """Combine the tiers' entries into records, oldest → newest by :func:`order.order_key`.
+
+    When tiers hold different attempts of one name, :func:`order.resolve` decides which copy is the
+    version (docs/FORMAT.md, "One name, one content"); the others are listed as ``stale``."""
     names: set[str] = set()
     for entries in per_tier.values():
         names.update(entries)
     recs = []
     for v in names:
         holders = {t: e[v] for t, e in per_tier.items() if v in e}
-        # the newest commit wins when tiers disagree (an overwrite not yet staged everywhere)
-        best = max(holders.values(), key=lambda e: (e.manifest.created, e.manifest.attempt))
+        att = order.resolve([copy_of(e.manifest, remote=(t == "remote")) for t, e in holders.items()])
+        best = next(e for e in holders.values() if e.manifest.attempt == att)
         m = best.manifest
-        tiers = frozenset(t for t, e in holders.items() if e.manifest.attempt == m.attempt)
+        tiers = frozenset(t for t, e in holders.items() if e.manifest.attempt == att)
         recs.append(
             VersionRecord(
                 version=v,
@@ -177,15 +208,48 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
                 stored_bytes=m.stored_bytes,
                 tiers=tiers,
                 pinned=any(e.pinned for e in holders.values()),
-                damaged=any(e.damaged for e in holders.values() if e.manifest.attempt == m.attempt),
-                attempt=m.attempt,
+                damaged=any(e.damaged for e in holders.values() if e.manifest.attempt == att),
+                attempt=att,
                 encrypted=m.encrypted,
                 key_id=(m.encryption or {}).get("key_id"),
                 user=m.user,
+                seq=m.seq,
+                supersedes=tuple((d["attempt"], d.get("reason", "")) for d in m.supersedes or ()),
+                stale=tuple(sorted((t, e.manifest.attempt) for t, e in holders.items() if e.manifest.attempt != att)),
             )
         )
-    recs.sort(key=lambda r: (r.created, r.version))
+    recs.sort(key=lambda r: r.order)
     return recs
+
+
+def copy_of(m: Manifest, *, remote: bool = False) -> dict:
+    """The facts :func:`order.resolve` compares about one copy of a version."""
+    return {"attempt": m.attempt, "supersedes": m.superseded_attempts, "remote": remote, "seq": m.seq,
+            "created": m.created}
+
+
+def max_seq(tier: Tier, newest: int = 8) -> int | None:
+    """The highest commit sequence among the ``newest`` most recently modified manifests of ``tier``
+    (a hint for :func:`order.next_seq`; reading every manifest of a large root at every save would
+    cost more than the hint is worth). None when it holds none with a sequence."""
+    root = tier.local_path(layout.VERSIONS)
+    if root is None:
+        return None
+    stamped = []
+    for key in manifest_keys(tier):
+        try:
+            stamped.append((os.stat(tier.local_path(key)).st_mtime_ns, key))
+        except FileNotFoundError:
+            continue
+    best = None
+    for _t, key in sorted(stamped, reverse=True)[:newest]:
+        try:
+            m = parse(tier.get(key)).manifest
+        except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
+            continue
+        if m.seq is not None and (best is None or m.seq > best):
+            best = m.seq
+    return best
 
 
 def damage_note(tier: Tier, version: str) -> str:

@@ -8,6 +8,7 @@
     versions/<enc(version)>/attempts/<attempt>/uploaded.r00000.json  rank 0 finished its upload (S3)
     versions/<enc(version)>/.../.tmp-<random>              a local temporary file (garbage if left)
     probes/r00003.<nonce>                                  rank 3's root probe (local tier; see placement)
+    restores.jsonl                                         restore log of the jobs whose rank 0 used this root
 
 Every key and name of that layout is built or recognised here and nowhere else.
 """
@@ -32,6 +33,8 @@ MARKER_PREFIX = "uploaded."
 TMP_PREFIX = ".tmp-"
 #: directory of the root probes (local tier): which ranks of a job see this root (docs/FORMAT.md, "Placement")
 PROBES = "probes"
+#: the restore log at the top of a local root (docs/FORMAT.md, "Restore log")
+RESTORE_LOG = "restores.jsonl"
 
 
 def version_dir(version: str) -> str:

@@ -118,6 +118,12 @@ class Manifest:
     #: root groups: ``[[0, 1], [2, 3]]`` = ranks 0 and 1 wrote to one root (a node's disk), 2 and 3 to
     #: another (docs/FORMAT.md, "Placement"). None: one root holds every object (older manifests).
     placement: list | None = None
+    #: commit sequence (docs/FORMAT.md, "Order"): a hybrid logical clock in microseconds, never lower
+    #: than 1 + the highest ``seq`` of the versions the saving job's roots held. None: older manifests.
+    seq: int | None = None
+    #: the earlier attempts of this version name that this commit replaced, each
+    #: ``{"attempt": str, "reason": str}`` (docs/FORMAT.md, "Superseding"); None: it replaced none.
+    supersedes: list | None = None
 
     @property
     def encrypted(self) -> bool:
@@ -129,6 +135,11 @@ class Manifest:
 
     def all_objects(self) -> list[ObjectEntry]:
         return [self.metadata_object, *self.objects]
+
+    @property
+    def superseded_attempts(self) -> frozenset:
+        """The attempts of this version name that this commit replaced."""
+        return frozenset(d["attempt"] for d in self.supersedes or ())
 
     def body_json(self) -> dict:
         return {
@@ -147,6 +158,8 @@ class Manifest:
             "metadata_object": self.metadata_object.to_json(),
             "objects": [o.to_json() for o in self.objects],
             **({} if self.placement is None else {"placement": self.placement}),
+            **({} if self.seq is None else {"seq": self.seq}),
+            **({} if not self.supersedes else {"supersedes": self.supersedes}),
         }
 
     def to_bytes(self, data_key: bytes | None) -> bytes:
@@ -262,6 +275,8 @@ def _manifest_from_body(d: dict) -> Manifest:
             codecs=_codecs(d.get("codecs", [])),
             writer=_typed(d.get("writer", ""), str, "'writer' must be a string"),
             placement=_placement(d.get("placement")),
+            seq=None if d.get("seq") is None else _int(d["seq"], "seq"),
+            supersedes=_supersedes(d.get("supersedes")),
         )
     except KeyError as k:
         raise ManifestError(f"manifest lacks field {k}") from None
@@ -298,6 +313,19 @@ def _placement(v: Any) -> list | None:
     if len(seen) != len(set(seen)):
         raise ManifestError("manifest 'placement' names a rank in two root groups")
     return v
+
+
+def _supersedes(v: Any) -> list | None:
+    if v is None:
+        return None
+    ok = isinstance(v, list) and len(v) <= 1000 and all(
+        isinstance(d, dict) and isinstance(d.get("attempt"), str) and isinstance(d.get("reason", ""), str) for d in v
+    )
+    if not ok:
+        raise ManifestError("manifest 'supersedes' must be a list of {attempt, reason} objects")
+    for d in v:
+        check_attempt(d["attempt"])
+    return v or None
 
 
 def _codecs(v: Any) -> list[str]:

@@ -29,11 +29,14 @@ from typing import Callable, Iterator, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
-    """One stored object: ``key`` (relative), ``size`` (bytes), ``mtime`` (POSIX seconds, UTC)."""
+    """One stored object: ``key`` (relative), ``size`` (bytes), ``mtime`` (POSIX seconds, UTC) and,
+    where the tier's listing reports one, ``etag`` (S3's ETag without quotes: the MD5 of an object
+    written by one PUT; None elsewhere)."""
 
     key: str
     size: int
     mtime: float
+    etag: str | None = None
 
 
 class ObjectWriter(abc.ABC):

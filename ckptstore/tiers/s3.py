@@ -728,7 +728,8 @@ class S3Tier(Tier):
                     k = obj["Key"]
                     if not k.startswith(self.prefix) or k.endswith("/"):
                         continue
-                    yield ObjectInfo(k[n:], int(obj["Size"]), obj["LastModified"].timestamp())
+                    yield ObjectInfo(k[n:], int(obj["Size"]), obj["LastModified"].timestamp(),
+                                     str(obj.get("ETag") or "").strip('"') or None)
         except (bce.ClientError, bce.BotoCoreError) as e:
             raise self._error(e, "LIST of", prefix) from e
 

@@ -1,0 +1,319 @@
+"""Which version a job restores, and where each rank reads each object: a pure function of every
+rank's report (docs/FORMAT.md, Read rules 6-10 and "Restore choice").
+
+The I/O lives around it: ``ckptstore/dcp/_job.py`` builds the reports (what each rank's root holds,
+what the remote tier holds, the restore log) and exchanges them with one ``all_gather_object``; every
+rank then calls :func:`decide` on the same reports and gets the same :class:`View`. A manager that
+found a version unverifiable while loading calls it again with that version in ``exclude``.
+
+A report (one per rank, in group-rank order)::
+
+    {"rank": 3, "root": "/nvme/ckpt",
+     "committed": {version: {"attempt", "created", "seq", "step", "damaged", "objects": [names],
+                             "world_size", "nbytes", "supersedes": [attempts], "md5"}},
+     "parts":     {version: {attempt: [object names present in this root]}},
+     "remote": None | {version: {"attempt": str | None (None: not read), "damaged", ...as committed}},
+     "remote_error": None | "why the remote tier could not be read",
+     "restores": [restore log entries, oldest first]}          # rank 0's root only
+
+The rules, in order, for each version name, newest first (docs/FORMAT.md, "Order"):
+
+1. **Identity.** Copies of one name may hold different attempts; :func:`ckptstore.manifest.order.resolve`
+   picks the one that is the version. The others are *stale*: never read.
+2. **Scope.** Only names matching ``scope`` (a regular expression) are considered at all.
+3. **Damage marks.** A copy marked damaged (``damaged.json`` for its attempt) serves no object; the
+   version is loadable only when every object it needs has another source.
+4. **Excluded.** A version that failed verification while loading (``exclude``) is skipped.
+5. **Job shape.** Unless ``reshard``, a version saved by another number of ranks is skipped.
+6. **Completeness.** Every object must be on some root of the job (unmarked) or the remote copy must
+   be committed and unmarked; otherwise skipped.
+7. **Restart loop.** With ``fall_back_after=K``, a version restored K times in a row with nothing
+   newer committed in between is skipped.
+
+Every skipped version is recorded with its reason (:class:`Skipped`); an explicit ``version``
+skips nothing: it is loaded or the reason is raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping
+
+from .errors import (CkptStoreError, DamagedVersionError, IntegrityError, ManifestError, TransientStorageError,
+                     VersionNotFoundError)
+from .manifest.order import order_key, resolve
+
+#: kinds of :attr:`Skipped.kind`
+DAMAGED = "damaged"
+MISSING = "missing"
+UNVERIFIED = "unverified"
+SHAPE = "shape"
+RESTARTS = "restarts"
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A version the restore passed over: ``kind`` (``damaged``, ``missing``, ``unverified``,
+    ``shape``, ``restarts``), a sentence ``reason``, and where known the ``object`` and the place
+    (``where``: a root or the remote tier) it concerns."""
+
+    version: str
+    attempt: str
+    kind: str
+    reason: str
+    object: str | None = None
+    where: str | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class View:
+    """The decisions of one load, identical on every rank.
+
+    ``version``/``attempt``: what is loaded; ``reports``: every rank's report (group-rank order);
+    ``remote_ok``: the remote tier's committed, unmarked copy is this attempt; ``holders``: group
+    ranks whose root has this attempt's manifest (unmarked); ``needed``: its object names (metadata
+    object included); ``skipped``: newer versions passed over, newest first; ``stale``: ``(where,
+    attempt)`` copies of this name that are not the version; ``remote_error``: why the remote tier
+    was not consulted (None: it was, or there is none); ``restore_count``: how many restores in a row
+    picked this version before (restore log of rank 0's root); ``newer``: ``{name: attempts}`` of
+    every version in scope ordered after this one (abandoned or unloadable: a later save of one of
+    these names supersedes it); ``newest``: ``(name, attempt)`` of the newest version in scope.
+    """
+
+    version: str
+    attempt: str
+    reports: list
+    remote_ok: bool
+    holders: list
+    needed: list
+    skipped: list = dataclasses.field(default_factory=list)
+    stale: list = dataclasses.field(default_factory=list)
+    remote_error: str | None = None
+    restore_count: int = 0
+    newer: dict = dataclasses.field(default_factory=dict)
+    newest: tuple | None = None
+    step: int | None = None
+    world_size: int | None = None
+    created: str | None = None
+    marked: frozenset = frozenset()  # group ranks whose copy of this attempt is marked damaged
+
+    def __post_init__(self) -> None:
+        # derived once: peer plans ask for every read item of every rank
+        self._present = [
+            set() if i in self.marked else set(r["parts"].get(self.version, {}).get(self.attempt, []))
+            for i, r in enumerate(self.reports)
+        ]
+        self._first_holder: dict[str, int] = {}
+        for j in reversed(range(len(self.reports))):
+            for name in self._present[j]:
+                self._first_holder[name] = j
+
+    def present(self, i: int) -> set:
+        return self._present[i]
+
+    def global_rank(self, i: int) -> int:
+        return self.reports[i]["rank"]
+
+    def source(self, i: int, name: str):
+        """Where group rank ``i`` reads object ``name``: "local", "remote" or a peer's group rank."""
+        if name in self._present[i]:
+            return "local"
+        if name in self._first_holder:
+            return self._first_holder[name]
+        if self.remote_ok:
+            return "remote"
+        raise CkptStoreError(f"object {name!r} of version {self.version!r} is on no root of this job")
+
+    def has_manifest(self, i: int) -> bool:
+        return i in self.holders
+
+
+def _where_root(rep: dict) -> str:
+    return f"the root of rank {rep['rank']} ({rep.get('root') or '?'})"
+
+
+def _copies(reports: list, remote: Mapping) -> dict[str, list[dict]]:
+    """Every committed copy of every version name: ``{name: [copy]}``; a copy carries the facts of
+    its manifest, ``where``, ``remote`` and ``index`` (group rank, None for the remote tier)."""
+    out: dict[str, list[dict]] = {}
+    for i, rep in enumerate(reports):
+        for v, e in rep["committed"].items():
+            out.setdefault(v, []).append({**e, "where": _where_root(rep), "remote": False, "index": i})
+    for v, e in remote.items():
+        if e.get("attempt") is not None:
+            out.setdefault(v, []).append({**e, "where": "the remote tier", "remote": True, "index": None})
+    return out
+
+
+def restore_count(log: list, version: str, attempt: str, newest: tuple | None) -> int:
+    """Restores in a row (the last entries of the restore log) that loaded ``(version, attempt)``
+    while the newest version in scope was ``newest``: the job died after each and saved nothing newer."""
+    n = 0
+    for e in reversed(log or []):
+        if e.get("version") == version and e.get("attempt") == attempt and tuple(e.get("newest") or ()) == tuple(newest or ()):
+            n += 1
+        else:
+            break
+    return n
+
+
+def decide(
+    reports: list,
+    version: str | None,
+    *,
+    exclude: Mapping[tuple, str] | None = None,
+    scope: str | None = None,
+    world_size: int | None = None,
+    reshard: bool = True,
+    fall_back_after: int | None = None,
+    where: str = "",
+    empty_ok: bool = False,
+) -> View | None:
+    """The :class:`View` of a load (see the module docstring). Raises the same error on every rank
+    when nothing can be loaded: :class:`VersionNotFoundError` (nothing committed, or no version
+    loadable — the message lists why each was skipped), for an explicit ``version``
+    :class:`DamagedVersionError` / :class:`IntegrityError` / :class:`VersionNotFoundError`;
+    :class:`TransientStorageError` when only an unreachable remote tier could serve it.
+
+    ``exclude``: ``{(name, attempt): reason or (reason, object)}`` of versions that failed
+    verification while loading;
+    ``scope``: regular expression the names must match (``re.fullmatch``); ``world_size``: ranks of
+    this job (for ``reshard``); ``fall_back_after``: see rule 7; ``where``: the tiers, for messages.
+    """
+    exclude = dict(exclude or {})
+    remote = reports[0].get("remote") or {}
+    remote_error = reports[0].get("remote_error")
+    pattern = re.compile(scope) if scope else None
+    copies = {v: cs for v, cs in _copies(reports, remote).items() if pattern is None or pattern.fullmatch(v)}
+
+    facts: dict[str, dict] = {}  # name -> the resolved copy's facts (+ "attempt", "copies")
+    for v, cs in copies.items():
+        a = resolve(cs)
+        best = next(c for c in cs if c["attempt"] == a)
+        facts[v] = {**best, "copies": cs}
+    order = sorted(facts, key=lambda v: order_key(facts[v].get("step"), facts[v].get("seq"), facts[v].get("created") or "", v),
+                   reverse=True)
+    newest = (order[0], facts[order[0]]["attempt"]) if order else None
+
+    def view_of(v: str, skipped: list) -> View:
+        f = facts[v]
+        a = f["attempt"]
+        same = [c for c in f["copies"] if c["attempt"] == a]
+        marked = frozenset(c["index"] for c in same if c["damaged"] and c["index"] is not None)
+        rem = next((c for c in same if c["remote"]), None)
+        holders = [c["index"] for c in same if c["index"] is not None and c["index"] not in marked]
+        stale = [(c["where"], c["attempt"]) for c in f["copies"] if c["attempt"] != a]
+        newer = {}
+        for n in order[: order.index(v)]:
+            newer[n] = sorted({c["attempt"] for c in facts[n]["copies"]})
+        count = restore_count(reports[0].get("restores") or [], v, a, newest)
+        return View(v, a, reports, rem is not None and not rem["damaged"], sorted(holders), list(f.get("objects") or []),
+                    skipped=skipped, stale=stale, remote_error=remote_error, restore_count=count, newer=newer,
+                    newest=newest, step=f.get("step"), world_size=f.get("world_size"), created=f.get("created"),
+                    marked=marked)
+
+    def problem(v: str) -> Skipped | None:
+        """Why ``v`` cannot be loaded by this job (None: it can)."""
+        f = facts[v]
+        a = f["attempt"]
+        if (v, a) in exclude:
+            why = exclude[(v, a)]
+            reason, obj = (why, None) if isinstance(why, str) else (why[0], why[1])
+            return Skipped(v, a, UNVERIFIED, reason, obj)
+        vw = view_of(v, [])
+        marks = [c for c in f["copies"] if c["attempt"] == a and c["damaged"]]
+        lost = []
+        for name in vw.needed:
+            try:
+                vw.source(0, name)
+            except CkptStoreError:
+                lost.append(name)
+        if lost or not vw.needed:
+            if marks:
+                wh = ", ".join(c["where"] for c in marks)
+                return Skipped(v, a, DAMAGED, f"marked damaged by 'ckptstore scrub --repair' in {wh}, and no other copy "
+                                              f"holds {_shown(lost)}", lost[0] if lost else None, marks[0]["where"])
+            reason = f"objects {_shown(lost)} are on none of the roots of ranks {[r['rank'] for r in reports]}"
+            if (f.get("groups") or 1) > 1 and len(reports) == 1:
+                reason += (f" (the version is split over {f['groups']} roots: load it in a job whose ranks see those roots, "
+                           "every node's ranks passing their node's root)")
+            if remote_error:
+                reason += f" and the remote tier could not be read ({remote_error})"
+            elif remote:
+                reason += " and the version is not committed in the remote tier"
+            return Skipped(v, a, MISSING, reason, lost[0] if lost else None)
+        return None
+
+    if version is not None:
+        if version not in facts:
+            bad = [rep["invalid"][version] for rep in reports if version in (rep.get("invalid") or {})]
+            if bad:
+                raise ManifestError(f"version {version!r} has an invalid manifest: {bad[0]}; run 'ckptstore scrub'")
+            if remote_error:
+                raise TransientStorageError(f"version {version!r} is not committed on any root of this job, and the remote "
+                                            f"tier could not be read ({remote_error}); try again when it answers")
+            raise VersionNotFoundError(f"version {version!r} is not committed on any root of this job nor in {where}; "
+                                       "run 'ckptstore list' on the nodes to see what is")
+        why = problem(version)
+        if why is not None:
+            if why.kind == DAMAGED:
+                raise DamagedVersionError(f"version {version!r} is {why.reason}; load another version or run "
+                                          "'ckptstore scrub --repair' on that node")
+            if why.kind == MISSING:
+                raise IntegrityError(f"version {version!r} cannot be loaded by this job: {why.reason}. Start the job on "
+                                     "the nodes that hold them, restore those roots, or load another version", object=why.object)
+            raise IntegrityError(f"version {version!r}: {why.reason}", object=why.object)
+        return view_of(version, [])
+
+    skipped: list[Skipped] = []
+    for v in order:
+        f = facts[v]
+        why = problem(v)
+        if why is None and not reshard and world_size is not None and f.get("world_size") not in (None, world_size):
+            why = Skipped(v, f["attempt"], SHAPE, f"saved by {f.get('world_size')} ranks, this job has {world_size} "
+                                                  "(pass reshard=True to load it resharded)")
+        if why is None and fall_back_after:
+            n = restore_count(reports[0].get("restores") or [], v, f["attempt"], newest)
+            if n >= fall_back_after:
+                why = Skipped(v, f["attempt"], RESTARTS, f"restored {n} times in a row and the job ended each time before "
+                                                         f"committing anything newer (fall_back_after={fall_back_after})")
+        if why is None:
+            return view_of(v, skipped)
+        skipped.append(why)
+    if skipped:
+        lines = "; ".join(f"{s.version}: {s.reason}" for s in skipped[:8]) + (" ..." if len(skipped) > 8 else "")
+        raise VersionNotFoundError(f"no version is loadable by every rank of this job ({len(skipped)} committed, all "
+                                   f"skipped): {lines}")
+    if remote_error:
+        raise TransientStorageError(f"no committed version on any root of this job, and the remote tier could not be "
+                                    f"read ({remote_error}); try again when it answers")
+    if empty_ok:
+        return None
+    raise VersionNotFoundError(f"no committed version on any root of this job nor in {where}; nothing to load "
+                               "(save one first, or check root/remote)")
+
+
+def _shown(names: list) -> str:
+    return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "") if names else "every object"
+
+
+def version_pattern(prefix: str = "", version_format: str | None = None) -> str:
+    """The regular expression of the names a manager saves: ``prefix`` + a step, or
+    ``version_format`` with ``{step...}`` standing for the digits."""
+    if version_format is None:
+        return re.escape(prefix) + r"\d+"
+    out, pos = [], 0
+    for m in re.finditer(r"\{step(?::[^}]*)?\}", version_format):
+        out.append(re.escape(version_format[pos:m.start()]))
+        out.append(r"\d+")
+        pos = m.end()
+    out.append(re.escape(version_format[pos:]))
+    return "".join(out)
+
+
+__all__ = ["Skipped", "View", "decide", "restore_count", "version_pattern", "DAMAGED", "MISSING", "UNVERIFIED",
+           "SHAPE", "RESTARTS"]

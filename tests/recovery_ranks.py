@@ -1,0 +1,102 @@
+"""Rank bodies for tests/test_recovery.py: a 2-rank training loop through ``CheckpointManager`` that a
+test runs again after each fault, as a scheduler restarts a job (module-level so ranks can import it).
+
+Every rank has its own root ``base/node<rank>`` (node-local disks). The training is deterministic
+(``async_ranks.make_state``/``train_step``: the same model on every rank, per-rank data order and
+RNG), so the state after step *s* is the same in every run that reaches it, whichever versions were
+restored on the way: after each resume the rank compares its state bit for bit with the snapshot an
+earlier run wrote for the restored step (``base/ref/<step>.r<rank>.pt``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from async_ranks import make_state, same, snapshot, train_step
+
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "ckptstore",
+           "ckptstore.manager", "ckptstore.dcp", "async_ranks", "recovery_ranks"]
+
+
+def root_of(base: str, rank: int) -> str:
+    return os.path.join(base, f"node{rank}")
+
+
+def _ref(base: str, step: int, rank: int) -> str:
+    return os.path.join(base, "ref", f"{step}.r{rank}.pt")
+
+
+def remote_tier(url, attempts=None):
+    """The remote tier ``url``; with ``attempts``, botocore tries each request that often (an
+    outage then fails a request within seconds, not after the default 8 tries)."""
+    if url is None or attempts is None:
+        return url
+    from ckptstore.tiers.s3 import S3Tier
+
+    return S3Tier(url, max_attempts=attempts, connect_timeout=2.0)
+
+
+def job(rank, world, base, saves, remote=None, mgr=None, version=None, attempts=None):
+    """Resume (``version``: restore that one), check the restored state against the reference, then
+    train and save ``saves`` more steps. Returns what a test asserts on (``close_error``: what
+    ``close()`` raised, e.g. ``UploadError`` while the remote tier is down)."""
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+    from ckptstore import CheckpointManager, Store
+
+    state = make_state(rank)
+    torch.manual_seed(4242 + rank)  # a resume must bring the saved RNG state back
+    os.makedirs(os.path.join(base, "ref"), exist_ok=True)
+    out: dict = {"rank": rank, "close_error": None}
+    saved: list = []
+    m = CheckpointManager(root_of(base, rank), state, remote=remote_tier(remote, attempts), interval_steps=1,
+                          per_rank_keys=("data",), **(mgr or {}))
+    try:
+        if version is None:
+            start = m.resume()
+        else:
+            start = m.restore(version=version) + 1
+        info = m.last_restore
+        out["start"] = start
+        out["restore"] = None if info is None else {
+            **{k: v for k, v in dataclasses.asdict(info).items() if k not in ("skipped",)},
+            "skipped": [dataclasses.asdict(s) for s in info.skipped]}
+        if info is not None:
+            ref = torch.load(_ref(base, start - 1, rank), weights_only=False)
+            got = snapshot(state)
+            out["same"] = {k: same(got[k], ref[k]) for k in ref}
+        for step in range(start, start + saves):
+            train_step(state, world)
+            torch.save(snapshot(state), _ref(base, step, rank))
+            m.save(step)
+            saved.append(step)
+        m.wait()
+    finally:
+        try:
+            m.close()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["close_error"] = f"{type(e).__name__}: {e}"
+    out["saved"] = saved
+    st = Store(root_of(base, rank))
+    out["versions"] = [(r.version, r.attempt, [a for a, _ in r.supersedes]) for r in st.versions()]
+    dist.barrier()
+    return out
+
+
+def load_newest(rank, world, base, remote=None):
+    """A plain ``dcp.load`` through ``StorageReader`` without a version (the newest every rank can load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    import ckptstore
+
+    state = make_state(rank)
+    sd = {"model": get_model_state_dict(state["model"])}
+    r = ckptstore.StorageReader(root_of(base, rank), remote=remote_tier(remote, 2), allow_partial_load=True)
+    dcp.load(sd, storage_reader=r)
+    return {"version": r.version, "remote_reads": r.stats["remote_reads"],
+            "remote_error": None if r.view is None else r.view.remote_error}
