@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
 from torch.futures import Future
@@ -58,7 +59,7 @@ from ..manifest.schema import Manifest, ObjectEntry
 from ..manifest.schema import parse as parse_manifest
 from ..store import Store
 from ._checks import install_log_filter, reject_unknown_kwargs
-from . import _job
+from . import _job, _subclass
 from ._types import ItemLocation, PeerPlan
 
 log = logging.getLogger("ckptstore")
@@ -77,7 +78,9 @@ class StorageReader(_DCPStorageReader):
         key: master key (32 bytes or key provider); default ``CKPTSTORE_KEY``/``CKPTSTORE_KEY_FILE``.
         version: version to load when no ``checkpoint_id`` is given; default the newest committed.
         allow_cast: load into destination tensors of another dtype (default: raise
-            :class:`DtypeMismatchError`).
+            :class:`DtypeMismatchError`), and into tensor subclasses without memory of their own
+            (quantized / Float8 weights) whose ``copy_`` re-encodes the stored values (default: raise
+            :class:`UnsupportedStateError`; the values must read back bit for bit).
         allow_partial_load: allow the checkpoint to hold keys the destination state dict lacks.
         allow_unencrypted: accept an unencrypted version although a key is configured.
         threads: decode threads (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
@@ -102,7 +105,9 @@ class StorageReader(_DCPStorageReader):
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionNotFoundError`,
     :class:`IntegrityError` / :class:`ManifestError`, :class:`KeyMismatchError`,
-    :class:`DtypeMismatchError`, :class:`StateDictKeysError`, :class:`DamagedVersionError`.
+    :class:`DtypeMismatchError`, :class:`StateDictKeysError`, :class:`DamagedVersionError`,
+    :class:`UnsupportedStateError` (a tensor subclass that cannot take the stored values, raised before
+    anything is written into any destination when its ``copy_`` cannot take a plain tensor at all).
     """
 
     def __init__(
@@ -484,9 +489,9 @@ class StorageReader(_DCPStorageReader):
         try:
             batches: list[list] = [[]]
             size = 0
-            for ri in plan.items:
-                loc: ItemLocation = self.storage_data[ri.storage_index]
-                job = (ri, loc, self._needed(ri, loc))
+            # every destination is resolved and checked before any byte is written into any of them
+            for ri, loc, dest, asm in self._destinations(plan, planner):
+                job = (ri, loc, self._needed(ri, loc), dest, asm)
                 batches[-1].append(job)
                 size += sum(f.raw_len for f in job[2][0])
                 if size >= _BATCH_BYTES:
@@ -499,8 +504,21 @@ class StorageReader(_DCPStorageReader):
                 decoded: dict = {}
                 for t in pending:
                     decoded.update(t.result())
-                for ri, loc, (frames, start, b0, b1) in batch:
-                    self._deliver(ri, loc, frames, start, b0, b1, decoded, planner)
+                for ri, loc, (frames, start, b0, b1), dest, asm in batch:
+                    if ri.type == LoadItemType.BYTE_IO:
+                        self._deliver(ri, loc, frames, start, b0, b1, decoded, planner, None)
+                    elif asm is None:
+                        if dest is None:  # a planner's own resolve_tensor may allocate: one at a time
+                            dest = planner.resolve_tensor(ri).detach()
+                        self._deliver(ri, loc, frames, start, b0, b1, decoded, planner, dest)
+                        planner.commit_tensor(ri, dest)
+                    else:
+                        self._deliver(ri, loc, frames, start, b0, b1, decoded, planner, dest)
+                        asm.left -= 1
+                        if asm.left == 0:  # every part is in: into the subclass, read back and compared
+                            asm.finish()
+                            for pri, pt in asm.parts:
+                                planner.commit_tensor(pri, pt)
                 pending = nxt
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -550,7 +568,7 @@ class StorageReader(_DCPStorageReader):
 
     def _submit_batch(self, batch, pool) -> list:
         by_obj: dict[str, set] = collections.defaultdict(set)
-        for _ri, loc, (frames, *_rest) in batch:
+        for _ri, loc, (frames, *_rest), *_dest in batch:
             by_obj[loc.object].update(frames)
         tasks = []
         for obj, frames in by_obj.items():
@@ -577,33 +595,81 @@ class StorageReader(_DCPStorageReader):
 
         return self._with_fallback(obj, read)
 
-    def _deliver(self, ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner) -> None:
+    def _destinations(self, plan: LoadPlan, planner: LoadPlanner):
+        """``(read item, location, destination, assembly)`` for each item of ``plan``, every tensor
+        destination resolved (once) and checked first: its dtype (``DtypeMismatchError``) and shape, and
+        for a tensor subclass without memory of its own (a wrapper subclass: quantized / Float8 weights)
+        an :class:`_subclass.Assembly` — its parts go into a plain buffer, then through its ``copy_``
+        (``UnsupportedStateError`` here when that cannot work). Bytes items have no destination, nor do
+        tensors of a planner whose ``resolve_tensor`` is its own (it may allocate a temporary per item
+        and copy it back in ``commit_tensor``: resolved again when delivered, one at a time)."""
+        out = []
+        assemblies: dict = {}
+        cls = type(planner)
+        views = all(getattr(cls, m, None) is getattr(DefaultLoadPlanner, m) for m in ("resolve_tensor", "lookup_tensor", "transform_tensor"))
+        for ri in plan.items:
+            loc: ItemLocation = self.storage_data[ri.storage_index]
+            if ri.type == LoadItemType.BYTE_IO:
+                out.append((ri, loc, None, None))
+                continue
+            dtype = getattr(torch, loc.dtype)
+            target = planner.resolve_tensor(ri).detach()
+            if target.dtype != dtype and not self.allow_cast:
+                raise DtypeMismatchError(
+                    f"{ri.dest_index.fqn!r} is stored as {dtype} but the destination tensor is {target.dtype}; "
+                    "load into a tensor of the stored dtype, or pass allow_cast=True to StorageReader"
+                )
+            if target.numel() and tuple(target.shape) != tuple(ri.lengths):
+                raise IntegrityError(f"{ri.dest_index.fqn!r}: read item lengths {tuple(ri.lengths)} do not fit {tuple(target.shape)}")
+            whole = self._whole_destination(planner, ri, target)
+            if whole.numel() == 0 or _subclass.has_memory(whole):
+                out.append((ri, loc, target if views else None, None))
+                continue
+            k = (ri.dest_index.fqn, tuple(ri.dest_index.offset) if ri.dest_index.offset is not None else None)
+            asm = assemblies.get(k)
+            if asm is None:
+                asm = assemblies[k] = _subclass.Assembly(ri.dest_index.fqn, whole, exact=not self.allow_cast)
+            asm.parts.append((ri, target))
+            out.append((ri, loc, asm.part(ri), asm))
+        return out
+
+    def _whole_destination(self, planner: LoadPlanner, ri, target: torch.Tensor) -> torch.Tensor:
+        """The tensor ``ri`` loads a part of: ``target`` when ``ri`` spans the whole stored tensor (DCP
+        checks that a destination's global size is the stored one, so nothing was narrowed), else the
+        planner's ``lookup_tensor`` (DCP's default planners) before ``transform_tensor`` narrowed it."""
+        md = self._metadata.state_dict_metadata.get(ri.dest_index.fqn) if self._metadata is not None else None
+        if tuple(getattr(md, "size", ())) == tuple(ri.lengths):
+            return target
+        lookup = getattr(planner, "lookup_tensor", None)
+        if lookup is None:
+            return target
+        try:
+            whole = lookup(ri.dest_index)
+        except Exception:  # noqa: BLE001 - a planner of its own: what resolve_tensor gave is all we know
+            return target
+        return whole.detach() if isinstance(whole, torch.Tensor) else target
+
+    def _deliver(self, ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner, target) -> None:
+        """Write read item ``ri``'s bytes into ``target`` (bytes items: ``planner.load_bytes``).
+
+        The fast path copies decoded frames straight into ``target``'s memory, only when that memory
+        is checked to be ``target``'s own (``_subclass.own_bytes``); otherwise ``target.copy_``."""
         parts = [decoded[(loc.object, f.offset)] for f in frames]
         if ri.type == LoadItemType.BYTE_IO:
             planner.load_bytes(ri, io.BytesIO(b"".join(parts)))
             return
         dtype = getattr(torch, loc.dtype)
-        target = planner.resolve_tensor(ri).detach()
-        if target.dtype != dtype and not self.allow_cast:
-            raise DtypeMismatchError(
-                f"{ri.dest_index.fqn!r} is stored as {dtype} but the destination tensor is {target.dtype}; "
-                "load into a tensor of the stored dtype, or pass allow_cast=True to StorageReader"
-            )
         if target.numel() == 0 or not frames:
-            planner.commit_tensor(ri, target)
             return
-        if tuple(target.shape) != tuple(ri.lengths):
-            raise IntegrityError(f"{ri.dest_index.fqn!r}: read item lengths {tuple(ri.lengths)} do not fit {tuple(target.shape)}")
         whole = b0 == 0 and b1 == loc.nbytes and start == 0 and tuple(ri.lengths) == tuple(loc.shape)
-        if whole and target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu":
+        dst = _subclass.own_bytes(target) if whole and target.dtype == dtype else None
+        if dst is not None:
             # fast path: the item is the whole stored chunk; copy frames straight into place
-            dst = target.reshape(-1).view(torch.uint8).numpy()
             pos = 0
             for p in parts:  # numpy copies release the GIL (a memoryview slice assignment holds it)
                 n = len(p)
                 np.copyto(dst[pos : pos + n], np.frombuffer(p, dtype=np.uint8))
                 pos += n
-            planner.commit_tensor(ri, target)
             return
         total = sum(len(p) for p in parts)
         buf = bytearray(total)
@@ -614,7 +680,6 @@ class StorageReader(_DCPStorageReader):
         flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
         src = flat.as_strided(tuple(ri.lengths), _contig_strides(loc.shape), (b0 - start) // dtype.itemsize)
         target.copy_(src)
-        planner.commit_tensor(ri, target)
 
 
 _OPTIM_HINT = (

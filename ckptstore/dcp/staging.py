@@ -5,6 +5,8 @@ per state-dict path and reused across saves while shapes and dtypes stay the sam
 stays flat over many saves; buffers are pinned when the source is on a GPU (so device→host copies
 run non-blocking on a side stream and are synchronised once at the end). Non-tensor leaves are
 deep-copied, so mutating Python state after ``async_save`` returns does not change what is saved.
+A tensor subclass without memory of its own is staged as its values, through its own ``copy_``
+(``_subclass``; :class:`UnsupportedStateError` naming the key when it cannot give them).
 
 Overlapping saves: each ``stage()`` takes a *ticket*. A ticket is returned when its save has
 written its data (``release``, called by ``write_data`` with the address of a staged tensor) or
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import CkptStoreError
+from . import _subclass
 
 try:
     from torch.distributed.tensor import DTensor
@@ -145,7 +148,9 @@ class Stager:
         b = self._buf(path, t, buffers)
         if b.numel():
             ticket.ptrs.append(b.untyped_storage().data_ptr())
-        if t.device.type == "cuda":
+        if t.numel() and not _subclass.has_memory(t):  # a wrapper subclass: its values, through its copy_
+            _subclass.values(t, ".".join(map(str, path)), out=b)
+        elif t.device.type == "cuda":
             b.copy_(t.detach(), non_blocking=b.is_pinned())
             if b.is_pinned() and not streams:
                 streams.append(torch.cuda.current_stream(t.device))

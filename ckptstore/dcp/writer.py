@@ -64,7 +64,7 @@ from ..manifest.commit import commit_manifest
 from ..manifest.order import next_seq, order_key
 from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
-from . import _roots
+from . import _roots, _subclass
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest, RootReport
 from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
 from ._metadata import ItemTable, ItemTables, pack_items
@@ -86,16 +86,25 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of ``t`` in C order as a flat memoryview (copies only if non-contiguous/non-CPU)."""
-    t = t.detach().resolve_conj().resolve_neg()  # lazy conjugate/negative views: materialise
+def tensor_bytes(t: torch.Tensor, key: str = "?") -> memoryview:
+    """The bytes of ``t`` in C order as a flat memoryview (copies only if non-contiguous/non-CPU, or a
+    tensor subclass without memory of its own: its values through its ``copy_``, docs/FORMAT.md "Index").
+
+    Raises :class:`UnsupportedStateError` naming ``key`` when such a subclass cannot give its values."""
+    t = t.detach()
+    if t.numel() and not _subclass.has_memory(t):  # a wrapper subclass (quantized / Float8 weights)
+        t = _subclass.values(t, key)
+    t = t.resolve_conj().resolve_neg()  # lazy conjugate/negative views: materialise
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous() or t.storage_offset() < 0:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    mv = _subclass.own_bytes(t)
+    if mv is None:  # a class whose reshape/view copy: the values, as a plain tensor
+        mv = _subclass.own_bytes(_subclass.values(t, key))
+    return memoryview(mv)
 
 
 @dataclasses.dataclass(eq=False)
@@ -176,7 +185,8 @@ class StorageWriter(_DCPStorageWriter):
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionExistsError`,
     :class:`InvalidNameError`, :class:`StorageFullError`, :class:`StorageError`,
-    :class:`KeyMismatchError`, :class:`StateDictKeysError`.
+    :class:`KeyMismatchError`, :class:`StateDictKeysError`, :class:`UnsupportedStateError` (a tensor
+    subclass without memory of its own that cannot give its values; from ``stage()`` directly).
     """
 
     def __init__(
@@ -557,7 +567,7 @@ class StorageWriter(_DCPStorageWriter):
         if not self.allow_divergent_replicas and world > 1:  # one rank cannot diverge from itself
             for item in s.local_items:
                 data = planner.resolve_data(item)
-                mv = value_digest(planner, item, data) if isinstance(data, io.BytesIO) else tensor_bytes(data)
+                mv = value_digest(planner, item, data) if isinstance(data, io.BytesIO) else tensor_bytes(data, item.index.fqn)
                 rd = ReplicaDigest(item.index.fqn, pd.rank, xxh3(mv))
                 results.append(WriteResult(MetadataIndex(_SENTINEL + "replica/" + item.index.fqn), 0, rd))
         return results
@@ -573,11 +583,11 @@ class StorageWriter(_DCPStorageWriter):
                 if isinstance(data, io.BytesIO):
                     mv, dtype, shape, width = data.getbuffer(), None, None, 0
                 else:
-                    if not staged and data.numel():
+                    if not staged and data.numel() and _subclass.has_memory(data):
                         staged.append(data.untyped_storage().data_ptr())
                     dtype, shape = _dtype_name(data.dtype), tuple(data.shape)
                     width = _FLOAT_WIDTH.get(data.dtype, 0)
-                    mv = tensor_bytes(data)
+                    mv = tensor_bytes(data, item.index.fqn)
                 refs: list = []
                 per_item.append((item, refs, len(mv), dtype, shape))
                 yield from _split(mv, self.frame_size, width, refs)
