@@ -433,7 +433,10 @@ class CheckpointManager:
                 return None
             same_world = view.world_size in (None, 0, world)
             sd = self._state_dict(state, for_load=True, per_rank=same_world)
-            reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg, **self._reader_options)
+            # resharded: the saving ranks' own values (RNG, per_rank_keys) have no rank here to go to
+            unread = () if same_world else tuple(f"{k}/rank" for k in self.per_rank_keys) + ("rng/rank",)
+            reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg,
+                                   allow_partial_load=unread or False, **self._reader_options)
             try:
                 dcp.load(sd, checkpoint_id=view.version, storage_reader=reader, process_group=self._pg,
                          planner=_SpellingLoadPlanner(sd))

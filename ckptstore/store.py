@@ -55,7 +55,8 @@ class Store:
         return {name: catalogue.scan(t, self.problems) for name, t in self.tiers.items()}
 
     def versions(self, *, include_damaged: bool = True) -> list[VersionRecord]:
-        """Committed versions, oldest → newest (by commit time, then name).
+        """Committed versions, oldest → newest (by step, then commit sequence, then commit time and
+        name: docs/FORMAT.md, "Order" — never by one host's clock against another's).
 
         Each record has ``version``, ``created`` (UTC), ``step``, ``world_size``, ``nbytes``
         (logical bytes), ``stored_bytes``, ``tiers`` (subset of {"local","remote"}), ``pinned``,
@@ -93,14 +94,15 @@ class Store:
         return recs[-1] if recs else None
 
     def latest_in_job(self, process_group=None) -> VersionRecord | None:
-        """In a job: the newest version that every rank of ``process_group`` (default: the default
-        group) can load — the one ``StorageReader`` without a version loads (docs/FORMAT.md, Read
-        rule 6) — or None when nothing is committed anywhere. A collective: every rank of the group
-        calls it. Outside a job of more than one rank: :meth:`latest`.
+        """The newest version that every rank of ``process_group`` (default: the default group) can
+        load — the one ``StorageReader`` without a version loads (docs/FORMAT.md, "Restore choice") —
+        or None when nothing is committed anywhere. A collective: every rank of the group calls it.
+        Outside a job of more than one rank, the same choice from this process's roots.
 
         Raises :class:`VersionNotFoundError` (on every rank) when versions exist but none is
-        loadable by every rank (objects on no root and not in a remote tier);
-        :class:`TransientStorageError` when a tier cannot be read.
+        loadable by every rank (objects on no root and not in a remote tier). A remote tier that does
+        not answer does not stop it (Read rule 9: the roots' newest loadable version, with a
+        warning); :class:`TransientStorageError` only when the roots hold nothing loadable.
         """
         return self.agree(None, process_group)
 

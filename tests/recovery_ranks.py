@@ -23,7 +23,9 @@ PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.checkpoin
 
 
 def root_of(base: str, rank: int) -> str:
-    return os.path.join(base, f"node{rank}")
+    """Rank ``rank``'s root: ``base/node<rank>``, or ``base/shared`` for every rank when that exists."""
+    shared = os.path.join(base, "shared")
+    return shared if os.path.isdir(shared) else os.path.join(base, f"node{rank}")
 
 
 def _ref(base: str, step: int, rank: int) -> str:
@@ -65,7 +67,7 @@ def job(rank, world, base, saves, remote=None, mgr=None, version=None, attempts=
         out["restore"] = None if info is None else {
             **{k: v for k, v in dataclasses.asdict(info).items() if k not in ("skipped",)},
             "skipped": [dataclasses.asdict(s) for s in info.skipped]}
-        if info is not None:
+        if info is not None and os.path.exists(_ref(base, start - 1, rank)):
             ref = torch.load(_ref(base, start - 1, rank), weights_only=False)
             got = snapshot(state)
             out["same"] = {k: same(got[k], ref[k]) for k in ref}

@@ -348,3 +348,38 @@ def test_a_name_committed_elsewhere_is_never_served_from_a_stale_local_copy(tmp_
     r = cli("scrub", a, "--remote", s3_url)
     assert r.exit_code == 10 and "divergent" in r.output, r.output
     assert _load_values(a, None)[0] == 1.0  # without the remote tier, A's root is all there is
+
+
+@pytest.mark.s3
+def test_with_a_remote_tier_damaged_local_copies_are_read_from_s3(tmp_path, s3_url):
+    """The same damage as above with a remote tier: nothing is skipped; the newest version loads, the
+    marked copy's objects and the flipped bytes come from S3 (warned, counted)."""
+    base = tmp_path
+    outs = job(base, 3, remote=s3_url)
+    assert all(o["close_error"] is None for o in outs), outs
+    shutil.copyfile(shard(base, 1, "step-1"), shard(base, 1, "step-3"))
+    assert cli("scrub", rr.root_of(str(base), 1), "--repair").exit_code == 10  # marks root B's copy (no remote given)
+    flip_byte(shard(base, 0, "step-3"))
+    outs = job(base, 1, remote=s3_url)
+    check_resumed(outs, 4, [])
+    reads = [o["restore"]["reads"] for o in outs]
+    assert reads[0]["fallback_reads"] >= 1 and reads[1]["remote_reads"] >= 1, reads
+
+
+# -- kind 9: resume never picks a version of another job shape unless asked to ------------------------------
+def test_a_version_saved_by_another_number_of_ranks_is_skipped_unless_reshard(tmp_path):
+    from ckptstore import CheckpointManager
+
+    base = tmp_path
+    os.makedirs(base / "shared")
+    job(base, 2)  # a 2-rank job on one shared root: steps 1, 2
+    import async_ranks
+
+    state = async_ranks.make_state(0)
+    with CheckpointManager(str(base / "shared"), state, per_rank_keys=("data",)) as m:  # 1 rank: step 3
+        m.save(3, force=True)
+    outs = job(base, 0)
+    check_resumed(outs, 3, [("step-3", "shape")])
+    assert "saved by 1 ranks, this job has 2" in outs[0]["restore"]["skipped"][0]["reason"]
+    outs = run_ranks(rr.job, 2, str(base), 0, None, {"reshard": True}, None, None, timeout=240, **FAST)
+    assert [o["restore"]["version"] for o in outs] == ["step-3"] * 2 and not outs[0]["restore"]["rng_restored"]

@@ -200,11 +200,11 @@ def test_property_newest_and_pinned_never_deleted(spec, rules, now_min):
     assert all(d.reasons for d in ds)
     by = {d.version: d for d in ds}
     if vs:
-        newest = max(vs, key=lambda r: (r.created, r.version))
+        newest = max(vs, key=lambda r: r.order)  # step, commit sequence (docs/FORMAT.md, "Order")
         assert by[newest.version].keep
         loadable = [r for r in vs if not r.damaged]
         if loadable:
-            assert by[max(loadable, key=lambda r: (r.created, r.version)).version].keep
+            assert by[max(loadable, key=lambda r: r.order).version].keep
     for r in vs:
         if r.pinned:
             assert by[r.version].keep

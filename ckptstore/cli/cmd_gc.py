@@ -135,8 +135,11 @@ def _print_result(result) -> None:
 @click.option("--grace", type=DURATION, default="1h", show_default=True, metavar="DURATION",
               help="Unreferenced objects (and multipart uploads) younger than this are left alone.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (what would be removed and why survivors are kept); remove nothing.")
+@click.option("--prefix", default=None, metavar="P",
+              help="Apply the rules only to versions whose name starts with P (the others are kept), e.g. one "
+                   "CheckpointManager's prefix on a root that several share.")
 @click.option("--now", "now_text", default=None, hidden=True, help="Plan as of this ISO 8601 time (tests).")
-def gc(root, remote, endpoint_url, as_json, metric, mode, grace, dry_run, now_text, **rule_kw):
+def gc(root, remote, endpoint_url, as_json, metric, mode, grace, dry_run, now_text, prefix, **rule_kw):
     """Apply retention rules and remove garbage (objects no committed version references).
 
     With no rule every committed version is kept. Per-tier rules (--local-*, --remote-*) are added
@@ -147,6 +150,11 @@ def gc(root, remote, endpoint_url, as_json, metric, mode, grace, dry_run, now_te
 
     rule_kw.update(metric=metric, mode=mode)
     policy = _policy_from(rule_kw)
+    if prefix:
+        import dataclasses
+        import re
+
+        policy = dataclasses.replace(policy, match=re.escape(prefix) + ".*")
     now = _parse_now(now_text)
     st = open_store(root, remote, endpoint_url)
     tiers = st.tiers

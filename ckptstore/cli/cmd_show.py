@@ -87,6 +87,10 @@ def _info(version: str, rec, m, per_tier: dict) -> dict:
         "pinned": rec.pinned,
         "pin_note": one_note({n: d["pin_note"] for n, d in per_tier.items() if d["pinned"]}),
         "damaged": rec.damaged,
+        "seq": m.seq,
+        "supersedes": list(m.supersedes or ()),
+        "stale": [{"tier": t, "attempt": a} for t, a in rec.stale],
+        "in_future": rec.in_future,
         "per_tier": per_tier,
     }
 
@@ -114,6 +118,9 @@ def _rows(info: dict, m) -> list[tuple[str, object]]:
         ("user metadata", json.dumps(m.user, sort_keys=True) if m.user else "-"),
         ("pinned", pinned),
         ("integrity", "marked DAMAGED by scrub (see the tier lines)" if info["damaged"] else "not marked damaged"),
+        ("order", f"step {'-' if m.step is None else m.step}, commit sequence {'-' if m.seq is None else m.seq}"
+                  + (" (commit time in the future of this host's clock)" if info["in_future"] else "")),
+        ("supersedes", "; ".join(f"attempt {d['attempt']} ({d.get('reason', '')})" for d in info["supersedes"]) or "-"),
     ]
 
 

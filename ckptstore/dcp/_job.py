@@ -1,23 +1,19 @@
-"""A load in a job whose ranks may see different roots (docs/FORMAT.md, "Placement", Read rules 6-8).
+"""A load in a job whose ranks may see different roots (docs/FORMAT.md, "Placement", "Restore choice",
+Read rules 6-10): the I/O around the pure restore choice of ``ckptstore/choice.py``.
 
-Every rank of the load reports what its own root holds — the versions committed there and the
-objects present per attempt — and the first rank also what the remote tier holds; one
-``all_gather_object`` over the load's process group hands every rank every report, and every rank
-then takes the same decisions from the same data:
+Every rank reports what its own root holds — the versions committed there (each manifest's facts,
+its damage mark, the MD5 of the manifest file) and the objects present per attempt — and the first
+rank also what the remote tier holds and its root's restore log; one ``all_gather_object`` over the
+load's process group hands every rank every report (outside a job the one report is this
+process's), and every rank then takes the same decisions from the same data
+(:func:`ckptstore.choice.decide`): which version, where each rank reads each object (its own root,
+another rank's root through ``torch.distributed``, the remote tier), which roots to repair (a root
+holding objects of the chosen attempt but not its manifest gets it from a root that has it).
 
-* **which version** — the one asked for, or else the newest committed version whose every object
-  is on some root of the job or whose remote copy is committed: never a version one node has and
-  another lacks the objects of;
-* **where each rank reads each object** — its own root first, else the root of another rank of the
-  load (peer fetch through ``torch.distributed`` in ``read_data``: a cluster network beats an S3
-  GET, and a restore on the same nodes then makes no remote request even for the replicated items
-  DCP stored on one rank only), else the remote tier;
-* **which roots to repair** — a root holding objects of the chosen attempt but not its manifest (a
-  crash between the coordinator's commit and that root's copy) gets the manifest and metadata object
-  from a root that has them (``broadcast_object_list``).
-
-The remote tier is listed, and a remote manifest read only when it may be newer than every version
-the local roots hold, so a restore on the same nodes makes no remote GET.
+The remote tier is listed once; a remote manifest is read only for a version that may be newer than
+every version the first rank's root holds, or whose ETag is not the MD5 of that root's copy (another
+copy under the same name). A remote tier that does not answer leaves ``remote_error`` in the report:
+the choice is then made from the roots alone (Read rule 9).
 """
 
 from __future__ import annotations

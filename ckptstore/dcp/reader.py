@@ -81,7 +81,9 @@ class StorageReader(_DCPStorageReader):
             :class:`DtypeMismatchError`), and into tensor subclasses without memory of their own
             (quantized / Float8 weights) whose ``copy_`` re-encodes the stored values (default: raise
             :class:`UnsupportedStateError`; the values must read back bit for bit).
-        allow_partial_load: allow the checkpoint to hold keys the destination state dict lacks.
+        allow_partial_load: allow the checkpoint to hold keys the destination state dict lacks
+            (True), or only keys starting with one of the given prefixes (a tuple of strings: e.g.
+            ``("rng/rank",)`` for per-rank values of the saving ranks in a resharded load).
         allow_unencrypted: accept an unencrypted version although a key is configured.
         threads: decode threads (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
         read_repair: when an object fails verification in the tier read first (local) and the
@@ -118,7 +120,7 @@ class StorageReader(_DCPStorageReader):
         key: Any = None,
         version: str | None = None,
         allow_cast: bool = False,
-        allow_partial_load: bool = False,
+        allow_partial_load: bool | tuple = False,
         allow_unencrypted: bool = False,
         threads: int | None = None,
         endpoint_url: str | None = None,
@@ -464,7 +466,7 @@ class StorageReader(_DCPStorageReader):
         return [dataclasses.replace(p, storage_data=PeerPlan(snd, rcv)) if (snd or rcv) else p for p, (snd, rcv) in zip(plans, pp)]
 
     def _check_unread(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if self.allow_partial_load or self._metadata is None:
+        if self.allow_partial_load is True or self._metadata is None:
             return plans
         requested = {ri.storage_index.fqn for p in plans for ri in p.items}
         stored = set()
@@ -472,6 +474,8 @@ class StorageReader(_DCPStorageReader):
             if isinstance(md, BytesStorageMetadata) or all(s > 0 for s in md.size):
                 stored.add(fqn)
         unread = sorted(stored - requested)
+        if isinstance(self.allow_partial_load, (tuple, list, set, frozenset)):
+            unread = [k for k in unread if not k.startswith(tuple(self.allow_partial_load))]
         if unread:
             shown = ", ".join(repr(k) for k in unread[:20]) + (" ..." if len(unread) > 20 else "")
             raise StateDictKeysError(

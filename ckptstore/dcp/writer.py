@@ -460,7 +460,7 @@ class StorageWriter(_DCPStorageWriter):
             (r, p.storage_data.probe) for r, p in zip(ranks, plans)
             if isinstance(p.storage_data, LocalPlanData) and p.storage_data.probe is not None
         )
-        restage = self._restage(s.version)
+        restage = self._restage(s.version, len(plans))
         out = [
             dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank,
                                                          restage))
@@ -474,57 +474,70 @@ class StorageWriter(_DCPStorageWriter):
                                   | ({s.existing_remote} if s.existing_remote is not None else set())))
         return out
 
-    def _restage(self, version: str) -> tuple:
-        """Coordinator, first save of this writer with a remote tier: the versions committed in its
-        root but not in the remote tier that are newer than every remote commit (a crash or an
-        outage cut their remote commit off). Every rank uploads its part of them in this save and the
-        coordinator commits them remotely (docs/FORMAT.md, Save rule 6), so a job restarted after an
-        S3 outage stages what it could not — also with node-local roots, where no single root holds
-        every object. One remote listing and one manifest read; retried at the next save when the
-        remote tier does not answer."""
+    def _restage(self, version: str, world: int) -> tuple:
+        """Coordinator, first save of this writer with a remote tier: ``((version, who), ...)`` for the
+        versions committed in its root but not in the remote tier that are ordered after every remote
+        commit (a crash or an outage cut their remote commit off). ``who`` says who uploads their
+        objects in this save: ``"coordinator"`` (its root holds every object) or ``"ranks"`` (a
+        version saved by a job of this size: every rank its own, from its own root — node-local
+        roots, where no single root holds every object). The coordinator then commits them remotely
+        (docs/FORMAT.md, Save rule 6), so a job restarted after an S3 outage stages what it could
+        not. One remote listing and one manifest read; tried again at the next save when the remote
+        tier does not answer."""
         if self._remote is None or self._in_subprocess or self._caught_up:
             return ()
+        from .._names import decode_version
         from ..manifest import catalogue
 
         try:
-            local = catalogue.merge({"local": catalogue.scan(self._tier)})
+            entries = catalogue.scan(self._tier)
             listed = {}
             for info in self._remote.list(layout.VERSIONS + "/"):
                 parts = info.key.split("/")
                 if len(parts) == 3 and parts[2] == layout.MANIFEST:
                     listed[parts[1]] = info.mtime
-            there = {r.version for r in local if layout.version_dir(r.version).split("/")[1] in listed}
-            todo = [r for r in local if r.version not in there and r.version != version]
+            local = catalogue.merge({"local": entries})
+            todo = [r for r in local if layout.version_dir(r.version).split("/")[1] not in listed and r.version != version]
             newest = None
             if listed and todo:
-                enc = max(listed, key=lambda k: listed[k])
-                from .._names import decode_version
-
-                m = catalogue.read_manifest(self._remote, decode_version(enc)).manifest
+                m = catalogue.read_manifest(self._remote, decode_version(max(listed, key=lambda k: listed[k]))).manifest
                 newest = order_key(m.step, m.seq, m.created, m.version)
         except CkptStoreError as e:
             log.warning("ckptstore: cannot compare the local and remote tiers to stage what an earlier run did not "
                         "upload (%s); trying again at the next save", e)
             return ()
         self._caught_up = True
-        out = tuple(r.version for r in todo if newest is None or r.order > newest)
+        out = []
+        for r in todo:
+            if newest is not None and r.order <= newest:
+                continue  # older than the remote tier's newest commit: its retention may have dropped it
+            m = entries[r.version].manifest
+            if all(self._tier.exists(layout.object_key(r.version, o.name)) for o in m.objects):
+                out.append((r.version, "coordinator"))
+            elif m.world_size == world:
+                out.append((r.version, "ranks"))
+            else:
+                log.warning("ckptstore: version %r is committed locally but not in %s, and neither this root nor "
+                            "this job's ranks hold all its objects; it is not staged", r.version, self.remote_url)
         if out:
             log.warning("ckptstore: versions %s are committed locally but not in %s; staging them with this save",
-                        list(out), self.remote_url)
-        return out
+                        [v for v, _w in out], self.remote_url)
+        return tuple(out)
 
     def _restage_objects(self, pd: PlanData) -> None:
-        """This rank's part of ``pd.restage``: its own objects of those versions, as its root holds
-        them (the upload checks every frame against the manifest before it sends)."""
+        """This rank's part of ``pd.restage``: the objects it uploads of those versions, as its root
+        holds them (the upload checks every frame against the manifest before it sends)."""
         from ..manifest import catalogue
 
-        for v in pd.restage:
+        for v, who in pd.restage:
+            if who == "coordinator" and pd.rank != pd.coordinator:
+                continue
             try:
                 m = catalogue.read_manifest(self._tier, v).manifest
             except CkptStoreError:
                 continue  # this root holds no copy of it (another node's part)
             for o in m.objects:
-                if o.rank == pd.rank and self._tier.exists(layout.object_key(v, o.name)):
+                if (who == "coordinator" or o.rank == pd.rank) and self._tier.exists(layout.object_key(v, o.name)):
                     self.uploader.upload_object(v, o, o.rank, retry=False)
 
     def _codec(self, s: _Save, pd: PlanData) -> FrameCodec:
@@ -748,7 +761,7 @@ class StorageWriter(_DCPStorageWriter):
     def _commit_remote(self, s: _Save, m: Manifest, body: bytes) -> None:
         from ..manifest import catalogue
 
-        for v in s.restage:  # what an earlier run could not commit remotely (see _restage)
+        for v, _who in s.restage:  # what an earlier run could not commit remotely (see _restage)
             try:
                 p = catalogue.read_manifest(self._tier, v)
                 self.uploader.commit(p.manifest, self._tier.get(layout.manifest_key(v)), False, retry=False)
