@@ -147,6 +147,10 @@ def test_single_process_resume_past_a_corrupt_newest_version(tmp_path):
         mgr.save(2)  # the corrupt name is superseded, not refused
     rec = ckptstore.Store(root).get("step-2")
     assert rec.attempt != m.attempt and [a for a, _ in rec.supersedes] == [m.attempt]
+    old_dir = os.path.join(root, *layout.object_key("step-2", layout.attempt_dir(m.attempt)).split("/"))
+    assert os.path.isdir(old_dir)
+    assert cli("gc", root, "--grace", "0").exit_code == 0  # gc reclaims the superseded attempt by the usual rules
+    assert not os.path.exists(old_dir) and ckptstore.Store(root).get("step-2").attempt == rec.attempt
     # a plain writer still refuses a healthy existing version
     import torch.distributed.checkpoint as dcp
 

@@ -445,7 +445,9 @@ class StorageWriter(_DCPStorageWriter):
         from ..manifest import catalogue
 
         return dataclasses.replace(plan, storage_data=LocalPlanData(
-            rank=s.rank, probe=self._probe if _multi_rank() else None, seq=catalogue.max_seq(self._tier),
+            rank=s.rank, probe=self._probe if _multi_rank() else None,
+            # one rank per node reads its root's newest manifests for the commit sequence (docs/FORMAT.md, "Order")
+            seq=catalogue.max_seq(self._tier) if os.environ.get("LOCAL_RANK", "0") == "0" else None,
             existing=s.existing))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -228,7 +228,7 @@ def copy_of(m: Manifest, *, remote: bool = False) -> dict:
             "created": m.created}
 
 
-def max_seq(tier: Tier, newest: int = 8) -> int | None:
+def max_seq(tier: Tier, newest: int = 4) -> int | None:
     """The highest commit sequence among the ``newest`` most recently modified manifests of ``tier``
     (a hint for :func:`order.next_seq`; reading every manifest of a large root at every save would
     cost more than the hint is worth). None when it holds none with a sequence."""
