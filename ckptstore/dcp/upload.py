@@ -205,8 +205,13 @@ def local_digest(local: Tier, key: str, size: int) -> tuple[str, int]:
 
 
 class Uploader:
-    def __init__(self, local: Tier, remote: Tier, threads: int = 4, timeout: float = 3600.0, retention=None):
+    """``guard(what)``, when given, is called right before each rank marker and remote commit and
+    raises to refuse it (the writer's live-trainer check, docs/FORMAT.md Save rule 7)."""
+
+    def __init__(self, local: Tier, remote: Tier, threads: int = 4, timeout: float = 3600.0, retention=None,
+                 guard=None):
         self.local = local
+        self.guard = guard
         self.retention = retention
         self.remote = remote
         self.timeout = timeout
@@ -261,6 +266,8 @@ class Uploader:
         if got != entry.size:
             raise UploadError(f"remote object {key} has {got} bytes after upload, expected {entry.size}")
         attempt = entry.name.split("/")[1]
+        if self.guard is not None:
+            self.guard(f"the upload marker of {key}")
         marker = {"size": entry.size, "digest": entry.digest, "frames": entry.frames, "rank": rank}
         self.remote.put(layout.object_key(version, layout.marker_name(attempt, rank)), json.dumps(marker).encode())
         return key
@@ -305,6 +312,8 @@ class Uploader:
             mk = seen[r]
             if mk.get("size") != o.size or mk.get("digest") != o.digest:
                 raise UploadError(f"version {v!r}: rank {r}'s uploaded object does not match the manifest")
+        if self.guard is not None:
+            self.guard(f"the remote commit of {v!r}")
         commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest", hint="the remote copy was not replaced")
         key = layout.manifest_key(v)
         log.info("ckptstore: version %s committed in %s", v, self.remote.url)

@@ -55,12 +55,12 @@ from ..codec.bytegroup import PlanCell
 from ..codec.frame import FIXED_LEN, xxh3_stream
 from ..codec.crypto import FrameCipher, key_id, new_data_key, resolve_key, unwrap_key, wrap_key
 from ..codec.stages import env_threads
-from ..errors import CkptStoreError, KeyMismatchError, StateDictKeysError, VersionExistsError
+from ..errors import CkptStoreError, JobBrokenError, KeyMismatchError, StateDictKeysError, VersionExistsError
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
-from . import _roots
+from . import _liveness, _roots
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest, RootReport
 from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
 from ._metadata import ItemTable, ItemTables, pack_items
@@ -138,6 +138,19 @@ class StorageWriter(_DCPStorageWriter):
             save rank 0's copy (DCP's behaviour) instead of raising :class:`StateDictKeysError`.
         max_staged: how many ``async_save`` host copies may exist at once (default 2); ``stage()``
             waits for an earlier save to finish writing when that many are held (back-pressure).
+        world_size: the number of ranks every save through this writer has (default: the default
+            process group's size when one is initialised at construction, else not checked). A save
+            planned or finished by any other number of ranks — a rank that outlived its peers, DCP
+            falling back to a single process after the process group was destroyed — raises
+            :class:`JobBrokenError` and commits nothing (docs/FORMAT.md, Save rule 6). Pass
+            ``world_size=1`` for a single-rank save inside a larger job.
+
+    Only the whole job commits (docs/FORMAT.md, Save rules 6-7): besides ``world_size``, the copy of
+    the writer that runs in DCP's checkpoint subprocess (``AsyncCheckpointerType.PROCESS``) knows
+    its trainer (pid and start time, recorded when the writer is pickled) and refuses — with
+    :class:`JobBrokenError` — to report write results, commit the local manifest or the remote one
+    once the trainer is gone; a watcher thread exits the subprocess within 0.2 s of the trainer's
+    death, stopping its uploads. A THREAD-executor save runs in the trainer and dies with it.
 
     Overlapping saves (any number in flight through one writer, e.g. ``dcp.async_save`` called again
     before the previous future resolved):
@@ -160,7 +173,7 @@ class StorageWriter(_DCPStorageWriter):
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionExistsError`,
     :class:`InvalidNameError`, :class:`StorageFullError`, :class:`StorageError`,
-    :class:`KeyMismatchError`, :class:`StateDictKeysError`.
+    :class:`KeyMismatchError`, :class:`StateDictKeysError`, :class:`JobBrokenError`.
     """
 
     def __init__(
@@ -183,6 +196,7 @@ class StorageWriter(_DCPStorageWriter):
         upload_timeout: float = 3600.0,
         retention: Any = None,
         max_staged: int = 2,
+        world_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -195,6 +209,11 @@ class StorageWriter(_DCPStorageWriter):
             raise ValueError("frame_size must be a multiple of 16 bytes and at least 4096")
         if max_staged < 1:
             raise ValueError("max_staged must be at least 1")
+        if world_size is None and dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size()
+        if world_size is not None and int(world_size) < 1:
+            raise ValueError("world_size must be at least 1")
+        self.world_size = None if world_size is None else int(world_size)
         self.root = os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
@@ -221,6 +240,8 @@ class StorageWriter(_DCPStorageWriter):
         self._in_subprocess = False  # this copy runs in DCP's checkpoint subprocess (PROCESS)
         self._shipped = False  # a copy of this writer was sent to DCP's checkpoint subprocess
         self._ship_rank = 0  # the rank that sent it (only rank 0 re-checks the uploads at close)
+        self._trainer: tuple | None = None  # (pid, start time) of the process that pickled this copy
+        self._trainer_is_parent = False
         self._born = utcnow()
         self._options_for: dict[str, tuple] = {}
         self._remote_futs: dict[str, cf.Future] = {}
@@ -241,6 +262,8 @@ class StorageWriter(_DCPStorageWriter):
             self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
             _shipped.add(self)
         s = self.__dict__.copy()
+        if not self._in_subprocess:  # the copy commits only while this process lives (Save rule 7)
+            s["_trainer"] = _liveness.identity()
         for k in ("_uploader", "_lock", "_tls", "_follower"):
             s.pop(k, None)
         s["_remote_futs"] = {}
@@ -251,6 +274,30 @@ class StorageWriter(_DCPStorageWriter):
         self.__dict__.update(s)
         self._uploader = None
         self._init_runtime()
+        if self._trainer is not None:
+            self._trainer_is_parent = os.getppid() == self._trainer[0]
+            _liveness.watch(self._trainer)  # exits this process once the trainer is gone
+
+    def _check_trainer(self, what: str) -> None:
+        """Raise :class:`JobBrokenError` when this copy runs in DCP's checkpoint subprocess and its
+        trainer is gone (docs/FORMAT.md, Save rule 7); called right before ``what`` commits."""
+        if self._trainer is None or _liveness.alive(self._trainer, parent_is_it=self._trainer_is_parent):
+            return
+        raise JobBrokenError(
+            f"DCP's checkpoint subprocess (pid {os.getpid()}) outlived its trainer (pid {self._trainer[0]}): "
+            f"refusing {what}; nothing is committed. Restart the job; it resumes from the newest committed version"
+        )
+
+    def _check_world(self, n: int, what: str) -> None:
+        """Raise :class:`JobBrokenError` unless ``n`` ranks is the job's ``world_size`` (Save rule 6)."""
+        if self.world_size is None or n == self.world_size:
+            return
+        raise JobBrokenError(
+            f"{what} has {n} rank(s) but this writer was set up for a job of {self.world_size} "
+            f"(StorageWriter(world_size={self.world_size})): only the whole job commits, a rank that outlived its "
+            "peers never commits alone; nothing was committed. Restart the whole job (or pass world_size= for a "
+            "save by fewer ranks on purpose)"
+        )
 
     # -- per-save state --------------------------------------------------------------------------
     def _new_save(self, version: str | None) -> _Save:
@@ -345,6 +392,9 @@ class StorageWriter(_DCPStorageWriter):
             raise CkptStoreError(
                 "no version name: pass checkpoint_id= to dcp.save/async_save or version= to StorageWriter"
             )
+        if self.world_size is not None and self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            # DCP saves "in a single process" when torch.distributed is not initialised (any more)
+            self._check_world(1, f"the save of {s.version!r} (torch.distributed is not initialised)")
         if not s.use_collectives and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise CkptStoreError(
                 "ckptstore commits one manifest per version and needs rank coordination; "
@@ -377,6 +427,7 @@ class StorageWriter(_DCPStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         s = self._cur()
+        self._check_world(len(plans), f"the plan of {s.version!r}")
         attempt = layout.new_attempt()
         wrapped = kid = None
         if self._master is not None:
@@ -412,6 +463,7 @@ class StorageWriter(_DCPStorageWriter):
             self._stager.release(staged[0] if staged else None)
         if self._in_subprocess and not s.is_coordinator:
             self._drop_uploader()
+        self._check_trainer(f"to report the write results of {s.version!r}")
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -476,6 +528,7 @@ class StorageWriter(_DCPStorageWriter):
         s = self._cur()
         if s.attempt is None:  # a rank-less save (empty plans everywhere)
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
+        self._check_world(len(results), f"the commit of {s.version!r}")
         reports, replicas, tables, extras = _collect(results)
         upload_failures = [x for x in extras if isinstance(x, _UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
@@ -483,6 +536,7 @@ class StorageWriter(_DCPStorageWriter):
         try:
             self._check_replicas(replicas)
             m, body = self._seal_manifest(s, metadata, tables, reports, world_size=len(results), placement=split)
+            self._check_trainer(f"the local commit of {s.version!r}")
             commit_manifest(
                 self._tier, s.version, body, overwrite=self.overwrite, fault="commit.manifest",
                 hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
@@ -573,7 +627,8 @@ class StorageWriter(_DCPStorageWriter):
                 from .upload import Uploader
 
                 self._uploader = Uploader(
-                    self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout, retention=self.retention
+                    self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout, retention=self.retention,
+                    guard=self._check_trainer if self._trainer is not None else None,
                 )
             return self._uploader
 
