@@ -134,7 +134,13 @@ class CheckpointManager:
         version_format: ... or ``version_format.format(step=step)`` when given
             (e.g. ``"step-{step:06d}"``).
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
-            ``upload_timeout``, ``endpoint_url``, ...).
+            ``upload_timeout``, ``endpoint_url``, ...); ``world_size`` defaults to the job's.
+
+    Creating a manager on the same ``root`` and version names as another manager of this process
+    that still has saves or uploads in flight closes that one first (waits for them, warns with
+    ``RuntimeWarning``). Once a save failed because the job lost ranks, every ``save``, ``wait``,
+    ``latest`` and ``restore`` raises :class:`~ckptstore.errors.JobBrokenError` (module docstring,
+    "Only the whole job commits").
     """
 
     def __init__(
@@ -228,7 +234,9 @@ class CheckpointManager:
         not due (``step % interval_steps != 0``) and not ``force``. ``metadata``: JSON-serialisable
         user metadata recorded in the version's manifest (``ckptstore gc --keep-best`` reads it).
         Returns after staging (and, when the queue is full, after the oldest queued save started).
-        Raises the error of an earlier failed save."""
+        Raises the error of an earlier failed save; :class:`~ckptstore.errors.JobBrokenError` once
+        the job lost ranks (a save failed in a collective, or the manager's process group was
+        destroyed): then every later call raises it at once (see "Only the whole job commits")."""
         t0 = time.monotonic()
         self._note_step(step, t0)
         self._raise_errors()
@@ -590,7 +598,7 @@ def _group_alive(pg) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
     try:
-        dist.get_world_size(pg)
+        dist.get_rank(pg)  # "Group ... is not registered" once destroyed (get_world_size does not check)
     except (ValueError, RuntimeError):
         return False
     return True
