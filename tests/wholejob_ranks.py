@@ -161,12 +161,19 @@ class DelayProxy:
         await asyncio.gather(up(), down())
 
     def close(self) -> None:
-        def stop():
-            self._server.close()
-            self._loop.stop()
+        import asyncio
 
-        self._loop.call_soon_threadsafe(stop)
+        async def shutdown():
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
 
 # ---- kind: a checkpoint subprocess that outlives its trainer -------------------------------------------
