@@ -166,7 +166,8 @@ def test_no_commit_after_every_trainer_died(tmp_path, seaweed, s3_url, executor,
                 gone_at = time.monotonic() - t_kill
             time.sleep(0.5)
         assert gone_at is not None and gone_at < 5, f"checkpoint subprocesses {subs} still alive (gone at {gone_at})"
-        print(f"checkpoint subprocesses gone {gone_at:.2f} s after the kill; nothing committed in {watch_s} s")
+        print(f"{executor}: checkpoint subprocesses {subs} gone {gone_at:.2f} s after the kill; nothing committed "
+              f"in {watch_s} s")
     finally:
         for p in job.procs:
             if p.is_alive():
@@ -207,3 +208,11 @@ def test_second_manager_closes_the_first_that_is_still_saving(tmp_path, seaweed,
         assert _versions(root) == {"step-1": 1, "other-1": 1}
     finally:
         proxy.close()
+
+
+def test_writer_refuses_a_plan_of_another_world_size(tmp_path):
+    """``StorageWriter(world_size=2)`` in a 1-rank job: the coordinator refuses the global plan with
+    ``JobBrokenError``; nothing is committed."""
+    out = run_ranks(wholejob_ranks.wrong_world, 1, str(tmp_path), start_method="forkserver", preload=_PRELOAD)
+    assert out[0][0] == "JobBrokenError" and "the plan of 'v' has 1 rank(s)" in out[0][1], out
+    assert _versions(str(tmp_path)) == {}

@@ -273,3 +273,15 @@ def own_errors_do_not_break(rank, world, root):
     out["latest"] = mgr.latest()
     mgr.close()
     return out
+
+
+def wrong_world(rank, world, root):
+    """A writer set up for 2 ranks used by a job of ``world`` ranks: the coordinator's plan check."""
+    import torch.distributed.checkpoint as dcp
+
+    w = ckptstore.StorageWriter(root, world_size=2)
+    try:
+        dcp.save({f"x{rank}": torch.arange(4)}, checkpoint_id="v", storage_writer=w)
+        return "ok"
+    except BaseException as e:  # noqa: BLE001
+        return _err(_inner(e))

@@ -528,12 +528,12 @@ class StorageWriter(_DCPStorageWriter):
         s = self._cur()
         if s.attempt is None:  # a rank-less save (empty plans everywhere)
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
-        self._check_world(len(results), f"the commit of {s.version!r}")
         reports, replicas, tables, extras = _collect(results)
         upload_failures = [x for x in extras if isinstance(x, _UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
         split = _roots.placement([r.group for r in roots])
         try:
+            self._check_world(len(results), f"the commit of {s.version!r}")
             self._check_replicas(replicas)
             m, body = self._seal_manifest(s, metadata, tables, reports, world_size=len(results), placement=split)
             self._check_trainer(f"the local commit of {s.version!r}")
