@@ -149,8 +149,8 @@ class StorageWriter(_DCPStorageWriter):
     the writer that runs in DCP's checkpoint subprocess (``AsyncCheckpointerType.PROCESS``) knows
     its trainer (pid and start time, recorded when the writer is pickled) and refuses — with
     :class:`JobBrokenError` — to report write results, commit the local manifest or the remote one
-    once the trainer is gone; a watcher thread exits the subprocess within 0.2 s of the trainer's
-    death, stopping its uploads. A THREAD-executor save runs in the trainer and dies with it.
+    once the trainer is gone; a watcher thread (checking every 0.2 s) exits the subprocess once the
+    trainer is dead, stopping its uploads. A THREAD-executor save runs in the trainer and dies with it.
 
     Overlapping saves (any number in flight through one writer, e.g. ``dcp.async_save`` called again
     before the previous future resolved):
