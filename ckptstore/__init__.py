@@ -8,6 +8,7 @@ from .errors import (  # noqa: E402
     DtypeMismatchError,
     IntegrityError,
     InvalidNameError,
+    JobBrokenError,
     KeyMismatchError,
     ManifestError,
     StateDictKeysError,
@@ -59,4 +60,5 @@ __all__ = [
     "StorageFullError",
     "UnsupportedFormatError",
     "UnsupportedStateError",
+    "JobBrokenError",
 ]

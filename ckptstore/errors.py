@@ -44,6 +44,7 @@ __all__ = [
     "DtypeMismatchError",
     "StateDictKeysError",
     "UnsupportedStateError",
+    "JobBrokenError",
 ]
 
 
@@ -172,5 +173,14 @@ class StateDictKeysError(CkptStoreError, ValueError):
 class UnsupportedStateError(CkptStoreError, TypeError):
     """The state dict holds something ckptstore cannot store so that it loads again (refused at save,
     before anything is committed)."""
+
+    exit_code = 1
+
+
+class JobBrokenError(CkptStoreError):
+    """The job this save belongs to lost ranks (a peer died, its process group broke or was
+    destroyed) or, in DCP's checkpoint subprocess, its trainer: nothing is committed with fewer
+    ranks than the job was set up with (docs/FORMAT.md, Save rules 6-7). Restart the whole job;
+    it resumes from the newest version every rank committed."""
 
     exit_code = 1

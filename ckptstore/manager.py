@@ -34,6 +34,23 @@ Design (anchors: Orbax ``CheckpointManager``, torchtitan's checkpointer, NVRx as
   for the caller (``save_rng=False`` to turn off) and restored per rank.
 - **Errors are never lost.** A save that fails raises from the next ``save()``, ``wait()`` or
   ``close()``; ``close()`` also raises ``UploadError`` for versions not uploaded.
+- **Only the whole job commits** (docs/FORMAT.md, Save rules 6-7). The writer is set up with the
+  job's world size and refuses to plan or commit a save with any other number of ranks. A save
+  that fails because a collective of DCP failed — a peer died (gloo's ``RuntimeError: Connection
+  closed by peer``, ``torch.distributed.DistError``), the process group was destroyed
+  (``ValueError: Group ... is not registered``), or anything else DCP raises outside its per-rank
+  ``CheckpointException`` — *breaks* the manager: that save and every later ``save()``, ``wait()``,
+  ``latest()`` and ``restore()`` raise :class:`~ckptstore.errors.JobBrokenError` at once (queued
+  saves fail without running; nothing hangs, nothing is committed by the survivors). A save that
+  failed with ckptstore errors reported by the ranks (disk full, ``VersionExistsError``) does not
+  break it. The manager also checks before each save that its process group still exists.
+- **One manager per root and version names in a process.** A manager created on the same
+  ``root`` and the same version names (``prefix`` / ``version_format``) as another manager of this
+  process that still has saves or uploads in flight closes that one first: it waits for those saves
+  and uploads (``close()``, bounded by ``upload_timeout``) and warns (``RuntimeWarning``); an error
+  the old manager raises there is part of the warning. So a restart inside the process (a new
+  manager after an exception) never races the old one for a version name, and resumes from what the
+  old one committed.
 - **Timings.** Per save: ``blocked_s`` (time ``save()`` held the training loop), ``local_commit_s``
   and ``remote_commit_s`` (from the ``save()`` call to the commit; ``remote_commit_s`` only on the
   coordinator, which makes the remote commit). Passed to ``on_save`` and kept by :meth:`stats`,
@@ -50,6 +67,8 @@ import random
 import sys
 import threading
 import time
+import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -59,7 +78,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .dcp import StorageReader, StorageWriter
-from .errors import CkptStoreError, VersionNotFoundError
+from .errors import CkptStoreError, JobBrokenError, VersionNotFoundError
 
 log = logging.getLogger("ckptstore")
 
@@ -148,7 +167,13 @@ class CheckpointManager:
             skip it and restore the one before (default None: never; the count is always in
             ``last_restore.restore_count`` and warned about from 2 on).
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
-            ``upload_timeout``, ``endpoint_url``, ...).
+            ``upload_timeout``, ``endpoint_url``, ...); ``world_size`` defaults to the job's.
+
+    Creating a manager on the same ``root`` and version names as another manager of this process
+    that still has saves or uploads in flight closes that one first (waits for them, warns with
+    ``RuntimeWarning``). Once a save failed because the job lost ranks, every ``save``, ``wait``,
+    ``latest`` and ``restore`` raises :class:`~ckptstore.errors.JobBrokenError` (module docstring,
+    "Only the whole job commits").
     """
 
     def __init__(
@@ -181,6 +206,9 @@ class CheckpointManager:
         kind = executor.value if isinstance(executor, AsyncCheckpointerType) else str(executor)
         if kind not in ("thread", "process"):
             raise ValueError("executor must be 'thread' or 'process'")
+        self._names = (os.path.realpath(os.fspath(root)), "format" if version_format is not None else "prefix",
+                       version_format if version_format is not None else prefix)
+        _close_previous(self._names)
         self.root = os.fspath(root)
         self.remote = remote
         self.interval_steps = interval_steps
@@ -208,10 +236,12 @@ class CheckpointManager:
         self.per_rank_keys = tuple(per_rank_keys)
         self._key = key
         self._reader_options = {k: writer_options[k] for k in ("endpoint_url", "threads") if k in writer_options}
+        self._dist = dist.is_available() and dist.is_initialized()
+        # the writer refuses any save by another number of ranks (docs/FORMAT.md, Save rule 6)
+        writer_options.setdefault("world_size", dist.get_world_size() if self._dist else 1)
         self._writer = StorageWriter(
             root, remote=remote, key=key, durability=durability, retention=retention, max_staged=max_pending + 1, **writer_options
         )
-        self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
         # every rank creates the group here, in the same order: DCP's collectives run on it only
         self._pg = dist.new_group(backend="gloo") if self._dist else None
@@ -225,6 +255,9 @@ class CheckpointManager:
         self._last_call: tuple[int, float] | None = None
         self._step_time: float | None = None
         self._closed = False
+        self._broken: str | None = None  # why the job is broken (a peer died, the group is gone)
+        with _open_lock:
+            _open.setdefault(self._names, weakref.WeakSet()).add(self)
 
     # -- saving ------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -248,7 +281,9 @@ class CheckpointManager:
         not due (``step % interval_steps != 0``) and not ``force``. ``metadata``: JSON-serialisable
         user metadata recorded in the version's manifest (``ckptstore gc --keep-best`` reads it).
         Returns after staging (and, when the queue is full, after the oldest queued save started).
-        Raises the error of an earlier failed save."""
+        Raises the error of an earlier failed save; :class:`~ckptstore.errors.JobBrokenError` once
+        the job lost ranks (a save failed in a collective, or the manager's process group was
+        destroyed): then every later call raises it at once (see "Only the whole job commits")."""
         t0 = time.monotonic()
         self._note_step(step, t0)
         self._raise_errors()
@@ -256,6 +291,7 @@ class CheckpointManager:
             raise CkptStoreError("CheckpointManager is closed")
         if not (force or self.due(step)):
             return False
+        self._check_job()
         version = self.version_name(step)
         sd = self._state_dict(self._state(state))
         # a name left by a damaged, unloadable or abandoned version is superseded, not refused
@@ -302,6 +338,7 @@ class CheckpointManager:
                     return
                 info, staged, t0 = job
                 try:
+                    self._check_job()  # the group may have broken since save() queued it: never run it
                     dcp.save(staged, checkpoint_id=info.version, storage_writer=self._writer, process_group=self._pg)
                     del staged
                     info.local_commit_s = time.monotonic() - t0
@@ -339,6 +376,8 @@ class CheckpointManager:
         self._report(info)
 
     def _failed(self, info: SaveInfo, e: BaseException) -> None:
+        if _group_failure(e):
+            self._break(f"the save of step {info.step} ({info.version}) failed in a collective: {type(e).__name__}: {e}")
         info.error = f"{type(e).__name__}: {e}"
         with self._lock:
             self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
@@ -355,8 +394,33 @@ class CheckpointManager:
     def _raise_errors(self) -> None:
         with self._lock:
             errors, self._errors = self._errors, []
+            broken = self._broken
+        if broken is not None:
+            raise JobBrokenError(self._broken_message(broken) + "".join(f"; {e}" for e in errors))
         if errors:
             raise CkptStoreError("; ".join(errors))
+
+    # -- a broken job (docs/FORMAT.md, Save rule 6) --------------------------------------------------
+    @staticmethod
+    def _broken_message(why: str) -> str:
+        return (f"the job lost ranks ({why}); this CheckpointManager refuses every save, wait and restore so "
+                "that no rank commits without its peers. Restart the whole job: it resumes from the newest "
+                "version all ranks committed")
+
+    def _break(self, why: str) -> None:
+        with self._lock:
+            if self._broken is not None:
+                return
+            self._broken = why
+        log.error("ckptstore: %s", self._broken_message(why))
+
+    def _check_job(self) -> None:
+        """Raise :class:`JobBrokenError` when the job is broken, or when the manager's process group
+        (or torch.distributed itself) is gone — DCP would otherwise save on this rank alone."""
+        if self._broken is None and self._dist and not _group_alive(self._pg):
+            self._break("the CheckpointManager's process group was destroyed (torch.distributed.destroy_process_group)")
+        if self._broken is not None:
+            raise JobBrokenError(self._broken_message(self._broken))
 
     def _wait_process(self) -> None:
         f = self._proc_future
@@ -369,7 +433,9 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until every queued save has committed (locally; see ``durability``); raise the
-        error of a failed one."""
+        error of a failed one (:class:`JobBrokenError`, at once, once the job lost ranks)."""
+        if self._broken is not None:
+            self._raise_errors()
         if self.executor == "process":
             self._wait_process()
         elif self._worker is not None:
@@ -380,8 +446,19 @@ class CheckpointManager:
     def latest(self) -> str | None:
         """The newest version in this manager's scope that every rank can load (a collective on the
         manager's group: the choice :meth:`restore` makes), or None."""
-        view = self._choose(None, {})
+        self._check_job()
+        view = self._guarded(self._choose, None, {})
         return None if view is None else view.version
+
+    def _guarded(self, fn, *args):
+        """``fn(*args)`` (collectives on the manager's group); a failed collective breaks the job."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if _group_failure(e):
+                self._break(f"a collective of a restore failed: {type(e).__name__}: {e}")
+                raise JobBrokenError(self._broken_message(self._broken)) from e
+            raise
 
     def _choose(self, version: str | None, failed: dict):
         """The restore choice (:func:`ckptstore.choice.decide`) for ``version`` (None: the newest
@@ -424,11 +501,12 @@ class CheckpointManager:
         state = self._state(state)
         t0 = time.monotonic()
         self.wait()
+        self._check_job()
         world = dist.get_world_size(self._pg) if self._dist else 1
         failed: dict[tuple, str] = {}
         unverified: list = []
         while True:
-            view = self._choose(version, failed)
+            view = self._guarded(self._choose, version, failed)
             if view is None:
                 return None
             same_world = view.world_size in (None, 0, world)
@@ -438,8 +516,8 @@ class CheckpointManager:
             reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg,
                                    allow_partial_load=unread or False, **self._reader_options)
             try:
-                dcp.load(sd, checkpoint_id=view.version, storage_reader=reader, process_group=self._pg,
-                         planner=_SpellingLoadPlanner(sd))
+                self._guarded(lambda: dcp.load(sd, checkpoint_id=view.version, storage_reader=reader,
+                                               process_group=self._pg, planner=_SpellingLoadPlanner(sd)))
                 break
             except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
                 why = _unverifiable(e)
@@ -581,6 +659,8 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        with _open_lock:
+            _open.get(self._names, set()).discard(self)
         try:
             self.wait()
         finally:
@@ -588,6 +668,16 @@ class CheckpointManager:
                 self._queue.put(None)
                 self._worker.join()
             self._writer.close()
+
+    def _in_flight(self) -> bool:
+        """A save queued or running, or an upload / remote commit not finished."""
+        f = self._proc_future
+        if f is not None and not f.done():
+            return True
+        if self._queue.unfinished_tasks:
+            return True
+        up = self._writer._uploader
+        return up is not None and bool(up.in_flight())
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -794,6 +884,54 @@ class _SpellingLoadPlanner(DefaultLoadPlanner):
                 "_checkpoint_wrapped_module or DDP's module dropped); was it saved from another model?"
             )
         return super().create_local_plan()
+
+
+def _group_failure(e: BaseException) -> bool:
+    """Did a save (or restore) fail because the job lost ranks? DCP reports a rank's own failure
+    (a ckptstore error, a planner error) to every rank as ``CheckpointException``; anything else it
+    raises comes from a collective that failed — gloo's ``RuntimeError`` ("Connection closed by
+    peer"), ``torch.distributed.DistError`` and subclasses, ``ValueError`` ("Group ... is not
+    registered") — after which the ranks no longer agree on where they are."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, JobBrokenError):
+        return True
+    if isinstance(e, CheckpointException):
+        return any(isinstance(f[0] if isinstance(f, tuple) else f, JobBrokenError) for f in e.failures.values())
+    if isinstance(e, CkptStoreError):
+        return False
+    return isinstance(e, Exception)
+
+
+def _group_alive(pg) -> bool:
+    """The process group ``pg`` (and torch.distributed) still exist in this process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.get_rank(pg)  # "Group ... is not registered" once destroyed (get_world_size does not check)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+# the open managers of this process by (real root path, version names): see "One manager per root"
+_open: dict[tuple, "weakref.WeakSet[CheckpointManager]"] = {}
+_open_lock = threading.Lock()
+
+
+def _close_previous(names: tuple) -> None:
+    """Close every open manager on ``names`` that still has saves or uploads in flight (warning)."""
+    with _open_lock:
+        busy = [m for m in _open.get(names, ()) if not m._closed and m._in_flight()]
+    for first in busy:
+        msg = (f"ckptstore: a new CheckpointManager on {names[0]} (version names {names[1]} {names[2]!r}) while "
+               "another one of this process still has saves in flight: waited for them and closed the old manager")
+        try:
+            first.close()
+        except BaseException as e:  # noqa: BLE001 - reported in the warning; the new manager goes on
+            msg += f"; its close() raised {type(e).__name__}: {e}"
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def _the_module(state: dict[str, Any]) -> torch.nn.Module | None:

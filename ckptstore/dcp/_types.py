@@ -36,7 +36,7 @@ class PlanData:
     probes: tuple = ()
     coordinator: int = 0
     #: versions committed locally but not remotely that every rank uploads its part of again in this
-    #: save (a crash or an outage cut their remote commit off; docs/FORMAT.md, Save rule 6)
+    #: save (a crash or an outage cut their remote commit off; docs/FORMAT.md, Save rule 8)
     restage: tuple = ()
 
 

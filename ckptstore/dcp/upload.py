@@ -215,8 +215,13 @@ def local_digest(local: Tier, key: str, size: int) -> tuple[str, int]:
 
 
 class Uploader:
-    def __init__(self, local: Tier, remote: Tier, threads: int = 4, timeout: float = 3600.0, retention=None):
+    """``guard(what)``, when given, is called right before each rank marker and remote commit and
+    raises to refuse it (the writer's live-trainer check, docs/FORMAT.md Save rule 7)."""
+
+    def __init__(self, local: Tier, remote: Tier, threads: int = 4, timeout: float = 3600.0, retention=None,
+                 guard=None):
         self.local = local
+        self.guard = guard
         self.retention = retention
         self.remote = remote
         self.timeout = timeout
@@ -249,7 +254,7 @@ class Uploader:
     def upload_object(self, version: str, entry: ObjectEntry, rank: int, *, retry: bool = True) -> cf.Future:
         """Upload this rank's committed object ``entry`` of ``version`` and write its rank marker.
         First submits again the uploads of earlier versions that failed (an unreachable remote tier):
-        the next save stages what an outage held back (docs/FORMAT.md, Save rule 6)."""
+        the next save stages what an outage held back (docs/FORMAT.md, Save rule 8)."""
         if retry:
             self.retry_failed("object")
         key = layout.object_key(version, entry.name)
@@ -312,6 +317,8 @@ class Uploader:
         if got != entry.size:
             raise UploadError(f"remote object {key} has {got} bytes after upload, expected {entry.size}")
         attempt = entry.name.split("/")[1]
+        if self.guard is not None:
+            self.guard(f"the upload marker of {key}")
         marker = {"size": entry.size, "digest": entry.digest, "frames": entry.frames, "rank": rank}
         self.remote.put(layout.object_key(version, layout.marker_name(attempt, rank)), json.dumps(marker).encode())
         return key
@@ -361,6 +368,8 @@ class Uploader:
             mk = seen[r]
             if mk.get("size") != o.size or mk.get("digest") != o.digest:
                 raise UploadError(f"version {v!r}: rank {r}'s uploaded object does not match the manifest")
+        if self.guard is not None:
+            self.guard(f"the remote commit of {v!r}")
         try:
             commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest",
                             hint="the remote copy was not replaced")

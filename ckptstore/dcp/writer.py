@@ -57,14 +57,15 @@ from ..codec.bytegroup import PlanCell
 from ..codec.frame import FIXED_LEN, xxh3_stream
 from ..codec.crypto import FrameCipher, key_id, new_data_key, resolve_key, unwrap_key, wrap_key
 from ..codec.stages import env_threads
-from ..errors import (CkptStoreError, InvalidNameError, KeyMismatchError, ManifestError, StateDictKeysError,
-                      TransientStorageError, UnsupportedFormatError, VersionExistsError, VersionNotFoundError)
+from ..errors import (CkptStoreError, InvalidNameError, JobBrokenError, KeyMismatchError, ManifestError,
+                      StateDictKeysError, TransientStorageError, UnsupportedFormatError, VersionExistsError,
+                      VersionNotFoundError)
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
 from ..manifest.order import next_seq, order_key
 from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
-from . import _roots, _subclass
+from . import _liveness, _roots, _subclass
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest, RootReport
 from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
 from ._metadata import ItemTable, ItemTables, pack_items
@@ -163,6 +164,19 @@ class StorageWriter(_DCPStorageWriter):
             save rank 0's copy (DCP's behaviour) instead of raising :class:`StateDictKeysError`.
         max_staged: how many ``async_save`` host copies may exist at once (default 2); ``stage()``
             waits for an earlier save to finish writing when that many are held (back-pressure).
+        world_size: the number of ranks every save through this writer has (default: the default
+            process group's size when one is initialised at construction, else not checked). A save
+            planned or finished by any other number of ranks — a rank that outlived its peers, DCP
+            falling back to a single process after the process group was destroyed — raises
+            :class:`JobBrokenError` and commits nothing (docs/FORMAT.md, Save rule 6). Pass
+            ``world_size=1`` for a single-rank save inside a larger job.
+
+    Only the whole job commits (docs/FORMAT.md, Save rules 6-7): besides ``world_size``, the copy of
+    the writer that runs in DCP's checkpoint subprocess (``AsyncCheckpointerType.PROCESS``) knows
+    its trainer (pid and start time, recorded when the writer is pickled) and refuses — with
+    :class:`JobBrokenError` — to report write results, commit the local manifest or the remote one
+    once the trainer is gone; a watcher thread (checking every 0.2 s) exits the subprocess once the
+    trainer is dead, stopping its uploads. A THREAD-executor save runs in the trainer and dies with it.
 
     Overlapping saves (any number in flight through one writer, e.g. ``dcp.async_save`` called again
     before the previous future resolved):
@@ -185,8 +199,9 @@ class StorageWriter(_DCPStorageWriter):
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionExistsError`,
     :class:`InvalidNameError`, :class:`StorageFullError`, :class:`StorageError`,
-    :class:`KeyMismatchError`, :class:`StateDictKeysError`, :class:`UnsupportedStateError` (a tensor
-    subclass without memory of its own that cannot give its values; from ``stage()`` directly).
+    :class:`KeyMismatchError`, :class:`StateDictKeysError`, :class:`JobBrokenError`,
+    :class:`UnsupportedStateError` (a tensor subclass without memory of its own that cannot give its
+    values; from ``stage()`` directly).
     """
 
     def __init__(
@@ -209,6 +224,7 @@ class StorageWriter(_DCPStorageWriter):
         upload_timeout: float = 3600.0,
         retention: Any = None,
         max_staged: int = 2,
+        world_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -221,6 +237,11 @@ class StorageWriter(_DCPStorageWriter):
             raise ValueError("frame_size must be a multiple of 16 bytes and at least 4096")
         if max_staged < 1:
             raise ValueError("max_staged must be at least 1")
+        if world_size is None and dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size()
+        if world_size is not None and int(world_size) < 1:
+            raise ValueError("world_size must be at least 1")
+        self.world_size = None if world_size is None else int(world_size)
         self.root = os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
@@ -248,6 +269,8 @@ class StorageWriter(_DCPStorageWriter):
         self._in_subprocess = False  # this copy runs in DCP's checkpoint subprocess (PROCESS)
         self._shipped = False  # a copy of this writer was sent to DCP's checkpoint subprocess
         self._ship_rank = 0  # the rank that sent it (only rank 0 re-checks the uploads at close)
+        self._trainer: tuple | None = None  # (pid, start time) of the process that pickled this copy
+        self._trainer_is_parent = False
         self._born = utcnow()
         self._options_for: dict[str, tuple] = {}
         self._remote_futs: dict[str, cf.Future] = {}
@@ -268,6 +291,8 @@ class StorageWriter(_DCPStorageWriter):
             self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
             _shipped.add(self)
         s = self.__dict__.copy()
+        if not self._in_subprocess:  # the copy commits only while this process lives (Save rule 7)
+            s["_trainer"] = _liveness.identity()
         for k in ("_uploader", "_lock", "_tls", "_follower"):
             s.pop(k, None)
         s["_remote_futs"] = {}
@@ -278,6 +303,30 @@ class StorageWriter(_DCPStorageWriter):
         self.__dict__.update(s)
         self._uploader = None
         self._init_runtime()
+        if self._trainer is not None:
+            self._trainer_is_parent = os.getppid() == self._trainer[0]
+            _liveness.watch(self._trainer)  # exits this process once the trainer is gone
+
+    def _check_trainer(self, what: str) -> None:
+        """Raise :class:`JobBrokenError` when this copy runs in DCP's checkpoint subprocess and its
+        trainer is gone (docs/FORMAT.md, Save rule 7); called right before ``what`` commits."""
+        if self._trainer is None or _liveness.alive(self._trainer, parent_is_it=self._trainer_is_parent):
+            return
+        raise JobBrokenError(
+            f"DCP's checkpoint subprocess (pid {os.getpid()}) outlived its trainer (pid {self._trainer[0]}): "
+            f"refusing {what}; nothing is committed. Restart the job; it resumes from the newest committed version"
+        )
+
+    def _check_world(self, n: int, what: str) -> None:
+        """Raise :class:`JobBrokenError` unless ``n`` ranks is the job's ``world_size`` (Save rule 6)."""
+        if self.world_size is None or n == self.world_size:
+            return
+        raise JobBrokenError(
+            f"{what} has {n} rank(s) but this writer was set up for a job of {self.world_size} "
+            f"(StorageWriter(world_size={self.world_size})): only the whole job commits, a rank that outlived its "
+            "peers never commits alone; nothing was committed. Restart the whole job (or pass world_size= for a "
+            "save by fewer ranks on purpose)"
+        )
 
     # -- per-save state --------------------------------------------------------------------------
     def _new_save(self, version: str | None) -> _Save:
@@ -380,6 +429,9 @@ class StorageWriter(_DCPStorageWriter):
             raise CkptStoreError(
                 "no version name: pass checkpoint_id= to dcp.save/async_save or version= to StorageWriter"
             )
+        if self.world_size is not None and self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            # DCP saves "in a single process" when torch.distributed is not initialised (any more)
+            self._check_world(1, f"the save of {s.version!r} (torch.distributed is not initialised)")
         if not s.use_collectives and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise CkptStoreError(
                 "ckptstore commits one manifest per version and needs rank coordination; "
@@ -407,7 +459,7 @@ class StorageWriter(_DCPStorageWriter):
                 if self._sync_remote:
                     raise
                 # durability="local": commit locally now; the remote commit is put-if-absent and
-                # refuses the name there if it exists (docs/FORMAT.md, Save rule 6). For a minute
+                # refuses the name there if it exists (docs/FORMAT.md, Save rule 8). For a minute
                 # the next saves do not wait for the remote tier's retries again.
                 self._remote_down_until = time.monotonic() + _REMOTE_DOWN_S
                 log.warning("ckptstore: could not check the remote tier for an existing %r (%s); saving locally, "
@@ -452,6 +504,7 @@ class StorageWriter(_DCPStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         s = self._cur()
+        self._check_world(len(plans), f"the plan of {s.version!r}")
         attempt = layout.new_attempt()
         wrapped = kid = None
         if self._master is not None:
@@ -483,7 +536,7 @@ class StorageWriter(_DCPStorageWriter):
         objects in this save: ``"coordinator"`` (its root holds every object) or ``"ranks"`` (a
         version saved by a job of this size: every rank its own, from its own root — node-local
         roots, where no single root holds every object). The coordinator then commits them remotely
-        (docs/FORMAT.md, Save rule 6), so a job restarted after an S3 outage stages what it could
+        (docs/FORMAT.md, Save rule 8), so a job restarted after an S3 outage stages what it could
         not. One remote listing and one manifest read; tried again at the next save when the remote
         tier does not answer."""
         if self._remote is None or self._in_subprocess or self._caught_up:
@@ -559,6 +612,7 @@ class StorageWriter(_DCPStorageWriter):
             self._stager.release(staged[0] if staged else None)
         if self._in_subprocess and not s.is_coordinator:
             self._drop_uploader()
+        self._check_trainer(f"to report the write results of {s.version!r}")
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -631,8 +685,10 @@ class StorageWriter(_DCPStorageWriter):
         roots = [x for x in extras if isinstance(x, RootReport)]
         split = _roots.placement([r.group for r in roots])
         try:
+            self._check_world(len(results), f"the commit of {s.version!r}")
             self._check_replicas(replicas)
             m, body = self._seal_manifest(s, metadata, tables, reports, world_size=len(results), placement=split)
+            self._check_trainer(f"the local commit of {s.version!r}")
             commit_manifest(
                 self._tier, s.version, body, overwrite=self.overwrite or s.existing is not None, fault="commit.manifest",
                 hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
@@ -725,7 +781,8 @@ class StorageWriter(_DCPStorageWriter):
                 from .upload import Uploader
 
                 self._uploader = Uploader(
-                    self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout, retention=self.retention
+                    self._tier, self._remote, threads=max(2, self.threads), timeout=self.upload_timeout, retention=self.retention,
+                    guard=self._check_trainer if self._trainer is not None else None,
                 )
             return self._uploader
 
