@@ -387,3 +387,37 @@ def test_a_version_saved_by_another_number_of_ranks_is_skipped_unless_reshard(tm
     assert "saved by 1 ranks, this job has 2" in outs[0]["restore"]["skipped"][0]["reason"]
     outs = run_ranks(rr.job, 2, str(base), 0, None, {"reshard": True}, None, None, timeout=240, **FAST)
     assert [o["restore"]["version"] for o in outs] == ["step-3"] * 2 and not outs[0]["restore"]["rng_restored"]
+
+
+@pytest.mark.s3
+def test_fallback_past_every_local_version_reaches_older_remote_ones(tmp_path, s3_url):
+    """Local KeepLast(1), remote KeepLast(3): the only local version is unloadable everywhere (its
+    object corrupt in both tiers) — resume() falls back to an older version only S3 still holds;
+    an explicit older version loads from S3 too."""
+    from ckptstore import CheckpointManager
+    from ckptstore.retention import KeepLast, RetentionPolicy
+
+    root = str(tmp_path)
+    model = torch.nn.Linear(16, 16)
+    policy = RetentionPolicy(per_tier={"local": [KeepLast(1)], "remote": [KeepLast(3)]})
+    with CheckpointManager(root, {"model": model}, remote=s3_url, retention=policy, durability="remote") as mgr:
+        for s in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.fill_(s)
+            mgr.save(s)
+            mgr.wait()
+    recs = ckptstore.Store(root, remote=s3_url).versions()
+    assert [r.version for r in recs] == ["step-1", "step-2", "step-3"]
+    assert [r.version for r in recs if "local" in r.tiers] == ["step-3"]
+    m = catalogue.read_manifest(LocalTier(root), "step-3").manifest
+    key = layout.object_key("step-3", m.objects[0].name)
+    flip_byte(os.path.join(root, *key.split("/")))
+    remote = ckptstore.Store(None, remote=s3_url).remote
+    data = bytearray(remote.get(key))
+    data[300] ^= 0x10
+    remote.put(key, bytes(data))
+    fresh = torch.nn.Linear(16, 16)
+    with CheckpointManager(root, {"model": fresh}, remote=s3_url) as mgr:
+        assert mgr.resume() == 3 and torch.all(fresh.weight == 2)
+        assert [(s.version, s.kind) for s in mgr.last_restore.skipped] == [("step-3", "unverified")]
+        assert mgr.restore(version="step-1") == 1 and torch.all(fresh.weight == 1)

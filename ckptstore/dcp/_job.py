@@ -54,7 +54,7 @@ def _facts(m, damaged: bool) -> dict:
             "supersedes": sorted(m.superseded_attempts), "groups": len(m.placement or ()) or 1}
 
 
-def _report(local, remote, first: bool, rank: int) -> dict:
+def _report(local, remote, first: bool, rank: int, want: str | None = None) -> dict:
     """What this rank's root holds (and, on the first rank, the remote tier and the restore log)."""
     committed: dict[str, dict] = {}
     parts: dict[str, dict[str, list]] = {}
@@ -79,7 +79,7 @@ def _report(local, remote, first: bool, rank: int) -> dict:
         rep["restores"] = read_restore_log(local)
         if remote is not None:
             try:
-                rep["remote"] = _remote_view(remote, committed, invalid)
+                rep["remote"] = _remote_view(remote, committed, invalid, want)
             except TransientStorageError as e:
                 # the remote tier does not answer: restore from what the roots hold (docs/FORMAT.md,
                 # Read rule 9); transient is never absent, so nothing is marked or deleted because of it
@@ -87,7 +87,8 @@ def _report(local, remote, first: bool, rank: int) -> dict:
     return rep
 
 
-def _remote_view(remote, local_committed: dict, invalid: dict | None = None) -> dict:
+def _remote_view(remote, local_committed: dict, invalid: dict | None = None, want: str | None = None,
+                 everything: bool = False) -> dict:
     """``{version: facts}`` of the remote tier from one listing (docs/FORMAT.md, Read rule 6).
 
     A remote manifest whose ETag is the MD5 of this rank's copy is that copy (no GET). Otherwise it is
@@ -96,7 +97,8 @@ def _remote_view(remote, local_committed: dict, invalid: dict | None = None) -> 
     (LastModified, the server's one clock) than that of every version this rank holds; the others are
     listed as ``{"attempt": None}`` (not read: older than what the roots hold). LastModified has a
     resolution of one second on many servers: a remote-only version committed in the same second as
-    the newest local one is not considered newer. A damage mark is read to check its attempt."""
+    the newest local one is not considered newer. ``want`` (an explicitly named version) and, with
+    ``everything``, every version is read. A damage mark is read to check its attempt."""
     listing = list(remote.list(layout.VERSIONS + "/"))
     manifests: dict[str, Any] = {}
     marks = set()
@@ -119,7 +121,7 @@ def _remote_view(remote, local_committed: dict, invalid: dict | None = None) -> 
         lc = local_committed.get(v)
         if lc is not None and info.etag and info.etag == lc.get("md5"):
             facts = {k: val for k, val in lc.items() if k != "md5"}
-        elif lc is not None or newest_both is None or info.mtime > newest_both:
+        elif lc is not None or newest_both is None or info.mtime > newest_both or v == want or everything:
             try:
                 m = catalogue.read_manifest(remote, v).manifest
             except VersionNotFoundError:  # un-committed since the listing
@@ -182,10 +184,11 @@ def exchange(local, remote, pg, version: str | None, **choice) -> tuple[View, in
     a job of more than one rank, the one report is this process's. Raises the same error on every
     rank when nothing can be loaded."""
     if not in_job(pg):
-        return _said(decide([_report(local, remote, True, 0)], version, where=_where(local, remote), **choice)), 0
+        reports = [_report(local, remote, True, 0, version)]
+        return _said(_decide(reports, version, local, remote, None, 0, choice)), 0
     me = dist.get_rank(pg)
     try:
-        mine: Any = _report(local, remote, me == 0, dist.get_rank())
+        mine: Any = _report(local, remote, me == 0, dist.get_rank(), version)
     except Exception as e:  # noqa: BLE001 - every rank must reach the collective; raised below
         mine = {"error": e}
     reports: list = [None] * dist.get_world_size(pg)
@@ -197,8 +200,34 @@ def exchange(local, remote, pg, version: str | None, **choice) -> tuple[View, in
                 raise err
             raise type(err)(f"rank {i} of the load could not read its root: {err}") if isinstance(err, CkptStoreError) \
                 else CkptStoreError(f"rank {i} of the load could not read its root: {err!r}")
-    view = decide(reports, version, where=_where(local, remote), **choice)
+    view = _decide(reports, version, local, remote, pg, me, choice)
     return (_said(view) if me == 0 else view), me
+
+
+def _decide(reports: list, version, local, remote, pg, me: int, choice: dict):
+    """:func:`decide`; when nothing is loadable while the first rank left remote manifests unread
+    (older than what its root holds: a fallback past every local version), the first rank reads them
+    all and every rank decides again (one broadcast in a job) — the same on every rank, since every
+    rank got the same error from the same reports."""
+    try:
+        return decide(reports, version, where=_where(local, remote), **choice)
+    except VersionNotFoundError:
+        rem = reports[0].get("remote") or {}
+        if version is not None or not any(e.get("attempt") is None for e in rem.values()):
+            raise
+    full = [None]
+    if me == 0:
+        try:
+            full = [_remote_view(remote, reports[0]["committed"], reports[0]["invalid"], everything=True)]
+        except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast
+            full = [e]
+    if pg is not None:
+        dist.broadcast_object_list(full, src=dist.get_global_rank(pg, 0), group=pg)
+    if isinstance(full[0], BaseException):
+        raise full[0]
+    reports = list(reports)
+    reports[0] = {**reports[0], "remote": full[0]}
+    return decide(reports, version, where=_where(local, remote), **choice)
 
 
 def _said(view):
