@@ -54,8 +54,8 @@ def _facts(m, damaged: bool) -> dict:
             "supersedes": sorted(m.superseded_attempts), "groups": len(m.placement or ()) or 1}
 
 
-def _report(local, remote, first: bool, rank: int, want: str | None = None) -> dict:
-    """What this rank's root holds (and, on the first rank, the remote tier and the restore log)."""
+def _report(local, first: bool, rank: int) -> dict:
+    """What this rank's root holds (and, on the first rank, the restore log)."""
     committed: dict[str, dict] = {}
     parts: dict[str, dict[str, list]] = {}
     problems: list = []
@@ -77,24 +77,34 @@ def _report(local, remote, first: bool, rank: int, want: str | None = None) -> d
                            "parts": parts, "remote": None, "remote_error": None, "restores": [], "invalid": invalid}
     if first:
         rep["restores"] = read_restore_log(local)
-        if remote is not None:
-            try:
-                rep["remote"] = _remote_view(remote, committed, invalid, want)
-            except TransientStorageError as e:
-                # the remote tier does not answer: restore from what the roots hold (docs/FORMAT.md,
-                # Read rule 9); transient is never absent, so nothing is marked or deleted because of it
-                rep["remote_error"] = str(e)
     return rep
 
 
-def _remote_view(remote, local_committed: dict, invalid: dict | None = None, want: str | None = None,
+def _add_remote(reports: list, remote, want: str | None, everything: bool = False) -> None:
+    """The first rank: put the remote tier's view (given what every root holds) into ``reports[0]``."""
+    known: dict[str, list] = {}
+    for r in reports:
+        for v, e in r["committed"].items():
+            known.setdefault(v, []).append(e)
+    try:
+        reports[0]["remote"] = _remote_view(remote, known, reports[0]["invalid"], want, everything)
+        reports[0]["remote_error"] = None
+    except TransientStorageError as e:
+        # the remote tier does not answer: restore from what the roots hold (docs/FORMAT.md, Read
+        # rule 9); transient is never absent, so nothing is marked or deleted because of it
+        reports[0]["remote"] = None
+        reports[0]["remote_error"] = str(e)
+
+
+def _remote_view(remote, known: dict, invalid: dict | None = None, want: str | None = None,
                  everything: bool = False) -> dict:
     """``{version: facts}`` of the remote tier from one listing (docs/FORMAT.md, Read rule 6).
 
-    A remote manifest whose ETag is the MD5 of this rank's copy is that copy (no GET). Otherwise it is
-    read when this rank holds another copy of the name (a possibly divergent copy: docs/FORMAT.md,
-    "One name, one content"), or when this rank lacks the version and its remote manifest is newer
-    (LastModified, the server's one clock) than that of every version this rank holds; the others are
+    ``known``: ``{version: [facts of each root's copy]}`` over every root of the job. A remote
+    manifest whose ETag is the MD5 of a root's copy is that copy (no GET). Otherwise it is read when
+    a root holds another copy of the name (a possibly divergent copy: docs/FORMAT.md, "One name, one
+    content"), or when no root holds the version and its remote manifest is newer (LastModified, the
+    server's one clock) than that of every version the roots hold; the others are
     listed as ``{"attempt": None}`` (not read: older than what the roots hold). LastModified has a
     resolution of one second on many servers: a remote-only version committed in the same second as
     the newest local one is not considered newer. ``want`` (an explicitly named version) and, with
@@ -114,14 +124,15 @@ def _remote_view(remote, local_committed: dict, invalid: dict | None = None, wan
             manifests[v] = i
         elif parts[2] == layout.DAMAGED:
             marks.add(v)
-    both = [i.mtime for v, i in manifests.items() if v in local_committed]
+    both = [i.mtime for v, i in manifests.items() if v in known]
     newest_both = max(both) if both else None
     out: dict[str, dict] = {}
     for v, info in manifests.items():
-        lc = local_committed.get(v)
-        if lc is not None and info.etag and info.etag == lc.get("md5"):
-            facts = {k: val for k, val in lc.items() if k != "md5"}
-        elif lc is not None or newest_both is None or info.mtime > newest_both or v == want or everything:
+        copies = known.get(v) or []
+        same = next((e for e in copies if info.etag and info.etag == e.get("md5")), None)
+        if same is not None:
+            facts = {k: val for k, val in same.items() if k != "md5"}
+        elif copies or newest_both is None or info.mtime > newest_both or v == want or everything:
             try:
                 m = catalogue.read_manifest(remote, v).manifest
             except VersionNotFoundError:  # un-committed since the listing
@@ -184,11 +195,13 @@ def exchange(local, remote, pg, version: str | None, **choice) -> tuple[View, in
     a job of more than one rank, the one report is this process's. Raises the same error on every
     rank when nothing can be loaded."""
     if not in_job(pg):
-        reports = [_report(local, remote, True, 0, version)]
+        reports = [_report(local, True, 0)]
+        if remote is not None:
+            _add_remote(reports, remote, version)
         return _said(_decide(reports, version, local, remote, None, 0, choice)), 0
     me = dist.get_rank(pg)
     try:
-        mine: Any = _report(local, remote, me == 0, dist.get_rank(), version)
+        mine: Any = _report(local, me == 0, dist.get_rank())
     except Exception as e:  # noqa: BLE001 - every rank must reach the collective; raised below
         mine = {"error": e}
     reports: list = [None] * dist.get_world_size(pg)
@@ -200,6 +213,18 @@ def exchange(local, remote, pg, version: str | None, **choice) -> tuple[View, in
                 raise err
             raise type(err)(f"rank {i} of the load could not read its root: {err}") if isinstance(err, CkptStoreError) \
                 else CkptStoreError(f"rank {i} of the load could not read its root: {err!r}")
+    if remote is not None:  # the first rank reads the remote tier knowing what every root holds
+        box: list = [None]
+        if me == 0:
+            try:
+                _add_remote(reports, remote, version)
+                box = [(reports[0]["remote"], reports[0]["remote_error"], reports[0]["invalid"])]
+            except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast
+                box = [e]
+        dist.broadcast_object_list(box, src=_first(pg), group=pg)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        reports[0] = {**reports[0], "remote": box[0][0], "remote_error": box[0][1], "invalid": box[0][2]}
     view = _decide(reports, version, local, remote, pg, me, choice)
     return (_said(view) if me == 0 else view), me
 
@@ -218,11 +243,13 @@ def _decide(reports: list, version, local, remote, pg, me: int, choice: dict):
     full = [None]
     if me == 0:
         try:
-            full = [_remote_view(remote, reports[0]["committed"], reports[0]["invalid"], everything=True)]
+            again = [dict(r) for r in reports]
+            _add_remote(again, remote, None, everything=True)
+            full = [again[0]["remote"]]
         except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast
             full = [e]
     if pg is not None:
-        dist.broadcast_object_list(full, src=dist.get_global_rank(pg, 0), group=pg)
+        dist.broadcast_object_list(full, src=_first(pg), group=pg)
     if isinstance(full[0], BaseException):
         raise full[0]
     reports = list(reports)
@@ -242,6 +269,11 @@ def _said(view):
                     "(attempt %s): it is stale or superseded and is not loaded ('ckptstore scrub' reports it)",
                     where, view.version, att, view.attempt)
     return view
+
+
+def _first(pg) -> int:
+    """The global rank of the group's first rank."""
+    return 0 if pg is None else dist.get_global_rank(pg, 0)
 
 
 def _where(local, remote) -> str:

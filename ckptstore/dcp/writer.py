@@ -150,8 +150,10 @@ class StorageWriter(_DCPStorageWriter):
         frame_size: raw bytes per frame (default 2 MiB); big tensors are split into frames.
         compression: ``"auto"`` (zstd / byte-grouped floats, kept only when ≥ 3 % smaller) or ``"none"``.
         level: zstd level (default 1, fastest).
-        durability: ``"local"`` (the save completes at the local commit; upload continues) or
-            ``"remote"`` (the save completes at the remote commit). Only with ``remote``. Under
+        durability: ``"local"`` (the save completes at the local commit; replicas and upload
+            continue), ``"replicated"`` (at the local commit once every replica is in place; needs
+            ``replicas``) or ``"remote"`` (at the remote commit, and with ``replicas`` once every
+            replica is in place). ``"remote"`` only with ``remote``. Under
             ``AsyncCheckpointerType.PROCESS`` a save always completes at the remote commit: DCP's
             checkpoint subprocess cannot keep uploading after it has answered.
         endpoint_url: S3 endpoint, overriding the boto3 chain.
@@ -164,6 +166,11 @@ class StorageWriter(_DCPStorageWriter):
             save rank 0's copy (DCP's behaviour) instead of raising :class:`StateDictKeysError`.
         max_staged: how many ``async_save`` host copies may exist at once (default 2); ``stage()``
             waits for an earlier save to finish writing when that many are held (back-pressure).
+        replicas: replication factor F (default 0: none). After each rank's object is committed
+            locally it is copied, as stored, to the roots of F other root groups (other nodes; see
+            docs/FORMAT.md, "Replicas") over a gloo group the writer makes at construction — so
+            construct the writer on every rank, after ``init_process_group``. Not with the PROCESS
+            executor (its subprocess has no group with the other ranks' trainers).
         world_size: the number of ranks every save through this writer has (default: the default
             process group's size when one is initialised at construction, else not checked). A save
             planned or finished by any other number of ranks — a rank that outlived its peers, DCP
@@ -225,14 +232,19 @@ class StorageWriter(_DCPStorageWriter):
         retention: Any = None,
         max_staged: int = 2,
         world_size: int | None = None,
+        replicas: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
         if compression not in ("auto", "none"):
             raise ValueError("compression must be 'auto' or 'none'")
-        if durability not in ("local", "remote"):
-            raise ValueError("durability must be 'local' or 'remote'")
+        if durability not in ("local", "replicated", "remote"):
+            raise ValueError("durability must be 'local', 'replicated' or 'remote'")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise ValueError(f"replicas must be a non-negative integer, got {replicas!r}")
+        if durability == "replicated" and not replicas:
+            raise ValueError("durability='replicated' needs replicas=F (F >= 1)")
         if frame_size < 4096 or frame_size % 16:
             raise ValueError("frame_size must be a multiple of 16 bytes and at least 4096")
         if max_staged < 1:
@@ -277,6 +289,14 @@ class StorageWriter(_DCPStorageWriter):
         self.last_manifest: Manifest | None = None
         self._probe = _roots.PROCESS_NONCE  # this process's root probe (docs/FORMAT.md, "Placement")
         self._publisher = _roots.Publisher()
+        self.replicas = replicas
+        self._replicator = None
+        if replicas and _multi_rank():
+            from .. import _groups
+            from .replicas import Replicator
+
+            # made here, on the caller's thread, on every rank: never a collective from DCP's background thread
+            self._replicator = Replicator(self._tier, _groups.new_gloo_group(), replicas)
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -286,6 +306,10 @@ class StorageWriter(_DCPStorageWriter):
 
     # -- pickling (AsyncCheckpointerType.PROCESS): configuration only, no pools or clients ------
     def __getstate__(self):
+        if self._replicator is not None:
+            raise CkptStoreError(
+                "StorageWriter(replicas=...) cannot run in DCP's checkpoint subprocess (AsyncCheckpointerType.PROCESS): "
+                "the copies travel between the trainers' processes. Use the THREAD executor (the default) or dcp.save")
         if not self._in_subprocess and self._remote is not None and not self._shipped:
             self._shipped = True  # close()/exit here check that the subprocess's versions reached S3
             self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -624,9 +648,20 @@ class StorageWriter(_DCPStorageWriter):
         if pd.restage:
             self._restage_objects(pd)
         results: list[WriteResult] = []
-        if plan.items:
-            results.extend(self._write_object(s, plan, planner, pd, staged))
-        group = _roots.root_group(self._tier, pd.rank, pd.probes)
+        held = None
+        try:
+            if plan.items:
+                results.extend(self._write_object(s, plan, planner, pd, staged))
+                rep = next(r.storage_data for r in results if isinstance(r.storage_data, ObjectReport))
+                from .replicas import Held
+
+                held = Held(rep.name, rep.size, rep.digest, rep.frames)
+            group = _roots.root_group(self._tier, pd.rank, pd.probes)
+        finally:
+            # every rank joins the version's replica exchange, also when its write failed (docs/FORMAT.md, "Replicas")
+            replicated = self._replicate(s, pd, held)
+        if replicated is not None and self._sync_replicas:
+            self._wait_replicated(s, replicated)
         results.append(WriteResult(MetadataIndex(_SENTINEL + f"root/{pd.rank}"), 0, RootReport(pd.rank, group)))
         if pd.probes and group[0] == pd.rank and pd.coordinator not in group:
             # this rank leads a root without the commit point: copy the manifest in once committed
@@ -640,6 +675,38 @@ class StorageWriter(_DCPStorageWriter):
                 rd = ReplicaDigest(item.index.fqn, pd.rank, xxh3(mv))
                 results.append(WriteResult(MetadataIndex(_SENTINEL + "replica/" + item.index.fqn), 0, rd))
         return results
+
+    def _replicate(self, s: _Save, pd: PlanData, held) -> "cf.Future | None":
+        """Submit this rank's part of the version's replica exchange (None without replicas)."""
+        if self._replicator is None:
+            return None
+        try:
+            group = _roots.root_group(self._tier, pd.rank, pd.probes)
+        except CkptStoreError:
+            group = (pd.rank,)
+        return self._replicator.save(s.version, pd.attempt, pd.rank, group, held)
+
+    @property
+    def _sync_replicas(self) -> bool:
+        """Wait for the replicas inside the save: ``durability="replicated"`` or ``"remote"``."""
+        return self.durability in ("replicated", "remote")
+
+    def _wait_replicated(self, s: _Save, fut) -> None:
+        from .replicas import ReplicaError
+
+        try:
+            ok = fut.result(self.upload_timeout)
+        except cf.TimeoutError:
+            raise ReplicaError(f"version {s.version!r}: replicas not in place within {self.upload_timeout:.0f} s; "
+                               "nothing was committed") from None
+        except ReplicaError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed exchange
+            raise ReplicaError(f"version {s.version!r}: the replica exchange failed ({type(e).__name__}: {e}); "
+                               "nothing was committed") from e
+        if not ok:
+            raise ReplicaError(f"version {s.version!r}: a replica could not be made on some rank (see its log); "
+                               f"durability={self.durability!r} commits only once every replica is in place")
 
     def _write_object(self, s: _Save, plan, planner, pd: PlanData, staged: list) -> list[WriteResult]:
         """Phase 1 for this rank: every plan item's frames, in order, into one object."""
@@ -763,6 +830,7 @@ class StorageWriter(_DCPStorageWriter):
             writer=f"ckptstore {_version()} torch {torch.__version__}",
             placement=placement,
             seq=s.seq,
+            replicas=self.replicas or None,
             supersedes=[{"attempt": a, "reason": s.supersede.get(a, "overwritten (overwrite=True)")} for a in s.replaced] or None,
         )
         return m, m.to_bytes(data_key)
@@ -876,6 +944,11 @@ class StorageWriter(_DCPStorageWriter):
         timeout = self.upload_timeout if timeout is None else timeout
         try:
             self._follower.wait(timeout)
+            if self._replicator is not None:  # the copies a durability="local" save left running
+                try:
+                    self._replicator.wait(timeout)
+                finally:
+                    self._replicator.close()
             if self._shipped:
                 self._check_shipped(timeout)
             if self._uploader is not None:
@@ -883,6 +956,23 @@ class StorageWriter(_DCPStorageWriter):
         finally:
             _shipped.discard(self)
             self._drop_uploader()
+
+    def heal(self, view, manifest: bytes | None, metadata: bytes | None):
+        """After a restore of ``view``'s version (a collective call, on every rank): copy, in the
+        background, the objects each rank's root should hold of it — its own shard and the replicas the
+        saved placement assigns to it — but lacks, from the ranks whose roots hold them
+        (docs/FORMAT.md, "Replicas": re-replication). Returns the future (True: all copied), or None
+        when there is nothing to do."""
+        from ..manifest.schema import parse
+        from .replicas import heal_plan
+
+        if self._replicator is None or manifest is None:
+            return None
+        m = parse(manifest, expect_version=view.version).manifest
+        copies = heal_plan(view, m, m.replicas or self.replicas)
+        if not copies:
+            return None
+        return self._replicator.heal(view.version, view.attempt, copies, manifest, metadata)
 
     def _check_shipped(self, timeout: float) -> None:
         """PROCESS executor: the subprocess commits remotely before its future resolves; a version it

@@ -6,6 +6,7 @@
     versions/<enc(version)>/attempts/<attempt>/r00000.ckd  rank 0's shard object (frames)
     versions/<enc(version)>/attempts/<attempt>/metadata.ckd  pickled DCP Metadata (frames)
     versions/<enc(version)>/attempts/<attempt>/uploaded.r00000.json  rank 0 finished its upload (S3)
+    versions/<enc(version)>/attempts/<attempt>/replicas.r00002.json  replicas rank 2 wrote into its root
     versions/<enc(version)>/.../.tmp-<random>              a local temporary file (garbage if left)
     probes/r00003.<nonce>                                  rank 3's root probe (local tier; see placement)
     restores.jsonl                                         restore log of the jobs whose rank 0 used this root
@@ -29,6 +30,8 @@ ATTEMPTS = "attempts"
 METADATA_OBJECT = "metadata.ckd"
 #: prefix of the rank upload markers ``uploaded.rNNNNN.json`` (remote tier)
 MARKER_PREFIX = "uploaded."
+#: prefix of the replica records ``replicas.rNNNNN.json`` (local roots)
+REPLICA_PREFIX = "replicas."
 #: prefix of the local tier's temporary files (written, fsync'd, then renamed into place)
 TMP_PREFIX = ".tmp-"
 #: directory of the root probes (local tier): which ranks of a job see this root (docs/FORMAT.md, "Placement")
@@ -73,6 +76,20 @@ def metadata_name(attempt: str) -> str:
 def marker_name(attempt: str, rank: int) -> str:
     """Rank ``rank``'s upload marker: it finished uploading its object of ``attempt`` (remote tier)."""
     return f"{attempt_dir(attempt)}/{MARKER_PREFIX}r{rank:05d}.json"
+
+
+def replica_record_name(attempt: str, rank: int) -> str:
+    """Rank ``rank``'s replica record: the replicas it wrote into its root (docs/FORMAT.md, "Replicas")."""
+    return f"{attempt_dir(attempt)}/{REPLICA_PREFIX}r{rank:05d}.json"
+
+
+def replica_record_rank(key: str) -> int | None:
+    """The rank of the replica record ``key`` (any prefix), or None when it is not one."""
+    base = key.rsplit("/", 1)[-1]
+    if not (base.startswith(REPLICA_PREFIX + "r") and base.endswith(".json")):
+        return None
+    digits = base[len(REPLICA_PREFIX) + 1 : -len(".json")]
+    return int(digits) if digits.isdigit() else None
 
 
 def marker_prefix(attempt: str) -> str:

@@ -8,6 +8,14 @@ manifest and of the metadata object after the commit.
 
 A root therefore holds a *part* of a version: the objects of one group, plus the metadata object
 and the manifest. :func:`part_held` says which part a tier holds, from the objects present in it.
+
+**Replicas** (docs/FORMAT.md, "Replicas"): with a replication factor F (the manifest's
+``replicas``), the objects of root group *i* are also copied to the roots of groups ``i+1 … i+F``
+(mod the number of groups; at most every other group): :func:`replica_targets`. Within a target
+group the copy of rank *r*'s object goes to one rank (:func:`replica_assignment`), which writes it
+under the object's own name and then lists it in its record ``attempts/<a>/replicas.rNNNNN.json``.
+A root's part is then its group's objects plus the replicas it holds (``local(part 1/2 + replica of
+part 2)``).
 """
 
 from __future__ import annotations
@@ -47,13 +55,18 @@ class Part:
     ranks: tuple
     objects: tuple
     whole: bool
+    #: 1-based indices of the groups whose objects this root holds as replicas
+    replica_of: tuple = ()
 
     @property
     def label(self) -> str:
-        return "" if self.whole else f"part {self.index}/{self.count}"
+        if self.whole:
+            return ""
+        return f"part {self.index}/{self.count}" + "".join(f" + replica of part {k}" for k in self.replica_of)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "count": self.count, "ranks": list(self.ranks), "whole": self.whole}
+        return {"index": self.index, "count": self.count, "ranks": list(self.ranks), "whole": self.whole,
+                "replica_of": list(self.replica_of)}
 
 
 def whole(m: Manifest) -> Part:
@@ -73,19 +86,68 @@ def part_held(tier: Tier, m: Manifest, *, remote: bool = False) -> Part:
 
     A remote tier (``remote=True``) and a version with one root group hold the whole version. On a
     local root of a split version, the part is the group whose shard objects are present (at least
-    one); when none is present (every object lost, or a group of ranks that wrote nothing) it is the
-    whole version, so that a check reports every object missing rather than none.
+    one) and are not listed as replicas by the root's replica records, plus the replicas those
+    records list; when no primary object is present (every object lost, or a group of ranks that
+    wrote nothing) it is the whole version, so that a check reports every object missing rather than
+    none.
     """
     g = groups(m)
     if remote or len(g) <= 1:
         return whole(m)
-    present = _present(tier, m)
+    present, replicas = _held(tier, m)
     by_rank = {o.rank: o for o in m.objects}
     for i, grp in enumerate(g, 1):
         objs = [by_rank[r] for r in grp if r in by_rank]
-        if any(o.name in present for o in objs):
-            return Part(i, len(g), grp, (m.metadata_object, *objs), False)
+        if any(o.name in present and o.name not in replicas for o in objs):
+            extra = [o for o in m.objects if o.name in replicas and o not in objs]
+            of = tuple(sorted({j for j, gg in enumerate(g, 1) for o in extra if o.rank in gg}))
+            return Part(i, len(g), grp, (m.metadata_object, *objs, *extra), False, of)
     return whole(m)
 
 
-__all__ = ["Part", "groups", "is_split", "part_held", "whole"]
+def _held(tier: Tier, m: Manifest) -> tuple[set[str], set[str]]:
+    """(names of ``m``'s objects present in ``tier``, names its replica records list) — one listing
+    of the attempt directory and a read of each record."""
+    import json
+
+    prefix = layout.object_key(m.version, layout.attempt_dir(m.attempt)) + "/"
+    vdir = layout.version_dir(m.version) + "/"
+    present: set[str] = set()
+    replicas: set[str] = set()
+    for i in tier.list(prefix):
+        name = i.key[len(vdir):]
+        present.add(name)
+        if layout.replica_record_rank(i.key) is not None:
+            try:
+                replicas.update(json.loads(tier.get(i.key)).get("objects", []))
+            except Exception:  # noqa: BLE001 - a damaged record lists nothing (scrub reports the objects)
+                pass
+    return present, replicas & present
+
+
+def replica_targets(n_groups: int, factor: int) -> list[list[int]]:
+    """``targets[i]``: the (0-based) groups that hold replicas of group ``i``'s objects — the next
+    ``factor`` groups in rank order, ``i+1 … i+F`` mod ``n_groups`` (NVRx's "replication jump" with a
+    jump of one root group: a copy never lands on its own root). With fewer than ``F+1`` groups each
+    group's objects go to every other group; with one group there is nowhere to copy to."""
+    f = max(0, min(int(factor), n_groups - 1))
+    return [[(i + k) % n_groups for k in range(1, f + 1)] for i in range(n_groups)]
+
+
+def replica_assignment(groups_: list, factor: int, owners: set | None = None) -> list[tuple[int, int]]:
+    """``[(owner rank, receiver rank), ...]``: every replica to make. ``groups_``: the root groups
+    (tuples of ranks, in rank order); ``owners``: the ranks that have an object (default: all). The
+    owner at position ``j`` of its group sends to member ``j mod |target|`` of each target group, so
+    the copies spread over the target's ranks."""
+    gs = [tuple(g) for g in groups_]
+    out = []
+    for i, targets in enumerate(replica_targets(len(gs), factor)):
+        for j, owner in enumerate(gs[i]):
+            if owners is not None and owner not in owners:
+                continue
+            for t in targets:
+                out.append((owner, gs[t][j % len(gs[t])]))
+    return out
+
+
+__all__ = ["Part", "groups", "is_split", "part_held", "replica_assignment", "replica_targets", "whole"]

@@ -124,6 +124,9 @@ class Manifest:
     #: the earlier attempts of this version name that this commit replaced, each
     #: ``{"attempt": str, "reason": str}`` (docs/FORMAT.md, "Superseding"); None: it replaced none.
     supersedes: list | None = None
+    #: replication factor F (docs/FORMAT.md, "Replicas"): each root group's objects are copied to the
+    #: roots of F other groups; None/0: no replicas
+    replicas: int | None = None
 
     @property
     def encrypted(self) -> bool:
@@ -160,6 +163,7 @@ class Manifest:
             **({} if self.placement is None else {"placement": self.placement}),
             **({} if self.seq is None else {"seq": self.seq}),
             **({} if not self.supersedes else {"supersedes": self.supersedes}),
+            **({} if not self.replicas else {"replicas": self.replicas}),
         }
 
     def to_bytes(self, data_key: bytes | None) -> bytes:
@@ -277,6 +281,7 @@ def _manifest_from_body(d: dict) -> Manifest:
             placement=_placement(d.get("placement")),
             seq=None if d.get("seq") is None else _int(d["seq"], "seq"),
             supersedes=_supersedes(d.get("supersedes")),
+            replicas=None if d.get("replicas") is None else _int(d["replicas"], "replicas"),
         )
     except KeyError as k:
         raise ManifestError(f"manifest lacks field {k}") from None

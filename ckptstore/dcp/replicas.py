@@ -1,0 +1,298 @@
+"""Peer replicas: every root group's objects copied to the roots of F other groups (docs/FORMAT.md,
+"Replicas").
+
+One :class:`Replicator` per writer runs the copies on a thread of its own over a gloo group of its
+own (made once, at the writer's construction, on every rank), so neither the training loop nor DCP's
+collectives ever share it. It takes *jobs* in the order every rank submits them — every rank runs
+the same saves in the same order, so the jobs pair up across ranks:
+
+* **save** (submitted in ``write_data`` right after the rank's object is committed locally, also when
+  the rank's write failed, so that no peer waits for it): one ``all_gather_object`` of every rank's
+  ``(rank, root group, object)``; then the replica plan
+  (:func:`ckptstore.manifest.placement.replica_assignment`); each owner sends its object's stored
+  bytes (as stored: encrypted, checksummed) to its receivers; each receiver writes them to a
+  temporary file, fsyncs it, verifies every frame, the frame count, the header digest and the size
+  against the owner's entry, renames it to the object's own name and fsyncs the directory; then it
+  writes its replica record ``attempts/<a>/replicas.rNNNNN.json`` listing what it holds. A last
+  ``all_gather_object`` tells every rank whether every replica of the version is in place (what
+  ``durability="replicated"`` waits for).
+* **heal** (after a restore): the same exchange for the objects a rank's root should hold of the
+  restored version (its own shard and the replicas assigned to it) but lacks — a replaced node gets
+  its part back from its peers' replicas, so the next loss is survivable too. Every rank computes the
+  same plan from the restore's view; no collective but the point-to-point copies.
+
+Sends and receives of one job run on two threads, so two ranks that send to each other never wait on
+each other; bytes travel in chunks of :data:`CHUNK` so that no object is held in memory whole.
+Fault points: ``replica.send`` (before an owner sends an object), ``replica.receive`` (a receiver got
+the bytes, before it writes them), ``replica.rename`` (written, fsync'd and verified, before the
+rename), ``replica.record`` (before the record).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .. import _faults
+from ..codec.frame import FrameWalk
+from ..errors import CkptStoreError, IntegrityError
+from ..manifest import layout
+from ..manifest.placement import replica_assignment
+
+log = logging.getLogger("ckptstore")
+
+#: bytes per message of a copy (an object travels in chunks of this size)
+CHUNK = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """One rank's object of a version, as the replica exchange announces it."""
+
+    name: str
+    size: int
+    digest: str
+    frames: int
+
+
+class ReplicaError(CkptStoreError):
+    """A replica could not be made (a peer failed, bytes did not verify); the primary copy stands."""
+
+
+class Replicator:
+    """The replica copies of one writer (see the module docstring). ``tier``: this rank's root;
+    ``group``: a gloo group of every rank (made by :func:`ckptstore._groups.new_gloo_group`);
+    ``factor``: F."""
+
+    def __init__(self, tier, group, factor: int):
+        self.tier = tier
+        self.group = group
+        self.factor = int(factor)
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._seq = 0  # jobs submitted: the tag base of the next one (the same on every rank)
+        self.errors: list[str] = []
+        self.stats = {"sent_bytes": 0, "received_bytes": 0, "replicas": 0}
+
+    # -- submitting ----------------------------------------------------------------------------------
+    def _submit(self, fn, *args) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            tag = self._seq
+            self._seq += 1
+            self._q.put((fut, fn, args, tag))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ckptstore-replica", daemon=True)
+                self._thread.start()
+        return fut
+
+    def save(self, version: str, attempt: str, rank: int, group: tuple, held: Held | None) -> cf.Future:
+        """Replicate this rank's object of ``version`` (None: it has none, or its write failed); the
+        future yields True when every replica of the version is in place, False otherwise."""
+        return self._submit(self._save, version, attempt, rank, tuple(group), held)
+
+    def heal(self, version: str, attempt: str, copies: list, manifest: bytes | None, metadata: bytes | None) -> cf.Future:
+        """Copy ``[(holder rank, receiver rank, Held, is_replica)]`` (the same list on every rank) and
+        install ``manifest``/``metadata`` where a receiver's root lacks them."""
+        return self._submit(self._heal, version, attempt, copies, manifest, metadata)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every submitted job has run."""
+        fut = self._submit(lambda _tag: True)
+        fut.result(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            t = self._thread
+            if t is not None and t.is_alive():
+                self._q.put(None)
+        if t is not None:
+            t.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            fut, fn, args, tag = job
+            try:
+                fut.set_result(fn(*args, tag))
+            except BaseException as e:  # noqa: BLE001 - reported through the future and the log
+                msg = f"{type(e).__name__}: {e}"
+                self.errors.append(msg)
+                log.warning("ckptstore: replica copies failed: %s (the primary copies stand)", msg)
+                fut.set_exception(e)
+
+    # -- the exchanges -------------------------------------------------------------------------------
+    def _save(self, version, attempt, rank, group, held, tag) -> bool:
+        infos: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(infos, (rank, group, held), group=self.group)
+        groups = sorted({tuple(g) for _r, g, _h in infos}, key=lambda g: g[0])
+        entries = {r: h for r, _g, h in infos if h is not None}
+        plan = [(o, t, entries[o], True) for o, t in replica_assignment(groups, self.factor, set(entries))]
+        ok = self._copy(version, attempt, rank, plan, tag)
+        verdict: list = [None] * len(infos)
+        dist.all_gather_object(verdict, ok, group=self.group)
+        if len(groups) <= 1 and rank == min(r for r, _g, _h in infos):
+            log.warning("ckptstore: replicas=%d but every rank writes to one root (a shared filesystem): there is "
+                        "no other root to copy %r to", self.factor, version)
+        return all(verdict)
+
+    def _heal(self, version, attempt, copies, manifest, metadata, tag) -> bool:
+        me = dist.get_rank()
+        ok = self._copy(version, attempt, me, list(copies), tag)
+        if manifest is not None and any(r == me for _h, r, _e, _x in copies):
+            from ._roots import copy_into
+
+            try:
+                copy_into(self.tier, version, attempt, manifest, metadata, ())
+            except CkptStoreError as e:
+                log.warning("ckptstore: could not install the manifest of %r in %s: %s", version, self.tier.url, e)
+        return ok
+
+    def _copy(self, version: str, attempt: str, me: int, plan: list, tag: int) -> bool:
+        """Run the copies of ``plan`` (``[(from rank, to rank, Held, is_replica)]``) that involve this
+        rank: sends on one thread, receives on this one. True when all of this rank's succeeded."""
+        sends = [(t, h) for o, t, h, _x in plan if o == me and t != me]
+        recvs = [(o, h, x) for o, t, h, x in plan if t == me and o != me]
+        base = (tag % 4096) * 64
+        sender = None
+        if sends:
+            sender = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptstore-replica-send")
+            sent = sender.submit(self._send_all, version, sends, base)
+        ok = True
+        received = []
+        try:
+            for o, h, is_replica in recvs:
+                try:
+                    self._receive(version, o, h, base)
+                    if is_replica:
+                        received.append(h.name)
+                except (CkptStoreError, OSError) as e:
+                    ok = False
+                    self.errors.append(f"{version}: {h.name} from rank {o}: {e}")
+                    log.warning("ckptstore: replica %s of %r from rank %d not made: %s", h.name, version, o, e)
+            if received:
+                self._record(version, attempt, me, received)
+        finally:
+            if sender is not None:
+                try:
+                    sent.result()
+                except (CkptStoreError, OSError, RuntimeError) as e:
+                    ok = False
+                    self.errors.append(f"{version}: sending: {e}")
+                    log.warning("ckptstore: sending replicas of %r failed: %s", version, e)
+                sender.shutdown(wait=True)
+        return ok
+
+    def _send_all(self, version: str, sends: list, base: int) -> None:
+        for to, h in sends:
+            _faults.point("replica.send")
+            key = layout.object_key(version, h.name)
+            path = self.tier.local_path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                fd = None  # gone meanwhile: announce 0 bytes, the receiver reports it
+            try:
+                size = os.fstat(fd).st_size if fd is not None else -1
+                if fd is not None and size != h.size:
+                    size = -1
+                dist.send(torch.tensor([size], dtype=torch.int64), dst=to, group=self.group, tag=base)
+                off = 0
+                while size > 0 and off < size:
+                    n = min(CHUNK, size - off)
+                    buf = bytearray(os.pread(fd, n, off))
+                    if len(buf) != n:
+                        raise OSError(f"{path}: short read")
+                    dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst=to, group=self.group, tag=base + 1)
+                    off += n
+                with self._lock:
+                    self.stats["sent_bytes"] += max(size, 0)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+
+    def _receive(self, version: str, src: int, h: Held, base: int) -> None:
+        head = torch.zeros(1, dtype=torch.int64)
+        dist.recv(head, src=src, group=self.group, tag=base)
+        size = int(head.item())
+        if size < 0:
+            raise ReplicaError(f"rank {src} does not hold {h.name} of {version!r} (any more)")
+        chunks = []
+        off = 0
+        while off < size:
+            n = min(CHUNK, size - off)
+            buf = torch.empty(n, dtype=torch.uint8)
+            dist.recv(buf, src=src, group=self.group, tag=base + 1)
+            chunks.append(buf)
+            off += n
+        _faults.point("replica.receive")
+        key = layout.object_key(version, h.name)
+
+        def fill(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                for c in chunks:
+                    f.write(memoryview(c.numpy()))
+
+        def verify(read, got: int) -> None:
+            if got != h.size:
+                raise IntegrityError(f"{h.name}: replica has {got} bytes, the owner announced {h.size}", object=h.name)
+            walk = FrameWalk(read, got, h.name).walk()
+            if walk.count != h.frames or walk.digest() != h.digest:
+                raise IntegrityError(f"{h.name}: replica frames do not match the owner's entry", object=h.name)
+            _faults.point("replica.rename")
+
+        self.tier.put_verified(key, fill, verify)
+        with self._lock:
+            self.stats["received_bytes"] += size
+            self.stats["replicas"] += 1
+
+    def _record(self, version: str, attempt: str, me: int, names: list) -> None:
+        """This rank's replica record: what it holds as replicas of ``attempt`` (merged with an
+        earlier record of the same attempt, e.g. from a heal)."""
+        _faults.point("replica.record")
+        key = layout.object_key(version, layout.replica_record_name(attempt, me))
+        have: set = set()
+        try:
+            have = set(json.loads(self.tier.get(key)).get("objects", []))
+        except Exception:  # noqa: BLE001 - no record yet (or an unreadable one: rewritten)
+            pass
+        self.tier.put(key, json.dumps({"objects": sorted(have | set(names))}, sort_keys=True).encode())
+
+
+def heal_plan(view, manifest, factor: int) -> list:
+    """``[(holder rank, receiver rank, Held, is_replica)]``: the objects each rank's root should hold
+    of ``view``'s version — its own shard and the replicas assigned to it by the saved placement —
+    but does not, each from the first rank whose root holds it. The same on every rank (a pure
+    function of the view and the manifest). Only for a job of the version's own shape."""
+    from ..manifest.placement import groups
+
+    if len(view.reports) != manifest.world_size:
+        return []
+    gs = groups(manifest)
+    by_rank = {o.rank: o for o in manifest.objects}
+    want: list = [(o.rank, o, False) for o in manifest.objects if o.rank is not None]
+    want += [(t, by_rank[o], True) for o, t in replica_assignment(gs, factor, set(by_rank))]
+    out = []
+    for receiver, o, is_replica in want:
+        i = next((k for k, rep in enumerate(view.reports) if rep["rank"] == receiver), None)
+        if i is None or o.name in view.present(i):
+            continue
+        holder = view._first_holder.get(o.name)
+        if holder is None:
+            continue  # on no root of the job (the remote tier may hold it)
+        out.append((view.global_rank(holder), receiver, Held(o.name, o.size, o.digest, o.frames), is_replica))
+    return out
+
+
+__all__ = ["CHUNK", "Held", "ReplicaError", "Replicator", "heal_plan"]
