@@ -144,7 +144,10 @@ class CheckpointManager:
         key: master key (see :class:`ckptstore.StorageWriter`).
         interval_steps: ``save(step, ...)`` saves when ``step % interval_steps == 0`` (or ``force``).
         retention: a :class:`ckptstore.retention.RetentionPolicy` applied after each commit.
-        durability: ``"local"`` or ``"remote"`` (see :class:`ckptstore.StorageWriter`).
+        durability: ``"local"``, ``"replicated"`` or ``"remote"`` (see :class:`ckptstore.StorageWriter`).
+        replicas (a writer option): replication factor F — every node's objects are also copied to
+            the roots of F other nodes (docs/FORMAT.md, "Replicas"); after a restore, a replaced node
+            gets its part back from the replicas in the background. THREAD executor only.
         executor: ``"thread"`` (default) or ``"process"`` (``AsyncCheckpointerType`` accepted).
         max_pending: staged saves that may wait behind the running one (THREAD; default 1).
         on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed,
@@ -206,6 +209,9 @@ class CheckpointManager:
         kind = executor.value if isinstance(executor, AsyncCheckpointerType) else str(executor)
         if kind not in ("thread", "process"):
             raise ValueError("executor must be 'thread' or 'process'")
+        if kind == "process" and writer_options.get("replicas"):
+            raise ValueError("replicas= needs executor='thread': the copies travel between the trainers' processes, "
+                             "which DCP's checkpoint subprocess is not")
         self._names = (os.path.realpath(os.fspath(root)), "format" if version_format is not None else "prefix",
                        version_format if version_format is not None else prefix)
         _close_previous(self._names)
@@ -531,6 +537,9 @@ class CheckpointManager:
                     log.warning("ckptstore: version %r failed verification while loading (%s); restoring the next "
                                 "older loadable version instead", view.version, why[0])
         self._apply(state, sd, per_rank=same_world)
+        if same_world:  # re-replication: a replaced node gets its part back, in the background
+            j = reader._joined
+            self._healing = self._writer.heal(view, j[2], j[3]) if j is not None and len(j) > 1 else None
         if not same_world and (self.save_rng or self.per_rank_keys):
             log.warning("ckptstore: %s was saved by %s ranks, this job has %s: per-rank values (RNG, %s) not restored",
                         view.version, view.world_size, world, ", ".join(self.per_rank_keys) or "-")
