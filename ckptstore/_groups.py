@@ -1,4 +1,5 @@
-"""The process groups ckptstore makes for itself: created and destroyed here, nowhere else.
+"""The process groups ckptstore makes for itself: created and destroyed here, nowhere else; and the
+clean exit of a rank process (:func:`exit_process`).
 
 :func:`new_gloo_group` is ``dist.new_group(backend="gloo")`` (every rank of the default group, in
 the same order) that survives ``torchrun --max-restarts`` in-place restarts.
@@ -25,12 +26,18 @@ one torch-internal this module relies on.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
+import sys
+import threading
+import traceback
 import uuid
+from typing import NoReturn
 
 import torch.distributed as dist
 
-__all__ = ["new_gloo_group", "destroy_group"]
+__all__ = ["new_gloo_group", "destroy_group", "exit_process"]
 
 
 def new_gloo_group(timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
@@ -67,3 +74,33 @@ def destroy_group(pg: dist.ProcessGroup | None) -> None:
 
     if pg in c10d._world.pg_map:
         dist.destroy_process_group(pg)
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End this rank process with exit status ``code`` without finalising the interpreter.
+
+    torch 2.13's gloo worker threads may release a finished collective's tensors after the
+    interpreter began to finalise; taking the GIL then ends the process with "terminate called
+    without an active exception" (SIGABRT) or SIGSEGV, although the rank did its work
+    (pytorch/pytorch #190489; README, "Troubleshooting"). So this does what a normal exit does while
+    the interpreter is fully alive: destroy every process group (``dist.destroy_process_group()``),
+    wait for non-daemon threads (``threading._shutdown``, as ``sys.exit`` does), run the ``atexit``
+    handlers (ckptstore's report of versions not uploaded among them), flush stdout and stderr;
+    then ``os._exit(code)``. An error in these steps is printed and makes a zero ``code`` 1."""
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None and threading.current_thread() is threading.main_thread():
+            shutdown()
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - still exit, never hang or finalise
+        traceback.print_exc()
+        code = code or 1
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001 - a closed stream
+                pass
+        os._exit(code)

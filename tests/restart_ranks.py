@@ -76,7 +76,9 @@ def main(out: str, root: str, last: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    from ckptstore._groups import exit_process
+
+    exit_process(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))  # pytorch/pytorch #190489
 
 
 def open_close_managers(rank: int, world: int, root: str, n: int) -> dict:
