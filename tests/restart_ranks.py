@@ -5,7 +5,7 @@ OUT ROOT N``. Every attempt (``TORCHELASTIC_RESTART_COUNT`` = 0 .. N) creates a
 ``ckptstore.CheckpointManager`` (its own gloo group), restores (collectives on that group), saves
 step ``attempt + 1`` and waits for the commit; on every attempt but the last one rank then SIGKILLs
 itself, torchrun ends the other worker and starts both again in place, on the same agent store. One
-JSON line per event goes to ``OUT/rank<R>.jsonl``: ``manager`` (the group came up, or ``error``),
+JSON line per event goes to ``OUT/rank<R>.jsonl``: ``start`` (the pid), ``manager`` (the group came up, or ``error``),
 ``resumed`` (the restored step), ``saved``, ``kill``, ``done``.
 
 The default group is brought up under a per-attempt store prefix (as ckptstore's demo does), so that
@@ -38,6 +38,7 @@ def main(out: str, root: str, last: int) -> int:
         with open(os.path.join(out, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"rank": rank, "attempt": attempt, "event": event, "t": time.time(), **kw}) + "\n")
 
+    rec("start", pid=os.getpid())  # the test kills what is left of a job that ran past its timeout
     torch.set_num_threads(1)
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=datetime.timedelta(seconds=60))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,16 @@ import ckptstore
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "restart_ranks.py"
+
+
+def _is_our_worker(pid: int, out: Path) -> bool:
+    """``pid`` is still a worker of this job (its command line names this job's ``out``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+    except OSError:
+        return False
+    return str(WORKER).encode() in cmd and str(out).encode() in cmd
 
 
 def run_restarts(tmp_path: Path, restarts: int, timeout: float) -> None:
@@ -40,11 +51,14 @@ def run_restarts(tmp_path: Path, restarts: int, timeout: float) -> None:
         try:
             code = p.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
+            os.killpg(p.pid, signal.SIGKILL)
             p.wait()
             code = f"killed after {timeout:.0f} s"
     events = [json.loads(line) for r in (0, 1) if (out / f"rank{r}.jsonl").exists()
               for line in (out / f"rank{r}.jsonl").read_text().splitlines()]
+    for e in events:  # torchrun starts each worker in a session of its own: a hung one outlives killpg
+        if code != 0 and e["event"] == "start" and _is_our_worker(e["pid"], out):
+            os.kill(e["pid"], signal.SIGKILL)
     failed = [e for e in events if e["event"] == "manager" and "error" in e]
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
     assert not failed, f"the manager's group failed on {len(failed)} attempt(s): {failed}\n{tail}"
