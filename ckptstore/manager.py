@@ -14,9 +14,11 @@ first version: ``step = mgr.restore(state) or 0``; ``mgr.save(step, state)``; ``
 Design (anchors: Orbax ``CheckpointManager``, torchtitan's checkpointer, NVRx async checkpointing):
 
 - **Its own process group.** DCP runs planning collectives (gather/scatter/all-reduce) for every
-  save and load. The manager creates one gloo group (``dist.new_group(backend="gloo")``, on every
-  rank, in ``__init__``) and passes it as ``process_group=`` to every save and load, so the
-  trainer's collectives on the default group can never interleave with them.
+  save and load. The manager creates one gloo group (on every rank, in ``__init__``:
+  :func:`ckptstore._groups.new_gloo_group`, ``dist.new_group(backend="gloo")`` keyed so that it
+  survives ``torchrun --max-restarts`` in-place restarts) and passes it as ``process_group=`` to
+  every save and load, so the trainer's collectives on the default group can never interleave with
+  them. :meth:`close` destroys it.
 - **One save at a time, bounded queue.** ``save()`` blocks training only to copy the state into
   host buffers (staging), then queues the save. With the THREAD executor (default) saves run in
   order on one worker thread; at most ``max_pending`` staged saves wait behind the running one.
@@ -59,6 +61,7 @@ Design (anchors: Orbax ``CheckpointManager``, torchtitan's checkpointer, NVRx as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -77,6 +80,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from ._groups import destroy_group, new_gloo_group
 from .dcp import StorageReader, StorageWriter
 from .errors import CkptStoreError, JobBrokenError, VersionNotFoundError
 
@@ -249,8 +253,9 @@ class CheckpointManager:
             root, remote=remote, key=key, durability=durability, retention=retention, max_staged=max_pending + 1, **writer_options
         )
         self.rank = dist.get_rank() if self._dist else 0
-        # every rank creates the group here, in the same order: DCP's collectives run on it only
-        self._pg = dist.new_group(backend="gloo") if self._dist else None
+        # every rank creates the group here, in the same order: DCP's collectives run on it only;
+        # keyed per creation, so that it comes up after torchrun's in-place restarts (_groups.py)
+        self._pg = new_gloo_group() if self._dist else None
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._worker: threading.Thread | None = None
         self._proc_future = None  # PROCESS: the one save in flight
@@ -453,7 +458,8 @@ class CheckpointManager:
         """The newest version in this manager's scope that every rank can load (a collective on the
         manager's group: the choice :meth:`restore` makes), or None."""
         self._check_job()
-        view = self._guarded(self._choose, None, {})
+        with self._group():
+            view = self._guarded(self._choose, None, {})
         return None if view is None else view.version
 
     def _guarded(self, fn, *args):
@@ -465,6 +471,20 @@ class CheckpointManager:
                 self._break(f"a collective of a restore failed: {type(e).__name__}: {e}")
                 raise JobBrokenError(self._broken_message(self._broken)) from e
             raise
+
+    @contextlib.contextmanager
+    def _group(self):
+        """Around :meth:`restore` and :meth:`latest`: the manager's group, or after :meth:`close`
+        destroyed it, one made for the call (every rank makes the call) and destroyed at its end."""
+        if self._pg is not None or not self._dist:
+            yield
+            return
+        self._pg = new_gloo_group()
+        try:
+            yield
+        finally:
+            pg, self._pg = self._pg, None
+            destroy_group(pg)
 
     def _choose(self, version: str | None, failed: dict):
         """The restore choice (:func:`ckptstore.choice.decide`) for ``version`` (None: the newest
@@ -504,6 +524,10 @@ class CheckpointManager:
         and ``per_rank_keys`` values are not restored (there is no copy for this rank);
         ``last_restore.rng_restored`` is False, so the caller can reseed.
         Raises what ``dcp.load`` raises (``ckptstore.errors`` types) when the version cannot be read."""
+        with self._group():
+            return self._restore(state, version)
+
+    def _restore(self, state: dict[str, Any] | None, version: str | None) -> int | None:
         state = self._state(state)
         t0 = time.monotonic()
         self.wait()
@@ -664,7 +688,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for every save and upload (bounded by ``upload_timeout``); raise the first problem
-        (a failed save, or ``UploadError`` naming versions not uploaded)."""
+        (a failed save, or ``UploadError`` naming versions not uploaded). Then destroy the manager's
+        process group (local, no collective). No save after this; :meth:`restore` and :meth:`latest`
+        still work, each on a group made for the call (a collective on the default group)."""
         if self._closed:
             return
         self._closed = True
@@ -676,7 +702,11 @@ class CheckpointManager:
             if self._worker is not None:
                 self._queue.put(None)
                 self._worker.join()
-            self._writer.close()
+            try:
+                self._writer.close()
+            finally:
+                pg, self._pg = self._pg, None
+                destroy_group(pg)
 
     def _in_flight(self) -> bool:
         """A save queued or running, or an upload / remote commit not finished."""

@@ -274,4 +274,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ckptstore._groups import exit_process
+
+    exit_process(main())  # the result file is written: no interpreter finalisation (pytorch/pytorch #190489)

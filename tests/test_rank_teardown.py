@@ -8,6 +8,12 @@ before the call that started it returns (``StorageWriter.close``, the end of ``r
 The rank runner fails a rank that returned and then died (exit code -6 for SIGABRT), and prints
 every thread's stack from a rank killed by a signal (``faulthandler``).
 
+The remaining cause is torch's (pytorch/pytorch #190489): a gloo worker thread that releases a
+finished collective's tensors while the interpreter finalises aborts the process. The rank runner
+now leaves every rank through ``ckptstore._groups.exit_process`` (groups destroyed, atexit run,
+streams flushed, ``os._exit``: no finalisation); the exit tests below show that a rank that raised,
+was killed, or died after returning still fails, and that atexit handlers and output still happen.
+
 ``CKPTSTORE_TEARDOWN_REPEAT`` (default 10) sets how many times the slow test repeats the load;
 run it with the cores saturated (e.g. a second test run alongside) and a few hundred repeats.
 """
@@ -22,9 +28,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptstore
-from ckptstore.testing.dist import run_ranks
+from ckptstore.testing.dist import RankFailure, Ranks, run_ranks
 
 import dcp_ranks
+import teardown_ranks
 
 
 _BEFORE: set = set()
@@ -76,3 +83,28 @@ def test_load_from_s3_on_more_ranks_then_destroy(tmp_path, s3_url):
     for i in range(max(1, int(os.environ.get("CKPTSTORE_TEARDOWN_REPEAT", "10")) // 5)):
         outs = run_ranks(dcp_ranks.load_then_destroy, 3, str(tmp_path / f"empty{i}"), "v1", 5, s3_url, timeout=300)
         assert outs == [(True, [])] * 3, (i, outs)
+
+
+def test_rank_that_raises_fails_and_exit_work_still_runs(capfd):
+    """The runner leaves ranks through os._exit (pytorch/pytorch #190489): a rank whose fn raised
+    still fails run_ranks with its traceback and exit code 1, and a rank that returned still gets its
+    atexit handlers run and its unflushed output written."""
+    job = Ranks(teardown_ranks.report_raise, 2, "t1")
+    codes = job.wait(120)
+    assert codes == {0: 0, 1: 1}, codes
+    assert job.results[0] == ("ok", "t1: rank 0 result")
+    assert job.results[1][0] == "err" and "ValueError: t1: rank 1 failed on purpose" in job.results[1][1]
+    out = capfd.readouterr().out
+    assert "t1: rank 0 printed" in out and "atexit ran on rank 0" in out and "atexit ran on rank 1" in out, out
+    with pytest.raises(RankFailure) as ei:
+        run_ranks(teardown_ranks.report_raise, 2, "t2")
+    assert set(ei.value.failures) == {1} and "rank 1 failed on purpose" in ei.value.failures[1]
+
+
+def test_rank_killed_before_returning_or_dying_after_fails_run_ranks():
+    with pytest.raises(RankFailure) as ei:
+        run_ranks(teardown_ranks.killed_or_aborted, 3, timeout=120)
+    f = ei.value.failures
+    assert set(f) == {1, 2}, f
+    assert f[1] == "exited with code -9 without reporting", f
+    assert f[2] == "returned, then exited with code -6", f

@@ -259,4 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .._groups import exit_process
+
+    # not sys.exit: a gloo thread can abort the finalising interpreter of a rank that did its work
+    # (pytorch/pytorch #190489); an exception from main() still exits non-zero with its traceback
+    exit_process(main())

@@ -17,6 +17,12 @@ environment (so S3 settings made by fixtures reach it, minus any armed ``CKPTSTO
 ``env``, and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``. ``fn`` must be importable (a
 module-level function). ``faulthandler`` is on in every rank, so a rank killed by a signal
 (SIGSEGV, SIGABRT) prints every thread's Python stack to stderr.
+
+A rank reports its result (or its exception's traceback) and then leaves through
+:func:`ckptstore._groups.exit_process`: every process group destroyed, ``atexit`` handlers run,
+streams flushed, ``os._exit`` (0 after a result, 1 after an exception) with no interpreter
+finalisation, where torch 2.13's gloo threads could abort a rank that did its work
+(pytorch/pytorch #190489). A rank that dies before reporting still fails :func:`run_ranks`.
 """
 
 from __future__ import annotations
@@ -67,19 +73,20 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
     import torch
     import torch.distributed as dist
 
+    from .._groups import exit_process
+
     torch.set_num_threads(1)
+    code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         q.put((rank, "ok", out))
     except BaseException:
+        code = 1
         q.put((rank, "err", traceback.format_exc()))
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+    # the result is in the pipe (SimpleQueue.put writes it before returning): destroy the groups, run
+    # atexit, flush, os._exit; a gloo thread can abort a finalising interpreter (pytorch/pytorch #190489)
+    exit_process(code)
 
 
 @contextlib.contextmanager
