@@ -100,11 +100,14 @@ class View:
     world_size: int | None = None
     created: str | None = None
     marked: frozenset = frozenset()  # group ranks whose copy of this attempt is marked damaged
+    #: ``{(global rank, object)}``: copies in a rank's root that failed verification while loading
+    bad: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         # derived once: peer plans ask for every read item of every rank
         self._present = [
-            set() if i in self.marked else set(r["parts"].get(self.version, {}).get(self.attempt, []))
+            set() if i in self.marked else
+            set(r["parts"].get(self.version, {}).get(self.attempt, [])) - {o for g, o in self.bad if g == r["rank"]}
             for i, r in enumerate(self.reports)
         ]
         self._first_holder: dict[str, int] = {}
@@ -172,6 +175,8 @@ def decide(
     fall_back_after: int | None = None,
     where: str = "",
     empty_ok: bool = False,
+    bad: frozenset | set = frozenset(),
+    notes: Mapping[tuple, object] | None = None,
 ) -> View | None:
     """The :class:`View` of a load (see the module docstring). Raises the same error on every rank
     when nothing can be loaded: :class:`VersionNotFoundError` (nothing committed, or no version
@@ -182,7 +187,13 @@ def decide(
     ``exclude``: ``{(name, attempt): reason or (reason, object)}`` of versions that failed
     verification while loading;
     ``scope``: regular expression the names must match (``re.fullmatch``); ``world_size``: ranks of
-    this job (for ``reshard``); ``fall_back_after``: see rule 7; ``where``: the tiers, for messages.
+    this job (for ``reshard``); ``fall_back_after``: see rule 7; ``where``: the tiers, for messages;
+    ``empty_ok``: return None (instead of raising) when nothing at all is committed and every tier
+    answered; ``bad``: ``{(global rank, object)}`` copies that failed verification while loading —
+    that rank's root does not serve that object, so the view routes it to another root that holds a
+    copy (a replica, the primary) or the remote tier (rule 4 at the level of one copy); ``notes``:
+    ``{(name, attempt): reason or (reason, object)}`` — why copies of that version are in ``bad``
+    (reported as ``unverified`` when no other copy is left).
     """
     exclude = dict(exclude or {})
     remote = reports[0].get("remote") or {}
@@ -214,7 +225,7 @@ def decide(
         return View(v, a, reports, rem is not None and not rem["damaged"], sorted(holders), list(f.get("objects") or []),
                     skipped=skipped, stale=stale, remote_error=remote_error, restore_count=count, newer=newer,
                     newest=newest, step=f.get("step"), world_size=f.get("world_size"), created=f.get("created"),
-                    marked=marked)
+                    marked=marked, bad=frozenset(bad))
 
     def problem(v: str) -> Skipped | None:
         """Why ``v`` cannot be loaded by this job (None: it can)."""
@@ -233,6 +244,11 @@ def decide(
             except CkptStoreError:
                 lost.append(name)
         if lost or not vw.needed:
+            gone_bad = [n for n in lost if any(o == n for _g, o in bad)]
+            if gone_bad and (v, a) in (notes or {}):
+                why = notes[(v, a)]
+                reason, obj = (why, gone_bad[0]) if isinstance(why, str) else (why[0], why[1])
+                return Skipped(v, a, UNVERIFIED, f"{reason}; no other copy of {_shown(gone_bad)} verifies", obj)
             if marks:
                 wh = ", ".join(c["where"] for c in marks)
                 return Skipped(v, a, DAMAGED, f"marked damaged by 'ckptstore scrub --repair' in {wh}, and no other copy "

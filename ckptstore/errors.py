@@ -67,8 +67,8 @@ class IntegrityError(CkptStoreError):
         self.object = object
         self.version = version
 
-    def __reduce__(self):  # keep ``object``/``version`` when DCP gathers a rank's failure to the others
-        return (_rebuild, (type(self), str(self), {"object": self.object, "version": self.version}))
+    def __reduce__(self):  # keep ``object``/``version``/``places`` when DCP gathers a rank's failure to the others
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
 
 
 def _rebuild(cls, message, attrs):
@@ -135,7 +135,7 @@ class ObjectNotFoundError(CkptStoreError, FileNotFoundError):
         self.object = object
 
     def __reduce__(self):
-        return (_rebuild, (type(self), str(self), {"object": self.object}))
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
 
 
 class ObjectExistsError(CkptStoreError, FileExistsError):

@@ -341,6 +341,8 @@ class _Committed:
             c.attempt[d] = e.manifest.attempt
             c.claimed.update((d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED))
             c.claimed.update(d + o.name for o in e.manifest.all_objects())
+            adir = d + layout.attempt_dir(e.manifest.attempt) + "/"  # the committed attempt's replica records
+            c.claimed.update(k for k in sizes if k.startswith(adir) and layout.replica_record_rank(k) is not None)
             mi = sizes.get(d + layout.MANIFEST)
             if mi is not None:
                 c.manifest_mtime[d] = mi.mtime
@@ -486,6 +488,11 @@ def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
             continue  # already missing: nothing to delete
         out.append(Action(tier, DELETE, key, "version-object", f"object of deleted version {version!r}", version=version,
                           attempt=manifest.attempt, size=size(key) if listing is not None else o.size))
+    adir = d + layout.attempt_dir(manifest.attempt) + "/"
+    for key in sorted(listing or ()):  # the attempt's replica records go with it (docs/FORMAT.md, "Replicas")
+        if key.startswith(adir) and layout.replica_record_rank(key) is not None:
+            out.append(Action(tier, DELETE, key, "version-object", f"replica record of deleted version {version!r}",
+                              version=version, attempt=manifest.attempt, size=size(key)))
     markers = [(layout.DAMAGED, "damage mark")] + ([(layout.PINNED, "pin")] if force else [])
     for name, what in markers:
         if listing is None or d + name in listing:
@@ -593,7 +600,8 @@ def remove_version(tier: Tier, version: str, manifest: Manifest, *, tier_name: s
     """Delete one committed version from ``tier``: un-commit (checked, as in :func:`apply`), then
     its objects and damage mark. Raises the first storage error, if any."""
     name = tier_name or tier.name
-    res = apply({name: tier}, version_actions(name, version, manifest, reason))
+    listing = {i.key: i for i in tier.list(layout.version_dir(version) + "/")}
+    res = apply({name: tier}, version_actions(name, version, manifest, reason, listing))
     if res.failed:
         raise res.failed[0][1]
     skipped = [w for a, w in res.skipped if a.op == UNCOMMIT]

@@ -486,7 +486,7 @@ class CheckpointManager:
             pg, self._pg = self._pg, None
             destroy_group(pg)
 
-    def _choose(self, version: str | None, failed: dict):
+    def _choose(self, version: str | None, failed: dict, bad: set = frozenset(), notes: dict | None = None):
         """The restore choice (:func:`ckptstore.choice.decide`) for ``version`` (None: the newest
         loadable in scope), passing over ``failed`` versions; a collective on the manager's group."""
         from .store import Store
@@ -495,7 +495,8 @@ class CheckpointManager:
         world = dist.get_world_size(self._pg) if self._dist else 1
         try:
             return st.choose(version, self._pg if self._dist else None, exclude=failed, scope=self.scope,
-                             world_size=world, reshard=self.reshard, fall_back_after=self.fall_back_after)
+                             world_size=world, reshard=self.reshard, fall_back_after=self.fall_back_after,
+                             bad=frozenset(bad), notes=notes)
         finally:
             st.close()
 
@@ -535,8 +536,11 @@ class CheckpointManager:
         world = dist.get_world_size(self._pg) if self._dist else 1
         failed: dict[tuple, str] = {}
         unverified: list = []
+        bad: set = set()
+        notes: dict = {}
+        tries = 0
         while True:
-            view = self._guarded(self._choose, version, failed)
+            view = self._guarded(self._choose, version, failed, bad, notes)
             if view is None:
                 return None
             same_world = view.world_size in (None, 0, world)
@@ -544,17 +548,27 @@ class CheckpointManager:
             # resharded: the saving ranks' own values (RNG, per_rank_keys) have no rank here to go to
             unread = () if same_world else tuple(f"{k}/rank" for k in self.per_rank_keys) + ("rng/rank",)
             reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg,
-                                   allow_partial_load=unread or False, **self._reader_options)
+                                   allow_partial_load=unread or False, avoid=frozenset(bad), **self._reader_options)
             try:
                 self._guarded(lambda: dcp.load(sd, checkpoint_id=view.version, storage_reader=reader,
                                                process_group=self._pg, planner=_SpellingLoadPlanner(sd)))
                 break
             except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
                 why = _unverifiable(e)
-                if why is None or version is not None:
+                if why is None:
                     raise
                 # the same exception reached every rank (DCP gathers every rank's failure), so every
-                # rank passes over the same version and agrees on the next one
+                # rank decides the same: first the load again without the copies that failed, when
+                # another root holds one (a replica, the primary: the nearest verified copy); then,
+                # with none left, past the version
+                more = _bad_copies(e) - bad
+                if more and tries < 4:
+                    bad |= more
+                    notes[(view.version, view.attempt)] = why
+                    tries += 1
+                    continue
+                if version is not None:
+                    raise
                 failed[(view.version, view.attempt)] = why
                 unverified.append(view.version)
                 if self.rank == 0:
@@ -748,6 +762,21 @@ def _unverifiable(e: BaseException) -> tuple | None:
         if isinstance(x, (IntegrityError, DamagedVersionError, ObjectNotFoundError)) and not isinstance(x, KeyMismatchError):
             return ("" if r is None else f"rank {r}: ") + f"{type(x).__name__}: {x}", getattr(x, "object", None)
     return None
+
+
+def _bad_copies(e: BaseException) -> set:
+    """``{(global rank, object)}``: the root copies a failed load found unverifiable (from the
+    ``places`` of the readers' ``IntegrityError``s, gathered to every rank by DCP)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .errors import IntegrityError
+
+    fails = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    out = set()
+    for x in fails:
+        if isinstance(x, IntegrityError) and x.object:
+            out.update((r, x.object) for kind, r in getattr(x, "places", ()) if kind == "root" and r is not None)
+    return out
 
 
 def _supersede_reason(name: str, skipped: list) -> str:

@@ -111,9 +111,11 @@ class ObjectCheck:
     detail: str = ""
     repaired_from: str | None = None
     frames: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+    #: this root holds the object as a replica of another root group's (docs/FORMAT.md, "Replicas")
+    replica: bool = False
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in ("name", "key", "size", "status", "kind", "detail", "repaired_from")}
+        return {k: getattr(self, k) for k in ("name", "key", "size", "status", "kind", "detail", "repaired_from", "replica")}
 
 
 @dataclasses.dataclass
@@ -829,6 +831,8 @@ def _check_version(tier, name, version, te, part, deep, master, key_problem, on_
     futs = [verifier.walkers.submit(check_object, tier, name, version, entry, codec, on_bytes, verifier)
             for entry in part.objects]
     vc.objects.extend(f.result() for f in futs)
+    for o in vc.objects:
+        o.replica = o.name in part.replicas
     return vc, codec
 
 
@@ -950,9 +954,37 @@ def _read_mark(tier: Tier, version: str) -> dict:
         return {}
 
 
+def _drop_bad_replicas(tier: Tier, vc: VersionCheck, repair: bool) -> None:
+    """A damaged replica (that no other tier repaired) is this root's copy of another node's object,
+    not the version: it never marks the version damaged. With ``repair`` it is removed from the root
+    and from its record, so no restore reads it, and the job's next restore copies it again from the
+    node that holds the primary (docs/FORMAT.md, "Replicas")."""
+    for o in vc.objects:
+        if not (o.replica and o.status == DAMAGED):
+            continue
+        if not repair:
+            o.detail += " (a replica: the primary is on its own node; --repair removes this copy and the next restore " \
+                        "re-replicates it)"
+            continue
+        _faults.point("scrub.repair")
+        tier.delete(o.key)
+        o.status = REPAIRED
+        o.detail += " (a replica: removed; the next restore of the job copies it again from its primary)"
+        prefix = layout.version_dir(vc.version) + "/" + layout.attempt_dir(vc.attempt or "") + "/"
+        for info in list(tier.list(prefix)):
+            if layout.replica_record_rank(info.key) is None:
+                continue
+            rec = json.loads(tier.get(info.key))
+            if o.name in rec.get("objects", []):
+                rec["objects"] = [n for n in rec["objects"] if n != o.name]
+                tier.put(info.key, json.dumps(rec, sort_keys=True).encode())
+
+
 def _settle_mark(tier: Tier, vc: VersionCheck, te, repair: bool, deep: bool) -> None:
     """Mark versions that stay damaged; clear marks of versions that verify (with ``repair``)."""
-    unrepaired = [o for o in vc.objects if o.status == DAMAGED] + [i for i in vc.issues if i.status == DAMAGED]
+    _drop_bad_replicas(tier, vc, repair)
+    unrepaired = [o for o in vc.objects if o.status == DAMAGED and not o.replica] + \
+        [i for i in vc.issues if i.status == DAMAGED]
     if vc.was_marked:
         mark = _read_mark(tier, vc.version)
         if unrepaired:
@@ -1005,7 +1037,7 @@ def format_report(report: ScrubReport) -> list[str]:
             lines.append(f"         {i.detail}" if i.kind == "marked" else f"         {i.status}: {i.kind}: {i.detail}")
         for o in bad:
             what = o.kind or "not checked"
-            lines.append(f"         {o.status}: {o.name}: {what}: {o.detail}")
+            lines.append(f"         {o.status}: {o.name}{' (replica)' if o.replica else ''}: {what}: {o.detail}")
     return lines
 
 

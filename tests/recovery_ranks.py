@@ -22,10 +22,11 @@ PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.checkpoin
            "ckptstore.manager", "ckptstore.dcp", "async_ranks", "recovery_ranks"]
 
 
-def root_of(base: str, rank: int) -> str:
-    """Rank ``rank``'s root: ``base/node<rank>``, or ``base/shared`` for every rank when that exists."""
+def root_of(base: str, rank: int, per_node: int = 1) -> str:
+    """Rank ``rank``'s root: ``base/node<rank // per_node>`` (``per_node`` ranks share a node's disk),
+    or ``base/shared`` for every rank when that exists."""
     shared = os.path.join(base, "shared")
-    return shared if os.path.isdir(shared) else os.path.join(base, f"node{rank}")
+    return shared if os.path.isdir(shared) else os.path.join(base, f"node{rank // per_node}")
 
 
 def _ref(base: str, step: int, rank: int) -> str:
@@ -55,8 +56,10 @@ def job(rank, world, base, saves, remote=None, mgr=None, version=None, attempts=
     os.makedirs(os.path.join(base, "ref"), exist_ok=True)
     out: dict = {"rank": rank, "close_error": None}
     saved: list = []
-    m = CheckpointManager(root_of(base, rank), state, remote=remote_tier(remote, attempts), interval_steps=1,
-                          per_rank_keys=("data",), **(mgr or {}))
+    mgr = dict(mgr or {})
+    per_node = mgr.pop("per_node", 1)
+    m = CheckpointManager(root_of(base, rank, per_node), state, remote=remote_tier(remote, attempts), interval_steps=1,
+                          per_rank_keys=("data",), **mgr)
     try:
         if version is None:
             start = m.resume()
@@ -83,7 +86,8 @@ def job(rank, world, base, saves, remote=None, mgr=None, version=None, attempts=
         except Exception as e:  # noqa: BLE001 - reported to the test
             out["close_error"] = f"{type(e).__name__}: {e}"
     out["saved"] = saved
-    st = Store(root_of(base, rank))
+    out["replica_stats"] = None if m._writer._replicator is None else dict(m._writer._replicator.stats)
+    st = Store(root_of(base, rank, per_node))
     out["versions"] = [(r.version, r.attempt, [a for a, _ in r.supersedes]) for r in st.versions()]
     dist.barrier()
     return out

@@ -89,6 +89,9 @@ class StorageReader(_DCPStorageReader):
         read_repair: when an object fails verification in the tier read first (local) and the
             verified copy of another tier (S3) is used instead, also rewrite the local copy from
             those verified bytes (temp file + atomic replace). Off by default.
+        avoid: ``{(global rank, object name)}``: copies not to read — that rank's root is treated as
+            not holding that object, so the load reads it from another root or the remote tier
+            (``CheckpointManager.restore`` passes the copies an earlier try found unverifiable).
         process_group: the process group of the load (pass the one given to ``dcp.load``; default
             the default group). In a job of more than one rank the reader exchanges, over this group,
             what each rank's root holds (docs/FORMAT.md, "Placement"): without a version it loads the
@@ -126,11 +129,13 @@ class StorageReader(_DCPStorageReader):
         endpoint_url: str | None = None,
         read_repair: bool = False,
         process_group: Any = None,
+        avoid: Any = frozenset(),
         **kwargs: Any,
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
         self.read_repair = read_repair
+        self.avoid = frozenset(avoid)
         self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0, "remote_reads": 0, "peer_bytes": 0}
         self._pg = process_group
         #: keys this reader GET from the remote tier (all its loads)
@@ -201,7 +206,7 @@ class StorageReader(_DCPStorageReader):
         process's own report. Returns ``(view, group rank, manifest file, metadata bytes or None)``."""
         if self._joined is None:
             try:
-                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version)
+                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version, bad=self.avoid)
                 body, meta = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
                 self._joined = (view, me, body, meta)
             except Exception as e:  # noqa: BLE001 - raised again, the same on every call
@@ -276,11 +281,13 @@ class StorageReader(_DCPStorageReader):
         """
         first_tier = self._tier_for(obj)
         tried = []
+        places = []
         try:
             return read(first_tier)
         except (IntegrityError, ObjectNotFoundError) as e:
             last: Exception = e
             tried.append(f"{self._place(first_tier)}: {e}")
+            places.append(self._place_id(first_tier))
         first = last
         for tier in self._alt_tiers(obj):
             if tier is first_tier:
@@ -290,15 +297,27 @@ class StorageReader(_DCPStorageReader):
             except (IntegrityError, ObjectNotFoundError) as e:
                 last = e
                 tried.append(f"{self._place(tier)}: {e}")
+                places.append(self._place_id(tier))
                 continue
             self._fell_back(obj, tier, first, first_tier)
             return out
         what = "is missing from" if isinstance(last, ObjectNotFoundError) else "fails verification in"
-        raise IntegrityError(
+        err = IntegrityError(
             f"version {self.version!r}: object {obj!r} {what} every place that holds it ({'; '.join(tried)}). "
             "Load another version (CheckpointManager.resume() falls back to the next older loadable one), "
             "or restore the object ('ckptstore scrub --repair' with a tier that holds a verified copy)",
             object=obj, version=self.version)
+        #: ``[("root", global rank) | ("remote", None)]``: the copies that failed (a manager retries
+        #: the load without them before it passes over the version)
+        err.places = places
+        raise err
+
+    def _place_id(self, tier) -> tuple:
+        if isinstance(tier, _PeerTier):
+            return ("root", tier.rank)
+        if tier is self._store.remote:
+            return ("remote", None)
+        return ("root", self._joined[0].global_rank(self._joined[1]))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Verify and return the DCP metadata of the version (see the module docstring).
@@ -701,6 +720,7 @@ class _PeerTier:
     def __init__(self, version: str, got: dict, rank: int, root: str | None = None) -> None:
         self._vdir = layout.version_dir(version) + "/"
         self._got = got
+        self.rank = rank
         self.url = f"the root of rank {rank} ({root or '?'})"
 
     def get_ranges(self, key: str, ranges) -> list[bytes]:

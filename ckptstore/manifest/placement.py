@@ -57,6 +57,8 @@ class Part:
     whole: bool
     #: 1-based indices of the groups whose objects this root holds as replicas
     replica_of: tuple = ()
+    #: names of the objects this root holds as replicas (a subset of ``objects``)
+    replicas: tuple = ()
 
     @property
     def label(self) -> str:
@@ -101,7 +103,7 @@ def part_held(tier: Tier, m: Manifest, *, remote: bool = False) -> Part:
         if any(o.name in present and o.name not in replicas for o in objs):
             extra = [o for o in m.objects if o.name in replicas and o not in objs]
             of = tuple(sorted({j for j, gg in enumerate(g, 1) for o in extra if o.rank in gg}))
-            return Part(i, len(g), grp, (m.metadata_object, *objs, *extra), False, of)
+            return Part(i, len(g), grp, (m.metadata_object, *objs, *extra), False, of, tuple(o.name for o in extra))
     return whole(m)
 
 

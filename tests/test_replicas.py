@@ -1,0 +1,198 @@
+"""Peer replicas (docs/FORMAT.md, "Replicas"): a lost node costs no checkpoint and no trip to S3.
+
+Real gloo ranks through ``CheckpointManager(replicas=1)``; "nodes" are directories shared by the
+ranks of one node (``tests/recovery_ranks.py``, ``per_node``): 4 ranks on 2 nodes, or 2 ranks on 2.
+A replaced node is a node directory removed between two runs of the job. The training is
+deterministic, so after each resume every rank compares its state bit for bit with the snapshot an
+earlier run wrote for the restored step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+import ckptstore
+from ckptstore.manifest import catalogue, layout
+from ckptstore.manifest.placement import part_held, replica_assignment, replica_targets
+from ckptstore.testing.dist import run_ranks, run_ranks_raw
+from ckptstore.tiers import LocalTier
+
+import recovery_ranks as rr
+from store_helpers import cli
+
+FAST = {"start_method": "forkserver", "preload": rr.PRELOAD}
+NODES4 = {"per_node": 2, "replicas": 1}
+
+
+def job(base, world, saves, mgr, remote=None, env=None):
+    return run_ranks(rr.job, world, str(base), saves, remote, mgr, None, None, env=env, timeout=300, **FAST)
+
+
+def node(base, i) -> str:
+    return os.path.join(str(base), f"node{i}")
+
+
+def objects_in(root: str, version: str) -> set[str]:
+    """Names of the version's objects (metadata object and shards) present in ``root``."""
+    t = LocalTier(root)
+    m = catalogue.read_manifest(t, version).manifest
+    return {o.name for o in m.all_objects() if t.exists(layout.object_key(version, o.name))}
+
+
+def all_objects(root: str, version: str) -> set[str]:
+    return {o.name for o in catalogue.read_manifest(LocalTier(root), version).manifest.all_objects()}
+
+
+def records_hold(root: str) -> list[str]:
+    """Problems: replica records listing an object that is not there."""
+    bad = []
+    t = LocalTier(root)
+    for info in t.list(layout.VERSIONS + "/"):
+        if layout.replica_record_rank(info.key) is not None:
+            v = layout.version_of_key(info.key)
+            for name in json.loads(t.get(info.key))["objects"]:
+                if not t.exists(layout.object_key(v, name)):
+                    bad.append(f"{info.key} lists {name}, which is not in {root}")
+    return bad
+
+
+def test_replica_plan_never_lands_on_its_own_root():
+    assert replica_targets(2, 1) == [[1], [0]]
+    assert replica_targets(3, 1) == [[1], [2], [0]]
+    assert replica_targets(3, 5) == [[1, 2], [2, 0], [0, 1]]  # fewer groups than F+1: every other group
+    assert replica_targets(1, 2) == [[]]  # a shared root: nowhere to copy to
+    pairs = replica_assignment([(0, 1), (2, 3)], 1)
+    assert pairs == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert all((o < 2) != (t < 2) for o, t in pairs)
+    assert replica_assignment([(0, 1), (2,)], 1, owners={0, 2}) == [(0, 2), (2, 0)]
+
+
+def test_a_replaced_node_restores_from_replicas_on_four_and_on_two_ranks(tmp_path):
+    """4 ranks on 2 nodes, F = 1, no remote tier: 3 saves (durability="replicated": each commits once
+    both nodes hold every object); node 1's root wiped: the job resumes on 4 ranks bit-exact from
+    node 0's replicas and gives node 1 its part back; then node 1 wiped again and a 2-rank job
+    (one rank per node) resumes resharded, also from the replicas."""
+    base = tmp_path
+    outs = job(base, 4, 3, {**NODES4, "durability": "replicated"})
+    assert [o["saved"] for o in outs] == [[1, 2, 3]] * 4
+    for i in (0, 1):
+        for v in ("step-1", "step-2", "step-3"):
+            assert objects_in(node(base, i), v) == all_objects(node(base, i), v), (i, v)  # primaries + replicas
+        assert records_hold(node(base, i)) == []
+    labels = [r["tiers"] for r in json.loads(cli("list", node(base, 1), "--json").stdout)["versions"]]
+    text = cli("list", node(base, 1)).stdout
+    assert "local(part 2/2 + replica of part 1)" in text, text
+    assert labels == [["local"]] * 3
+
+    shutil.rmtree(node(base, 1))  # a replaced machine: its disk is empty
+    outs = job(base, 4, 0, NODES4)
+    rr_check(outs, 4)
+    assert all(o["restore"]["reads"]["remote_reads"] == 0 for o in outs)
+    assert objects_in(node(base, 1), "step-3") == all_objects(node(base, 1), "step-3")  # re-replicated
+    assert "step-3" in [r.version for r in ckptstore.Store(node(base, 1)).versions()]
+
+    shutil.rmtree(node(base, 1))
+    outs = job(base, 2, 0, {"per_node": 1, "replicas": 1, "reshard": True})
+    for o in outs:
+        assert o["start"] == 4 and o["restore"]["version"] == "step-3" and o["restore"]["world_size"] == 4
+        assert o["same"]["model"] and o["same"]["optim"] and o["same"]["sched"], o["same"]
+
+
+def rr_check(outs, start):
+    for o in outs:
+        assert o["start"] == start and o["restore"]["version"] == f"step-{start - 1}", o["restore"]
+        assert all(o["same"].values()), o["same"]
+
+
+@pytest.mark.s3
+def test_a_replaced_node_restores_with_zero_s3_gets(tmp_path, s3_url, seaweed):
+    """The same with S3 behind a request-counting proxy: the restore of the replaced node makes no GET."""
+    from test_multinode import CountingProxy
+
+    base = tmp_path
+    proxy = CountingProxy(seaweed.endpoint)
+    try:
+        env = {"AWS_ENDPOINT_URL": proxy.endpoint}
+        outs = job(base, 4, 3, {**NODES4, "durability": "remote"}, remote=s3_url, env=env)
+        assert all(o["close_error"] is None for o in outs), outs
+        shutil.rmtree(node(base, 1))
+        proxy.reset()
+        outs = job(base, 4, 0, NODES4, remote=s3_url, env=env)
+        rr_check(outs, 4)
+        counts = proxy.summary()
+        assert counts["object_gets"] == 0 and counts["manifest_gets"] == 0, counts
+    finally:
+        proxy.close()
+
+
+def test_keep_last_bounds_every_root_including_its_replicas(tmp_path):
+    from ckptstore.retention import KeepLast, RetentionPolicy
+
+    base = tmp_path
+    job(base, 4, 6, {**NODES4, "durability": "replicated", "retention": RetentionPolicy([KeepLast(2)])})
+    for i in (0, 1):
+        root = node(base, i)
+        names = [r.version for r in ckptstore.Store(root).versions()]
+        assert names == ["step-5", "step-6"], (i, names)
+        dirs = os.listdir(os.path.join(root, layout.VERSIONS))
+        held = [d for d in dirs if os.listdir(os.path.join(root, layout.VERSIONS, d, layout.ATTEMPTS))]
+        assert sorted(held) == ["step-5", "step-6"], (i, dirs)
+
+
+def test_scrub_covers_replicas_and_a_damaged_replica_is_not_the_version(tmp_path):
+    base = tmp_path
+    job(base, 2, 2, {"per_node": 1, "replicas": 1, "durability": "replicated"})
+    root0 = node(base, 0)
+    assert cli("scrub", root0).exit_code == 0
+    m = catalogue.read_manifest(LocalTier(root0), "step-2").manifest
+    replica = next(o for o in m.objects if o.rank == 1)  # node 0 holds rank 1's object as a replica
+    path = os.path.join(root0, *layout.object_key("step-2", replica.name).split("/"))
+    b = bytearray(open(path, "rb").read())
+    b[100] ^= 1
+    open(path, "wb").write(b)
+    r = cli("scrub", root0)
+    assert r.exit_code == 10 and "replica" in r.output and replica.name in r.output, r.output
+    part = part_held(LocalTier(root0), m)
+    assert part.replica_of == (2,) and replica in part.objects
+    # the job still restores step-2 bit-exact: rank 1 reads its own copy on node 1
+    outs = job(base, 2, 0, {"per_node": 1, "replicas": 1})
+    rr_check(outs, 3)
+
+
+# -- kill points: a node dies while sending, while receiving, between the fsync and the record -------------
+def kill_job(rank, world, base, saves, mgr, scratch):
+    """:func:`recovery_ranks.job` under the peer watchdog: when a rank dies (the armed fault point),
+    the other rank dies with it, as a whole node or job does."""
+    from crash_ranks import Watchdog
+
+    wd = Watchdog(scratch, rank, world)
+    out = rr.job(rank, world, base, saves, None, mgr)
+    wd.done()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["replica.send@1", "replica.receive@0", "replica.rename@0", "replica.record@0"])
+def test_a_node_killed_during_replication_leaves_nothing_listed_that_is_not_there(tmp_path, fault):
+    base = tmp_path
+    mgr = {"per_node": 1, "replicas": 1}
+    job(base, 2, 2, mgr)  # steps 1, 2 with their replicas
+    point, _, rank = fault.partition("@")
+    env = [{}, {}]
+    env[int(rank)] = {"CKPTSTORE_FAULT": f"{point}@{rank}"}
+    codes = run_ranks_raw(kill_job, 2, str(base), 1, mgr, str(tmp_path / "scratch"), env=env, timeout=120, **FAST)
+    assert -9 in codes.values(), codes
+    for i in (0, 1):
+        assert records_hold(node(base, i)) == []  # no replica listed that is not there
+        assert cli("scrub", node(base, i)).exit_code == 0  # what is there verifies (a .tmp- file is garbage)
+    outs = job(base, 2, 0, mgr)  # the next load repairs what is missing
+    newest = outs[0]["restore"]["version"]
+    assert newest in ("step-2", "step-3")
+    for o in outs:
+        assert all(o["same"].values()), o["same"]
+    for i in (0, 1):
+        assert objects_in(node(base, i), newest) == all_objects(node(base, i), newest), (i, newest)
