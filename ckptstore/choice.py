@@ -102,14 +102,19 @@ class View:
     marked: frozenset = frozenset()  # group ranks whose copy of this attempt is marked damaged
     #: ``{(global rank, object)}``: copies in a rank's root that failed verification while loading
     bad: frozenset = frozenset()
+    #: ``((object, origin version, origin attempt), ...)``: objects of earlier versions the version's
+    #: items reference (docs/FORMAT.md, "References"); held where their origin's files are
+    refs: tuple = ()
 
     def __post_init__(self) -> None:
         # derived once: peer plans ask for every read item of every rank
-        self._present = [
-            set() if i in self.marked else
-            set(r["parts"].get(self.version, {}).get(self.attempt, [])) - {o for g, o in self.bad if g == r["rank"]}
-            for i, r in enumerate(self.reports)
-        ]
+        self._present = []
+        for i, r in enumerate(self.reports):
+            held = set() if i in self.marked else set(r["parts"].get(self.version, {}).get(self.attempt, []))
+            for name, v, a in self.refs:
+                if name in r["parts"].get(v, {}).get(a, ()):
+                    held.add(name)
+            self._present.append(held - {o for g, o in self.bad if g == r["rank"]})
         self._first_holder: dict[str, int] = {}
         for j in reversed(range(len(self.reports))):
             for name in self._present[j]:
@@ -222,7 +227,9 @@ def decide(
         for n in order[: order.index(v)]:
             newer[n] = sorted({c["attempt"] for c in facts[n]["copies"]})
         count = restore_count(reports[0].get("restores") or [], v, a, newest)
-        return View(v, a, reports, rem is not None and not rem["damaged"], sorted(holders), list(f.get("objects") or []),
+        refs = tuple(tuple(x) for x in f.get("refs") or ())
+        return View(v, a, reports, rem is not None and not rem["damaged"], sorted(holders),
+                    list(f.get("objects") or []) + [x[0] for x in refs], refs=refs,
                     skipped=skipped, stale=stale, remote_error=remote_error, restore_count=count, newer=newer,
                     newest=newest, step=f.get("step"), world_size=f.get("world_size"), created=f.get("created"),
                     marked=marked, bad=frozenset(bad))
@@ -266,9 +273,9 @@ def decide(
 
     if version is not None:
         if version not in facts:
-            bad = [rep["invalid"][version] for rep in reports if version in (rep.get("invalid") or {})]
-            if bad:
-                raise ManifestError(f"version {version!r} has an invalid manifest: {bad[0]}; run 'ckptstore scrub'")
+            invalid = [rep["invalid"][version] for rep in reports if version in (rep.get("invalid") or {})]
+            if invalid:
+                raise ManifestError(f"version {version!r} has an invalid manifest: {invalid[0]}; run 'ckptstore scrub'")
             if remote_error:
                 raise TransientStorageError(f"version {version!r} is not committed on any root of this job, and the remote "
                                             f"tier could not be read ({remote_error}); try again when it answers")

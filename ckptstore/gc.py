@@ -313,9 +313,13 @@ def plan(
         recs, protect = across_tiers(s.name, records[s.name], others)
         decisions[s.name] = ds = policy.decide(s.name, recs, now, protect=protect)
         sizes = {i.key: i for i in s.listing}
+        kept_refs = catalogue.referenced(s.entries, exclude={d.version for d in ds if not d.keep})
         for d in ds:
             if not d.keep:
-                parts.add_version(version_actions(s.name, d.version, s.entries[d.version].manifest, "; ".join(d.reasons), sizes))
+                acts = version_actions(s.name, d.version, s.entries[d.version].manifest, "; ".join(d.reasons), sizes,
+                                       referenced=kept_refs)
+                parts.add_version(acts)
+                parts.survivors.extend(_kept_references(s.name, d.version, s.entries[d.version].manifest, kept_refs, sizes))
         elsewhere = _split_parts_elsewhere(s, snaps)
         _plan_garbage(s, {layout.version_dir(d.version) + "/" for d in ds if not d.keep}, now.timestamp(), grace, parts,
                       elsewhere)
@@ -332,15 +336,17 @@ class _Committed:
     claimed: set[str]  # keys that belong to a committed version (kept or deleted)
     manifest_mtime: dict[str, float]  # version dir -> mtime of its manifest
     attempt: dict[str, str]  # version dir -> the committed attempt
+    referenced: dict = dataclasses.field(default_factory=dict)  # key -> versions whose manifests reference it
 
     @classmethod
     def of(cls, s: TierSnapshot, sizes: Mapping[str, ObjectInfo]) -> "_Committed":
-        c = cls(set(), {}, {})
+        c = cls(set(), {}, {}, catalogue.referenced(s.entries))
         for v, e in s.entries.items():
             d = layout.version_dir(v) + "/"
             c.attempt[d] = e.manifest.attempt
             c.claimed.update((d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED))
             c.claimed.update(d + o.name for o in e.manifest.all_objects())
+            c.claimed.update(layout.object_key(r.version, r.name) for r in e.manifest.refs)  # referenced objects
             adir = d + layout.attempt_dir(e.manifest.attempt) + "/"  # the committed attempt's replica records
             c.claimed.update(k for k in sizes if k.startswith(adir) and layout.replica_record_rank(k) is not None)
             mi = sizes.get(d + layout.MANIFEST)
@@ -380,6 +386,11 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
         parts.problems.append((s.name, key, why))
     for info in s.listing:
         if info.key in committed.claimed:
+            vd = layout.version_dir_of(info.key)
+            if info.key in committed.referenced and vd not in committed.attempt:
+                by = ", ".join(repr(v) for v in sorted(committed.referenced[info.key]))
+                parts.survivors.append(Survivor(s.name, info.key, f"object of a version no longer committed here, "
+                                                f"referenced by {by}; kept", info.size))
             continue
         left_alone = _left_alone(info.key, skip_dirs)
         if left_alone is None and elsewhere:
@@ -471,9 +482,14 @@ def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) ->
 
 
 def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
-                    listing: Mapping[str, ObjectInfo] | None = None, *, force: bool = False) -> list[Action]:
+                    listing: Mapping[str, ObjectInfo] | None = None, *, force: bool = False,
+                    referenced: Mapping[str, list] | None = None) -> list[Action]:
     """The actions that delete one committed version: un-commit, then its objects and damage mark
-    (with ``force``, a pinned version too: the un-commit ignores the pin, and the pin goes last)."""
+    (with ``force``, a pinned version too: the un-commit ignores the pin, and the pin goes last).
+    Objects in ``referenced`` (``{key: [versions]}``: frames another committed manifest of the tier
+    references, docs/FORMAT.md "References") are kept; they become garbage once no committed
+    manifest references them."""
+    referenced = referenced or {}
     d = layout.version_dir(version) + "/"
 
     def size(key: str) -> int:
@@ -486,6 +502,8 @@ def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
         key = d + o.name
         if listing is not None and key not in listing:
             continue  # already missing: nothing to delete
+        if key in referenced:
+            continue  # frames of it are referenced by a version that stays
         out.append(Action(tier, DELETE, key, "version-object", f"object of deleted version {version!r}", version=version,
                           attempt=manifest.attempt, size=size(key) if listing is not None else o.size))
     adir = d + layout.attempt_dir(manifest.attempt) + "/"
@@ -596,12 +614,15 @@ def _garbage_blocker(tier: Tier, a: Action) -> str | None:
 
 
 def remove_version(tier: Tier, version: str, manifest: Manifest, *, tier_name: str | None = None,
-                   reason: str = "retention") -> GcResult:
+                   reason: str = "retention", referenced: Mapping[str, list] | None = None) -> GcResult:
     """Delete one committed version from ``tier``: un-commit (checked, as in :func:`apply`), then
-    its objects and damage mark. Raises the first storage error, if any."""
+    its objects and damage mark, but not the objects in ``referenced`` (default: what the tier's other
+    committed manifests reference). Raises the first storage error, if any."""
     name = tier_name or tier.name
+    if referenced is None:
+        referenced = catalogue.referenced(catalogue.scan(tier), exclude={version})
     listing = {i.key: i for i in tier.list(layout.version_dir(version) + "/")}
-    res = apply({name: tier}, version_actions(name, version, manifest, reason, listing))
+    res = apply({name: tier}, version_actions(name, version, manifest, reason, listing, referenced=referenced))
     if res.failed:
         raise res.failed[0][1]
     skipped = [w for a, w in res.skipped if a.op == UNCOMMIT]
@@ -651,11 +672,14 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     except Exception as e:  # noqa: BLE001 - the save is committed; retention is best effort
         log.warning("retention after committing %r in the %s tier failed: %s", committed.version, name, e)
         return []
+    gone = {d.version for d in decisions if not d.keep and d.version in entries}
+    kept_refs = catalogue.referenced(entries, exclude=gone)
     for d in decisions:
         if d.keep or d.version not in entries:
             continue
         try:
-            remove_version(tier, d.version, entries[d.version].manifest, tier_name=name, reason="; ".join(d.reasons))
+            remove_version(tier, d.version, entries[d.version].manifest, tier_name=name, reason="; ".join(d.reasons),
+                           referenced=kept_refs)
             log.info("retention: deleted version %r from the %s tier (%s)", d.version, name, "; ".join(d.reasons))
         except Exception as ex:  # noqa: BLE001
             log.warning("retention: could not delete version %r from the %s tier: %s", d.version, name, ex)
@@ -710,7 +734,9 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
             parts.add_version(_invalid_version_actions(n, version, listing))
             continue
         why = REASON_DROP + (" (marked damaged)" if e.damaged else "")
-        parts.add_version(version_actions(n, version, e.manifest, why, listing, force=force))
+        refs_here = catalogue.referenced(catalogue.scan(t), exclude={version})
+        parts.add_version(version_actions(n, version, e.manifest, why, listing, force=force, referenced=refs_here))
+        parts.survivors.extend(_kept_references(n, version, e.manifest, refs_here, listing))
         m = e.manifest
         decisions[n] = [Decision(version, False, (why,), m.created_dt, m.step, m.attempt, e.pinned, e.damaged)]
     if pinned_in and not force:
@@ -721,7 +747,21 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
                                    "run 'ckptstore list' to see the versions there")
     return GcPlan(now=now or _dt.datetime.now(_dt.timezone.utc), grace=0.0, policy=RetentionPolicy(),
                   tiers=[n for n in names if any(a.tier == n for a in parts.uncommits)], decisions=decisions,
-                  actions=parts.actions(), survivors=[], problems=[])
+                  actions=parts.actions(), survivors=parts.survivors, problems=[])
+
+
+def _kept_references(tier: str, version: str, manifest: Manifest, referenced: Mapping[str, list],
+                     listing: Mapping[str, ObjectInfo]) -> list[Survivor]:
+    """The objects of a deleted ``version`` that stay because other versions reference them."""
+    d = layout.version_dir(version) + "/"
+    out = []
+    for o in manifest.all_objects():
+        key = d + o.name
+        if key in referenced and key in listing:
+            by = ", ".join(repr(v) for v in sorted(referenced[key]))
+            out.append(Survivor(tier, key, f"object of deleted version {version!r} referenced by {by}; kept",
+                                listing[key].size))
+    return out
 
 
 def _invalid_version_actions(tier: str, version: str, listing: Mapping[str, ObjectInfo]) -> list[Action]:

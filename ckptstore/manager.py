@@ -539,16 +539,22 @@ class CheckpointManager:
         bad: set = set()
         notes: dict = {}
         tries = 0
+        retry = None
         while True:
             view = self._guarded(self._choose, version, failed, bad, notes)
             if view is None:
                 return None
+            if retry is not None and retry[0] == view.version and self.rank == 0:
+                log.warning("ckptstore: %s; loading %s again from another copy", retry[1],
+                            ", ".join(f"{o} (not from rank {r}'s root)" for r, o in sorted(retry[2])))
+            retry = None
             same_world = view.world_size in (None, 0, world)
             sd = self._state_dict(state, for_load=True, per_rank=same_world)
             # resharded: the saving ranks' own values (RNG, per_rank_keys) have no rank here to go to
             unread = () if same_world else tuple(f"{k}/rank" for k in self.per_rank_keys) + ("rng/rank",)
             reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg,
-                                   allow_partial_load=unread or False, avoid=frozenset(bad), **self._reader_options)
+                                   allow_partial_load=unread or False, avoid=frozenset(bad),
+                                   record_digests=self._writer.incremental and same_world, **self._reader_options)
             try:
                 self._guarded(lambda: dcp.load(sd, checkpoint_id=view.version, storage_reader=reader,
                                                process_group=self._pg, planner=_SpellingLoadPlanner(sd)))
@@ -565,6 +571,7 @@ class CheckpointManager:
                 if more and tries < 4:
                     bad |= more
                     notes[(view.version, view.attempt)] = why
+                    retry = (view.version, why[0], more)  # warned once the choice shows another copy exists
                     tries += 1
                     continue
                 if version is not None:
@@ -575,6 +582,8 @@ class CheckpointManager:
                     log.warning("ckptstore: version %r failed verification while loading (%s); restoring the next "
                                 "older loadable version instead", view.version, why[0])
         self._apply(state, sd, per_rank=same_world)
+        if same_world and self._writer.incremental:  # the next save references what did not change since
+            self._writer._inc.seed(reader.manifest, reader.item_digests)
         if same_world:  # re-replication: a replaced node gets its part back, in the background
             j = reader._joined
             self._healing = self._writer.heal(view, j[2], j[3]) if j is not None and len(j) > 1 else None

@@ -136,6 +136,9 @@ def rewrap_manifest(data: bytes, version: str, old_key: bytes, new_key: bytes) -
     pm.verify_mac(data_key)
     body = json.loads(pm.body)
     body["encryption"] = dict(body["encryption"], key_id=key_id(new_key), wrapped_key=wrap_key(new_key, data_key, version, m.attempt))
+    for r in body.get("refs", ()):  # a referenced object's frames: its origin's data key, re-wrapped the same way
+        ref_key = unwrap_key(old_key, r["wrapped_key"], r["version"], r["attempt"], r["key_id"])
+        r.update(key_id=key_id(new_key), wrapped_key=wrap_key(new_key, ref_key, r["version"], r["attempt"]))
     new = seal(canonical(body), data_key)
     # the result must read back exactly as intended before it replaces anything
     check = parse(new, expect_version=version)
@@ -144,7 +147,12 @@ def rewrap_manifest(data: bytes, version: str, old_key: bytes, new_key: bytes) -
     if not hmac.compare_digest(dk2, data_key):
         raise IntegrityError(f"re-wrapped data key of version {version!r} does not round-trip")  # pragma: no cover
     check.verify_mac(dk2)
-    if dataclasses.replace(check.manifest, encryption=None) != dataclasses.replace(m, encryption=None):
+    for r in check.manifest.refs:
+        unwrap_key(new_key, r.wrapped_key, r.version, r.attempt, r.key_id)
+    plain = [dataclasses.replace(r, wrapped_key=None, key_id=None) for r in m.refs]
+    if dataclasses.replace(check.manifest, encryption=None, refs=[dataclasses.replace(r, wrapped_key=None, key_id=None)
+                                                               for r in check.manifest.refs]) \
+            != dataclasses.replace(m, encryption=None, refs=plain):
         raise ManifestError(f"re-sealed manifest of version {version!r} differs beyond its key fields")  # pragma: no cover
     return new, m.attempt
 

@@ -748,20 +748,42 @@ def scrub(
                     parts[n, v] = placement.part_held(tiers[n], e[v].manifest, remote=n != "local")
                 except (CkptStoreError, OSError):  # the listing failed: check (and report) everything
                     parts[n, v] = placement.whole(e[v].manifest)
+    orphans = _orphan_refs(entries, order)
     if on_total is not None:
-        on_total(sum(o.size for p in parts.values() for o in p.objects))
+        on_total(sum(o.size for p in parts.values() for o in p.objects) + sum(r.size for rs in orphans.values() for r in rs))
     with Verifier(jobs) as verifier:
         for v in order:
-            _scrub_version(tiers, entries, v, parts, verifier, deep, repair, master, key_problem, on_bytes, report)
+            _scrub_version(tiers, entries, v, parts, verifier, deep, repair, master, key_problem, on_bytes, report, orphans)
     return report
 
 
-def _scrub_version(tiers, entries, v, parts, verifier, deep, repair, master, key_problem, on_bytes, report) -> None:
+def _orphan_refs(entries: dict, order: list) -> dict:
+    """``{(tier, version): [RefEntry]}``: each referenced object (docs/FORMAT.md, "References") whose
+    origin version is not committed in that tier, checked once — with the first version (in order)
+    that references it. A reference whose origin is committed there is checked with its origin."""
+    out: dict = {}
+    for n, e in entries.items():
+        committed = {v: te.manifest.attempt for v, te in e.items()}
+        seen: set = set()
+        for v in order:
+            if v not in e:
+                continue
+            for ref in e[v].manifest.refs:
+                if committed.get(ref.version) == ref.attempt or (ref.version, ref.name) in seen:
+                    continue
+                seen.add((ref.version, ref.name))
+                out.setdefault((n, v), []).append(ref)
+    return out
+
+
+def _scrub_version(tiers, entries, v, parts, verifier, deep, repair, master, key_problem, on_bytes, report,
+                   orphans=None) -> None:
     holders = {n: e[v] for n, e in entries.items() if v in e}
     checks: dict[str, VersionCheck] = {}
     codecs: dict[str, FrameCodec | None] = {}
     for n, te in holders.items():
-        checks[n], codecs[n] = _check_version(tiers[n], n, v, te, parts[n, v], deep, master, key_problem, on_bytes, verifier)
+        checks[n], codecs[n] = _check_version(tiers[n], n, v, te, parts[n, v], deep, master, key_problem, on_bytes, verifier,
+                                              (orphans or {}).get((n, v), ()))
     if repair:
         _repair_objects(tiers, holders, checks, codecs, verifier)
     if deep:
@@ -820,7 +842,7 @@ def _codec_for(vc: VersionCheck, te, master, key_problem) -> FrameCodec | None:
 
 
 def _check_version(tier, name, version, te, part, deep, master, key_problem, on_bytes,
-                   verifier: Verifier) -> tuple[VersionCheck, FrameCodec | None]:
+                   verifier: Verifier, refs=()) -> tuple[VersionCheck, FrameCodec | None]:
     m = te.manifest
     # any damaged.json counts here, also one naming another attempt (the catalogue ignores those):
     # scrub reports it and --repair removes it
@@ -830,6 +852,14 @@ def _check_version(tier, name, version, te, part, deep, master, key_problem, on_
     vc.deep = deep and codec is not None
     futs = [verifier.walkers.submit(check_object, tier, name, version, entry, codec, on_bytes, verifier)
             for entry in part.objects]
+    for ref in refs:  # an earlier version's object this one references, whose origin is gone here
+        rc = None
+        if vc.deep:
+            cipher = None
+            if ref.wrapped_key is not None:
+                cipher = FrameCipher(unwrap_key(master, ref.wrapped_key, ref.version, ref.attempt, ref.key_id))
+            rc = FrameCodec(ref.version, ref.attempt, cipher)
+        futs.append(verifier.walkers.submit(check_object, tier, name, ref.version, ref.entry, rc, on_bytes, verifier))
     vc.objects.extend(f.result() for f in futs)
     for o in vc.objects:
         o.replica = o.name in part.replicas
@@ -919,7 +949,7 @@ def _check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, 
         vc.issues.append(Issue("metadata", "DCP metadata has no ckptstore storage_data"))
         return
     walked = {o.name: set(o.frames) for o in vc.objects if o.status in (OK, REPAIRED)}
-    listed = {o.name for o in m.all_objects()}
+    listed = {o.name for o in m.all_objects()} | {r.name for r in m.refs}  # its own objects and the referenced ones
     bad = []
     for idx, loc in sd.items():
         fqn = getattr(idx, "fqn", idx)

@@ -50,12 +50,15 @@ def _print_table(recs) -> None:
         click.echo("no committed versions")
         return
     tw = max([13] + [len("+".join(r.tier_labels)) for r in recs])
-    click.echo(f"{'VERSION':<24} {'STEP':>8} {'CREATED (UTC)':<20} {'RANKS':>5} {'LOGICAL':>10} {'STORED':>10} {'TIERS':<{tw}} FLAGS")
+    click.echo(f"{'VERSION':<24} {'STEP':>8} {'CREATED (UTC)':<20} {'RANKS':>5} {'LOGICAL':>10} {'STORED':>10} {'UNIQUE':>10} "
+               f"{'TIERS':<{tw}} FLAGS")
     for r in recs:
         flags = ",".join(x for x, on in (("pinned", r.pinned), ("damaged", r.damaged), ("encrypted", r.encrypted),
-                                         ("supersedes", bool(r.supersedes)), ("future-time", r.in_future)) if on)
+                                         ("supersedes", bool(r.supersedes)), ("future-time", r.in_future),
+                                         ("references", bool(r.ref_bytes))) if on)
         flags += "".join(f",stale:{t}" for t, _a in r.stale)
         click.echo(
             f"{r.version:<24} {('-' if r.step is None else r.step):>8} {r.created.strftime('%Y-%m-%d %H:%M:%S'):<20} "
-            f"{r.world_size:>5} {human(r.nbytes):>10} {human(r.stored_bytes):>10} {'+'.join(r.tier_labels):<{tw}} {flags}"
+            f"{r.world_size:>5} {human(r.nbytes):>10} {human(r.stored_bytes):>10} "
+            f"{human(r.unique_bytes if r.unique_bytes is not None else r.stored_bytes):>10} {'+'.join(r.tier_labels):<{tw}} {flags}"
         )

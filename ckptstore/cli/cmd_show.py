@@ -63,7 +63,8 @@ def _per_tier(st, version: str, current_attempt: str) -> dict[str, dict]:
 
 def _info(version: str, rec, m, per_tier: dict) -> dict:
     """The JSON form of ``show`` (also the source of the text rows)."""
-    ratio = (m.nbytes / m.stored_bytes) if m.stored_bytes else None
+    own = sum(o.nbytes for o in m.all_objects())  # logical bytes of what it stored itself (not its references)
+    ratio = (own / m.stored_bytes) if m.stored_bytes else None
     return {
         "version": version,
         "attempt": m.attempt,
@@ -88,6 +89,8 @@ def _info(version: str, rec, m, per_tier: dict) -> dict:
         "pin_note": one_note({n: d["pin_note"] for n, d in per_tier.items() if d["pinned"]}),
         "damaged": rec.damaged,
         "seq": m.seq,
+        "unique_bytes": rec.unique_bytes,
+        "refs": [r.to_json() for r in m.refs],
         "supersedes": list(m.supersedes or ()),
         "stale": [{"tier": t, "attempt": a} for t, a in rec.stale],
         "in_future": rec.in_future,
@@ -110,7 +113,11 @@ def _rows(info: dict, m) -> list[tuple[str, object]]:
         ("tiers", "+".join(info["tier_labels"])),
         ("logical size", f"{human(m.nbytes)} ({m.nbytes} bytes)"),
         ("stored size", f"{human(m.stored_bytes)} ({m.stored_bytes} bytes)"),
-        ("compression", f"{m.nbytes / m.stored_bytes:.2f}x" if ratio else "-"),
+        ("unique size", "-" if info["unique_bytes"] is None else
+         f"{human(info['unique_bytes'])} ({info['unique_bytes']} bytes): what deleting it frees"),
+        ("references", "; ".join(f"{r['name'].split('/')[-1]} of {r['version']} ({human(r['size'])})" for r in info["refs"])
+         or "-"),
+        ("compression", f"{ratio:.2f}x" if ratio else "-"),
         ("encryption", f"{m.encryption['alg']}, key id {m.encryption['key_id']}" if m.encrypted else "none (not encrypted)"),
         ("codec chains", ", ".join(sorted(m.codecs)) or "raw"),
         ("objects", f"{len(m.objects)} shard(s) + DCP metadata"),

@@ -44,6 +44,17 @@ def xxh3(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def xxh128(data) -> int:
+    """XXH3-128 of ``data``: the identity of a write item's raw bytes for incremental saves
+    (docs/FORMAT.md, "References")."""
+    return xxhash.xxh3_128_intdigest(data)
+
+
+def xxh128_stream():
+    """A streaming XXH3-128 hasher (``update(bytes)``, ``intdigest()``)."""
+    return xxhash.xxh3_128()
+
+
 def xxh3_stream():
     """A streaming XXH3-64 hasher (``update(bytes)``, ``intdigest()``)."""
     return xxhash.xxh3_64()

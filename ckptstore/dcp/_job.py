@@ -51,7 +51,8 @@ def _facts(m, damaged: bool) -> dict:
     """What the restore choice needs to know about one committed copy (``choice`` module docstring)."""
     return {"attempt": m.attempt, "created": m.created, "seq": m.seq, "step": m.step, "damaged": damaged,
             "objects": sorted(o.name for o in m.all_objects()), "world_size": m.world_size, "nbytes": m.nbytes,
-            "supersedes": sorted(m.superseded_attempts), "groups": len(m.placement or ()) or 1}
+            "supersedes": sorted(m.superseded_attempts), "groups": len(m.placement or ()) or 1,
+            "refs": sorted([r.name, r.version, r.attempt] for r in m.refs)}
 
 
 def _report(local, first: bool, rank: int) -> dict:
@@ -345,7 +346,7 @@ def peer_plans(view: View, plans: list, needed_frames) -> list:
     return [(tuple(s), tuple(r)) for s, r in zip(send, recv)]
 
 
-def run_peer_exchange(send: tuple, recv: tuple, local, version: str, pg) -> dict:
+def run_peer_exchange(send: tuple, recv: tuple, local, key_of, pg) -> dict:
     """Serve ``send`` from this rank's root and receive ``recv``; returns ``{(object, offset): bytes}``.
 
     One message per pair of ranks (the concatenated ranges, in the order both sides list them); every
@@ -362,7 +363,7 @@ def run_peer_exchange(send: tuple, recv: tuple, local, version: str, pg) -> dict
     for dst, entries in _by_peer(send):
         chunks = []
         for obj, ranges in entries:
-            key = layout.object_key(version, obj)
+            key = key_of(obj)
             chunks.extend(local.get_ranges(key, [(o, o + n) for o, n in ranges]))
         buf = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
         works.append(dist.isend(buf, dst=dst, group=pg))

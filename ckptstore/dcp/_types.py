@@ -85,6 +85,10 @@ class ObjectReport:
     rank: int
     nbytes: int
     codecs: tuple
+    #: ``RefEntry``s of earlier versions' objects whose frames this rank's items reference
+    #: (incremental saves, docs/FORMAT.md "References"), and the logical bytes of those items
+    refs: tuple = ()
+    ref_nbytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

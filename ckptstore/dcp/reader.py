@@ -130,12 +130,16 @@ class StorageReader(_DCPStorageReader):
         read_repair: bool = False,
         process_group: Any = None,
         avoid: Any = frozenset(),
+        record_digests: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
         self.read_repair = read_repair
         self.avoid = frozenset(avoid)
+        #: with ``record_digests``: ``{(fqn, offset): (XXH3-128, ItemLocation)}`` of the items loaded whole
+        self.record_digests = record_digests
+        self.item_digests: dict = {}
         self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0, "remote_reads": 0, "peer_bytes": 0}
         self._pg = process_group
         #: keys this reader GET from the remote tier (all its loads)
@@ -255,6 +259,34 @@ class StorageReader(_DCPStorageReader):
         self.tier = tier
         self.codec = FrameCodec(version, m.attempt, cipher)
         self._objects = {o.name: o for o in m.all_objects()}
+        # objects of earlier versions whose frames items reference (docs/FORMAT.md, "References")
+        self._refs = m.ref_by_name()
+        self._objects.update({r.name: r.entry for r in m.refs})
+        self._codecs = {m.attempt: self.codec}
+
+    def _key(self, obj: str) -> str:
+        """The key of object ``obj``: in this version's directory, or in its origin version's for a
+        referenced object."""
+        ref = self._refs.get(obj)
+        return layout.object_key(self.version if ref is None else ref.version, obj)
+
+    def _codec_of(self, obj: str) -> FrameCodec:
+        """The frame codec of ``obj``'s attempt: a referenced object's frames are bound to (and, with a
+        key, encrypted under the data key of) the version and attempt that wrote them."""
+        ref = self._refs.get(obj)
+        if ref is None:
+            return self.codec
+        with self._alt_lock:
+            codec = self._codecs.get(ref.attempt)
+            if codec is None:
+                if self.manifest.encrypted != (ref.wrapped_key is not None):
+                    raise IntegrityError(f"version {self.version!r} references {obj!r} of {ref.version!r} with "
+                                         "another encryption than its own", object=obj, version=self.version)
+                cipher = None
+                if ref.wrapped_key is not None:
+                    cipher = FrameCipher(unwrap_key(self._master, ref.wrapped_key, ref.version, ref.attempt, ref.key_id))
+                codec = self._codecs[ref.attempt] = FrameCodec(ref.version, ref.attempt, cipher)
+            return codec
 
     def _alt_tiers(self, obj: str) -> list:
         """Other places holding ``obj`` of the chosen attempt, tried when the first fails: this rank's
@@ -368,7 +400,7 @@ class StorageReader(_DCPStorageReader):
         entry = self._objects.get(obj)
         if entry is None:
             return
-        key = layout.object_key(self.version, obj)
+        key = self._key(obj)
         try:
             data = good_tier.get(key)
             self._decode_whole(entry, data)  # every frame, the header digest and the size
@@ -405,7 +437,7 @@ class StorageReader(_DCPStorageReader):
         return md
 
     def _read_whole_object(self, entry: ObjectEntry) -> bytes:
-        key = layout.object_key(self.version, entry.name)
+        key = self._key(entry.name)
         return self._with_fallback(entry.name, lambda tier: self._decode_whole(entry, tier.get(key)))
 
     def _decode_whole(self, entry: ObjectEntry, data: bytes) -> bytes:
@@ -554,7 +586,7 @@ class StorageReader(_DCPStorageReader):
         """Serve and receive the byte ranges this load moves between ranks' roots (peer fetch)."""
         pp = plan.storage_data
         if isinstance(pp, PeerPlan) and (pp.send or pp.recv):
-            got = _job.run_peer_exchange(pp.send, pp.recv, self._store.local, self.version, self._pg)
+            got = _job.run_peer_exchange(pp.send, pp.recv, self._store.local, self._key, self._pg)
             self.stats["peer_bytes"] += sum(len(b) for b in got.values())
             self._peer.update(got)
 
@@ -609,12 +641,13 @@ class StorageReader(_DCPStorageReader):
         return tasks
 
     def _fetch_decode(self, obj: str, frames: list) -> dict:
-        key = layout.object_key(self.version, obj)
+        key = self._key(obj)
+        codec = self._codec_of(obj)
         ranges = [(f.offset, f.offset + f.length) for f in frames]
 
         def read(tier):
             bufs = tier.get_ranges(key, ranges)
-            return {(obj, f.offset): self.codec.decode(obj, b, f) for f, b in zip(frames, bufs)}
+            return {(obj, f.offset): codec.decode(obj, b, f) for f, b in zip(frames, bufs)}
 
         return self._with_fallback(obj, read)
 
@@ -672,12 +705,28 @@ class StorageReader(_DCPStorageReader):
             return target
         return whole.detach() if isinstance(whole, torch.Tensor) else target
 
+    def _record_digest(self, ri, loc: ItemLocation, parts: list) -> None:
+        """The XXH3-128 of an item loaded whole, and where it is stored: the baseline an incremental
+        writer starts from after this restore (``dcp/_incremental.py``)."""
+        from ..codec.frame import xxh128_stream
+
+        from ._incremental import item_key
+
+        h = xxh128_stream()
+        for p in parts:
+            h.update(p)
+        with self._alt_lock:
+            self.item_digests[item_key(ri.storage_index)] = (h.intdigest(), loc)
+
     def _deliver(self, ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner, target) -> None:
         """Write read item ``ri``'s bytes into ``target`` (bytes items: ``planner.load_bytes``).
 
         The fast path copies decoded frames straight into ``target``'s memory, only when that memory
         is checked to be ``target``'s own (``_subclass.own_bytes``); otherwise ``target.copy_``."""
         parts = [decoded[(loc.object, f.offset)] for f in frames]
+        if self.record_digests and b0 == 0 and b1 == loc.nbytes and start == 0 and (
+                ri.type == LoadItemType.BYTE_IO or tuple(ri.lengths) == tuple(loc.shape)):
+            self._record_digest(ri, loc, parts)
         if ri.type == LoadItemType.BYTE_IO:
             planner.load_bytes(ri, io.BytesIO(b"".join(parts)))
             return
@@ -724,7 +773,7 @@ class _PeerTier:
         self.url = f"the root of rank {rank} ({root or '?'})"
 
     def get_ranges(self, key: str, ranges) -> list[bytes]:
-        obj = key[len(self._vdir):]
+        obj = key.split("/", 2)[2]  # the object name: past "versions/<version>/" (its origin's, for a reference)
         try:
             return [self._got[(obj, a)] for a, _b in ranges]
         except KeyError:

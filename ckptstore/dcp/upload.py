@@ -251,10 +251,14 @@ class Uploader:
         with self._lock:
             return self._streams.pop(key, None)
 
-    def upload_object(self, version: str, entry: ObjectEntry, rank: int, *, retry: bool = True) -> cf.Future:
+    def upload_object(self, version: str, entry: ObjectEntry, rank: int, *, retry: bool = True,
+                      refs: tuple = ()) -> cf.Future:
         """Upload this rank's committed object ``entry`` of ``version`` and write its rank marker.
-        First submits again the uploads of earlier versions that failed (an unreachable remote tier):
-        the next save stages what an outage held back (docs/FORMAT.md, Save rule 8)."""
+        ``refs``: the earlier objects its items reference (incremental saves): each is uploaded first
+        when the remote tier lacks it (docs/FORMAT.md, "References": upload sends only what the
+        remote tier does not hold). First submits again the uploads of earlier versions that failed
+        (an unreachable remote tier): the next save stages what an outage held back (docs/FORMAT.md,
+        Save rule 8)."""
         if retry:
             self.retry_failed("object")
         key = layout.object_key(version, entry.name)
@@ -262,6 +266,8 @@ class Uploader:
 
         def job():
             _faults.point("upload.object")
+            for ref in refs:
+                self._ensure_remote(ref)
             if stream is not None:
                 stream.finish(entry)
                 return self._after_upload(version, entry, rank, key)
@@ -276,7 +282,7 @@ class Uploader:
                 raise
             return self._after_upload(version, entry, rank, key)
 
-        return self._submit(f"{version}/{entry.name}", job, version, retry=("object", (version, entry, rank)))
+        return self._submit(f"{version}/{entry.name}", job, version, retry=("object", (version, entry, rank, refs)))
 
     def retry_failed(self, kind: str | None = None) -> list[str]:
         """Submit again the failed jobs of ``kind`` (``"object"``, ``"commit"``; None: both, objects
@@ -304,13 +310,29 @@ class Uploader:
             with self._lock:
                 self._retry.pop(what, None)
             if k == "object":
-                self.upload_object(*args, retry=False)
+                self.upload_object(*args[:3], retry=False, refs=args[3] if len(args) > 3 else ())
             else:
                 self.commit(*args, retry=False)
             done.append(what)
         if done:
             log.info("ckptstore: staging again what an earlier save could not upload: %s", done)
         return done
+
+    def _ensure_remote(self, ref) -> None:
+        """The referenced object ``ref`` (a ``RefEntry``) in the remote tier: uploaded from the local
+        root, checked frame by frame first, when the remote tier does not hold it with its size."""
+        key = layout.object_key(ref.version, ref.name)
+        try:
+            if self.remote.stat(key).size == ref.size:
+                return
+        except ObjectNotFoundError:
+            pass
+        digest, frames = local_digest(self.local, key, ref.size)
+        if digest != ref.digest or frames != ref.frames:
+            raise IntegrityError(f"referenced object {key} does not match its entry; not uploading it", object=key)
+        self.remote.put_file(key, self.local.local_path(key), ref.size)
+        if self.remote.stat(key).size != ref.size:
+            raise UploadError(f"remote object {key} has the wrong size after upload")
 
     def _after_upload(self, version: str, entry: ObjectEntry, rank: int, key: str) -> str:
         got = self.remote.stat(key).size
@@ -368,6 +390,12 @@ class Uploader:
             mk = seen[r]
             if mk.get("size") != o.size or mk.get("digest") != o.digest:
                 raise UploadError(f"version {v!r}: rank {r}'s uploaded object does not match the manifest")
+        for ref in m.refs:  # every referenced object must be in the remote tier before it commits there
+            try:
+                self._ensure_remote(ref)
+            except (OSError, ObjectNotFoundError) as e:
+                raise UploadError(f"version {v!r} references {ref.name} of version {ref.version!r}, which the remote "
+                                  f"tier lacks and this root cannot upload ({e}); the remote commit was not made") from e
         if self.guard is not None:
             self.guard(f"the remote commit of {v!r}")
         try:

@@ -52,7 +52,7 @@ from torch.futures import Future
 
 from .. import _faults
 from .._names import check_version
-from ..codec import FrameCodec, FrameRef, xxh3
+from ..codec import FrameCodec, FrameRef, xxh3, xxh128
 from ..codec.bytegroup import PlanCell
 from ..codec.frame import FIXED_LEN, xxh3_stream
 from ..codec.crypto import FrameCipher, key_id, new_data_key, resolve_key, unwrap_key, wrap_key
@@ -171,6 +171,12 @@ class StorageWriter(_DCPStorageWriter):
             docs/FORMAT.md, "Replicas") over a gloo group the writer makes at construction — so
             construct the writer on every rank, after ``init_process_group``. Not with the PROCESS
             executor (its subprocess has no group with the other ranks' trainers).
+        incremental: reference, instead of writing again, every write item whose bytes (XXH3-128 of
+            the raw bytes) equal those of the same item in the newest version this writer committed
+            (or, through ``CheckpointManager``, restored): the new manifest names the earlier object
+            (``refs``, docs/FORMAT.md "References"), nothing of the item is written or uploaded again.
+            Pays when much of the state does not change between saves (a frozen base model under a
+            LoRA adapter, untouched experts); costs one XXH3-128 pass over every item. Off by default.
         world_size: the number of ranks every save through this writer has (default: the default
             process group's size when one is initialised at construction, else not checked). A save
             planned or finished by any other number of ranks — a rank that outlived its peers, DCP
@@ -233,6 +239,7 @@ class StorageWriter(_DCPStorageWriter):
         max_staged: int = 2,
         world_size: int | None = None,
         replicas: int = 0,
+        incremental: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -290,6 +297,10 @@ class StorageWriter(_DCPStorageWriter):
         self._probe = _roots.PROCESS_NONCE  # this process's root probe (docs/FORMAT.md, "Placement")
         self._publisher = _roots.Publisher()
         self.replicas = replicas
+        self.incremental = bool(incremental)
+        from ._incremental import Incremental
+
+        self._inc = Incremental()
         self._replicator = None
         if replicas and _multi_rank():
             from .. import _groups
@@ -462,6 +473,8 @@ class StorageWriter(_DCPStorageWriter):
                 "call dcp.save/async_save with use_collectives=True (the default)"
             )
         self._follower.wait(self.upload_timeout)  # the previous save's copy into this root, if any
+        if self.incremental:
+            self._inc.promote(self._tier)  # the previous save, once it is committed here, is the baseline
         if _multi_rank():
             _roots.write_probe(self._tier, s.rank, self._probe)
         self._check_existing(s)
@@ -709,9 +722,15 @@ class StorageWriter(_DCPStorageWriter):
                                f"durability={self.durability!r} commits only once every replica is in place")
 
     def _write_object(self, s: _Save, plan, planner, pd: PlanData, staged: list) -> list[WriteResult]:
-        """Phase 1 for this rank: every plan item's frames, in order, into one object."""
+        """Phase 1 for this rank: every plan item's frames, in order, into one object — except, with
+        ``incremental``, the items identical to the baseline's, whose earlier frames are referenced."""
+        from ._incremental import item_key
+
         name = layout.shard_name(pd.attempt, pd.rank)
-        per_item: list[tuple[Any, list, int, str | None, tuple | None]] = []
+        per_item: list[tuple[Any, Any, int, str | None, tuple | None]] = []  # (item, refs list or location, ...)
+        used: dict = {}  # object name -> RefEntry of the earlier objects referenced
+        digests: dict = {}
+        present: dict = {}
 
         def chunks():
             for item in plan.items:
@@ -724,6 +743,14 @@ class StorageWriter(_DCPStorageWriter):
                     dtype, shape = _dtype_name(data.dtype), tuple(data.shape)
                     width = _FLOAT_WIDTH.get(data.dtype, 0)
                     mv = tensor_bytes(data, item.index.fqn)
+                if self.incremental:
+                    key = item_key(item.index)
+                    digests[key] = h = xxh128(mv)
+                    loc, ref = self._inc.lookup(self._tier, key, h, dtype, shape, len(mv), present, pd.key_id)
+                    if loc is not None:  # identical to the baseline: reference its frames
+                        per_item.append((item, loc, len(mv), dtype, shape))
+                        used[ref.name] = ref
+                        continue
                 refs: list = []
                 per_item.append((item, refs, len(mv), dtype, shape))
                 yield from _split(mv, self.frame_size, width, refs)
@@ -732,11 +759,18 @@ class StorageWriter(_DCPStorageWriter):
         with cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
             _write_frames(sink, self._codec(s, pd), name, chunks(), pool, window=max(2, 2 * self.threads))
             _faults.point("write.commit")
+        locs = [refs if isinstance(refs, ItemLocation) else ItemLocation(name, tuple(refs), n, dtype, shape)
+                for _item, refs, n, dtype, shape in per_item]
         total_raw = sum(n for _, _, n, _, _ in per_item)
-        results = [_items_result(pd.rank, total_raw, [item.index for item, *_ in per_item],
-                                 [ItemLocation(name, tuple(refs), n, dtype, shape) for _item, refs, n, dtype, shape in per_item])]
-        rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw, tuple(sorted(sink.codecs)))
+        ref_raw = sum(n for _i, refs, n, _d, _s in per_item if isinstance(refs, ItemLocation))
+        results = [_items_result(pd.rank, total_raw, [item.index for item, *_ in per_item], locs)]
+        rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw - ref_raw,
+                           tuple(sorted(sink.codecs)), tuple(sorted(used.values(), key=lambda r: r.name)), ref_raw)
         results.append(WriteResult(MetadataIndex(_SENTINEL + f"object/{pd.rank}"), total_raw, rep))
+        if self.incremental:
+            self._inc.candidate(s.version, pd.attempt,
+                                {item_key(item.index): (digests[item_key(item.index)], loc)
+                                 for (item, *_r), loc in zip(per_item, locs)})
         if self._remote is not None:
             failed = self._upload_rank_object(s, rep)
             if failed is not None:
@@ -821,7 +855,7 @@ class StorageWriter(_DCPStorageWriter):
             world_size=world_size,
             objects=objects,
             metadata_object=meta_entry,
-            nbytes=sum(r.nbytes for r in reports),
+            nbytes=sum(r.nbytes + r.ref_nbytes for r in reports),
             stored_bytes=sum(o.size for o in objects) + meta_entry.size,
             step=s.step,
             user=s.user_metadata,
@@ -831,6 +865,7 @@ class StorageWriter(_DCPStorageWriter):
             placement=placement,
             seq=s.seq,
             replicas=self.replicas or None,
+            refs=sorted({ref.name: ref for r in reports for ref in r.refs}.values(), key=lambda r: r.name),
             supersedes=[{"attempt": a, "reason": s.supersede.get(a, "overwritten (overwrite=True)")} for a in s.replaced] or None,
         )
         return m, m.to_bytes(data_key)
@@ -875,7 +910,7 @@ class StorageWriter(_DCPStorageWriter):
 
     def _upload_rank_object(self, s: _Save, rep: ObjectReport) -> _UploadFailure | None:
         entry = ObjectEntry(rep.name, rep.size, rep.digest, rep.frames, rep.rank, rep.nbytes)
-        fut = self.uploader.upload_object(s.version, entry, rep.rank)
+        fut = self.uploader.upload_object(s.version, entry, rep.rank, refs=rep.refs)
         if self.durability == "remote":
             fut.result()
         elif self._in_subprocess:  # PROCESS, durability="local": commit locally, then report it

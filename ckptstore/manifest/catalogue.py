@@ -60,6 +60,11 @@ class VersionRecord:
     seq: int | None = None
     supersedes: tuple = ()
     stale: tuple = ()
+    #: bytes deleting the version would free in its tier: its ``stored_bytes`` minus the objects other
+    #: committed versions there reference (incremental saves, docs/FORMAT.md "References")
+    unique_bytes: int | None = None
+    #: bytes of earlier versions' objects this version references
+    ref_bytes: int = 0
 
     @property
     def order(self) -> tuple:
@@ -191,12 +196,14 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
     names: set[str] = set()
     for entries in per_tier.values():
         names.update(entries)
+    refs = {t: referenced(e) for t, e in per_tier.items()}
     recs = []
     for v in names:
         holders = {t: e[v] for t, e in per_tier.items() if v in e}
         att = order.resolve([copy_of(e.manifest, remote=(t == "remote")) for t, e in holders.items()])
-        best = next(e for e in holders.values() if e.manifest.attempt == att)
+        t_best, best = next((t, e) for t, e in holders.items() if e.manifest.attempt == att)
         m = best.manifest
+        shared = sum(o.size for o in m.all_objects() if layout.object_key(v, o.name) in refs[t_best])
         tiers = frozenset(t for t, e in holders.items() if e.manifest.attempt == att)
         recs.append(
             VersionRecord(
@@ -216,10 +223,25 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
                 seq=m.seq,
                 supersedes=tuple((d["attempt"], d.get("reason", "")) for d in m.supersedes or ()),
                 stale=tuple(sorted((t, e.manifest.attempt) for t, e in holders.items() if e.manifest.attempt != att)),
+                unique_bytes=m.stored_bytes - shared,
+                ref_bytes=sum(r.size for r in m.refs),
             )
         )
     recs.sort(key=lambda r: r.order)
     return recs
+
+
+def referenced(entries: dict, exclude=()) -> dict:
+    """``{key: [referencing versions]}``: the objects of earlier versions that the committed manifests
+    ``entries`` (``{version: TierEntry}``, one tier) reference (docs/FORMAT.md, "References"),
+    leaving out the manifests of the versions in ``exclude`` (those being deleted)."""
+    out: dict = {}
+    for v, e in entries.items():
+        if v in exclude:
+            continue
+        for r in e.manifest.refs:
+            out.setdefault(layout.object_key(r.version, r.name), []).append(v)
+    return out
 
 
 def copy_of(m: Manifest, *, remote: bool = False) -> dict:

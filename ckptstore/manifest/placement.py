@@ -67,8 +67,10 @@ class Part:
         return f"part {self.index}/{self.count}" + "".join(f" + replica of part {k}" for k in self.replica_of)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "count": self.count, "ranks": list(self.ranks), "whole": self.whole,
-                "replica_of": list(self.replica_of)}
+        out = {"index": self.index, "count": self.count, "ranks": list(self.ranks), "whole": self.whole}
+        if self.replica_of:  # the parts of other groups this root holds as replicas
+            out["replica_of"] = list(self.replica_of)
+        return out
 
 
 def whole(m: Manifest) -> Part:

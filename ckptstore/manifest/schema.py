@@ -28,6 +28,9 @@ from ..codec.crypto import manifest_mac
 from ..errors import ManifestError, UnsupportedFormatError
 
 FORMAT = "ckptstore/1"
+#: a manifest with references to objects of earlier versions (docs/FORMAT.md, "References")
+FORMAT_REFS = "ckptstore/2"
+FORMATS = (FORMAT, FORMAT_REFS)
 MAGIC = b"CKPTSTORE-MANIFEST 1"
 MAX_MANIFEST_BYTES = 512 << 20
 MAX_OBJECTS = 10_000_000
@@ -73,6 +76,55 @@ class ObjectEntry:
         except Exception as ex:  # InvalidNameError etc.
             raise ManifestError(f"manifest object entry is invalid: {ex}") from None
         return e
+
+
+@dataclasses.dataclass(frozen=True)
+class RefEntry:
+    """An object of an earlier committed version of the store whose frames this version's items
+    reference (docs/FORMAT.md, "References"): the origin ``version`` and ``attempt`` (its frames stay
+    bound to them), the object as the origin's manifest records it, and with encryption the origin's
+    ``wrapped_key`` and ``key_id`` (what decrypts those frames)."""
+
+    version: str
+    attempt: str
+    name: str
+    size: int
+    digest: str
+    frames: int
+    rank: int | None
+    nbytes: int
+    wrapped_key: str | None = None
+    key_id: str | None = None
+
+    @property
+    def entry(self) -> ObjectEntry:
+        return ObjectEntry(self.name, self.size, self.digest, self.frames, self.rank, self.nbytes)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if v is not None or k == "rank"}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "RefEntry":
+        if not isinstance(d, dict):
+            raise ManifestError("manifest reference is not an object")
+        try:
+            e = ObjectEntry.from_json(d)
+            ref = cls(check_version(d["version"]), check_attempt(d["attempt"]), e.name, e.size, e.digest, e.frames,
+                      e.rank, e.nbytes, d.get("wrapped_key"), d.get("key_id"))
+        except KeyError as k:
+            raise ManifestError(f"manifest reference lacks field {k}") from None
+        except ManifestError:
+            raise
+        except Exception as ex:  # noqa: BLE001 - InvalidNameError and friends
+            raise ManifestError(f"manifest reference is invalid: {ex}") from None
+        if ref.name.split("/")[1] != ref.attempt:
+            raise ManifestError(f"manifest reference {ref.name!r} is outside its attempt {ref.attempt!r}")
+        if ref.wrapped_key is not None and (not isinstance(ref.wrapped_key, str) or len(ref.wrapped_key) > 200):
+            raise ManifestError("manifest reference's wrapped_key must be a string")
+        if ref.key_id is not None:
+            _hex(ref.key_id, 16, "refs.key_id")
+        return ref
 
 
 def _int(v: Any, what: str) -> int:
@@ -127,6 +179,9 @@ class Manifest:
     #: replication factor F (docs/FORMAT.md, "Replicas"): each root group's objects are copied to the
     #: roots of F other groups; None/0: no replicas
     replicas: int | None = None
+    #: objects of earlier versions whose frames items of this version reference (docs/FORMAT.md,
+    #: "References"); a manifest with any is format ``ckptstore/2``
+    refs: list = dataclasses.field(default_factory=list)
 
     @property
     def encrypted(self) -> bool:
@@ -137,7 +192,12 @@ class Manifest:
         return _dt.datetime.fromisoformat(self.created.replace("Z", "+00:00"))
 
     def all_objects(self) -> list[ObjectEntry]:
+        """The objects this version stored itself (its attempt's): metadata object and shards."""
         return [self.metadata_object, *self.objects]
+
+    def ref_by_name(self) -> dict:
+        """``{object name: RefEntry}`` of the referenced objects of earlier versions."""
+        return {r.name: r for r in self.refs}
 
     @property
     def superseded_attempts(self) -> frozenset:
@@ -146,7 +206,7 @@ class Manifest:
 
     def body_json(self) -> dict:
         return {
-            "format": self.format,
+            "format": FORMAT_REFS if self.refs else self.format,
             "version": self.version,
             "attempt": self.attempt,
             "created": self.created,
@@ -164,6 +224,7 @@ class Manifest:
             **({} if self.seq is None else {"seq": self.seq}),
             **({} if not self.supersedes else {"supersedes": self.supersedes}),
             **({} if not self.replicas else {"replicas": self.replicas}),
+            **({} if not self.refs else {"refs": [r.to_json() for r in self.refs]}),
         }
 
     def to_bytes(self, data_key: bytes | None) -> bytes:
@@ -252,8 +313,8 @@ def _load_body(body: bytes) -> dict:
         raise ManifestError("manifest body is not valid JSON (or nested too deeply)") from None
     if not isinstance(d, dict):
         raise ManifestError("manifest body is not a JSON object")
-    if d.get("format") != FORMAT:
-        raise UnsupportedFormatError(f"manifest format {d.get('format')!r} is not {FORMAT!r}; upgrade ckptstore")
+    if d.get("format") not in FORMATS:
+        raise UnsupportedFormatError(f"manifest format {d.get('format')!r} is not one of {FORMATS}; upgrade ckptstore")
     return d
 
 
@@ -282,6 +343,8 @@ def _manifest_from_body(d: dict) -> Manifest:
             seq=None if d.get("seq") is None else _int(d["seq"], "seq"),
             supersedes=_supersedes(d.get("supersedes")),
             replicas=None if d.get("replicas") is None else _int(d["replicas"], "replicas"),
+            refs=_refs(d.get("refs"), d.get("format")),
+            format=d["format"],
         )
     except KeyError as k:
         raise ManifestError(f"manifest lacks field {k}") from None
@@ -318,6 +381,16 @@ def _placement(v: Any) -> list | None:
     if len(seen) != len(set(seen)):
         raise ManifestError("manifest 'placement' names a rank in two root groups")
     return v
+
+
+def _refs(v: Any, fmt: Any) -> list:
+    if v is None:
+        return []
+    if fmt != FORMAT_REFS:
+        raise ManifestError(f"manifest format {fmt!r} has no 'refs' (a manifest with references is {FORMAT_REFS!r})")
+    if not isinstance(v, list) or len(v) > MAX_OBJECTS:
+        raise ManifestError("manifest 'refs' must be a list")
+    return [RefEntry.from_json(r) for r in v]
 
 
 def _supersedes(v: Any) -> list | None:

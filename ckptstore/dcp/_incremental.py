@@ -1,0 +1,126 @@
+"""Incremental saves: a write item whose bytes did not change is referenced, not written again
+(docs/FORMAT.md, "References").
+
+Each rank of a ``StorageWriter(incremental=True)`` keeps a *baseline*: for every write item of the
+newest version it committed (or restored), the XXH3-128 of the item's raw bytes and where the item's
+frames are stored. At the next save an item with the same key (FQN and chunk offset), dtype, shape,
+size and XXH3-128 gets the baseline's location instead of new frames: the frames stay in the object
+of the version that wrote them, bound (AAD) to that version, attempt, object and position, and the new
+manifest lists that object under ``refs`` (docs/FORMAT.md). No delta is ever computed: an item is
+either identical or written in full.
+
+A save's items become the baseline only once the save is committed in this rank's root (checked at
+the next save's set-up, after the manifest copy of a node-local root arrived), so the baseline always
+names a committed version; an origin object that is no longer in the root is never referenced.
+
+Identity: XXH3-128 is not a cryptographic hash. The two byte strings compared are this rank's own
+state at two saves, not chosen by an adversary; the chance that two different tensors collide is
+2^-128 per comparison (about 2^-100 over 2^28 item-saves). A store whose tensors an adversary can
+choose should leave ``incremental`` off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from ..errors import CkptStoreError
+from ..manifest import catalogue, layout
+from ..manifest.schema import Manifest, RefEntry
+
+
+def item_key(index) -> tuple:
+    """The key of a write item across saves: its FQN and chunk offset (``MetadataIndex``)."""
+    off = getattr(index, "offset", None)
+    return (index.fqn, None if off is None else tuple(off))
+
+
+@dataclasses.dataclass
+class Baseline:
+    """The newest committed version a rank can reference: ``items`` ``{key: (xxh128, ItemLocation)}``
+    and ``refs`` ``{object name: RefEntry}`` for every object those locations name."""
+
+    version: str
+    attempt: str
+    items: dict
+    refs: dict
+
+
+def refs_of(m: Manifest) -> dict:
+    """``{name: RefEntry}``: every object a version's item locations may name — its own shard objects
+    (origin: the version itself) and the objects it references itself (their origins)."""
+    enc = m.encryption or {}
+    out = {o.name: RefEntry(m.version, m.attempt, o.name, o.size, o.digest, o.frames, o.rank, o.nbytes,
+                            enc.get("wrapped_key"), enc.get("key_id")) for o in m.objects}
+    out.update(m.ref_by_name())
+    return out
+
+
+class Incremental:
+    """One rank's baseline and the candidates that may become it (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.base: Baseline | None = None
+        self._pending: list = []  # [(version, attempt, items)] saves not yet known to be committed
+
+    def __getstate__(self):
+        return {"base": None, "_pending": []}
+
+    def __setstate__(self, s):
+        self.__init__()
+
+    def candidate(self, version: str, attempt: str, items: dict) -> None:
+        """This rank wrote (or referenced) ``items`` for the save ``version``/``attempt``."""
+        with self._lock:
+            self._pending.append((version, attempt, items))
+            del self._pending[:-4]
+
+    def promote(self, tier) -> None:
+        """Make the newest candidate that is committed in ``tier`` (this rank's root) the baseline."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for version, attempt, items in reversed(pending):
+            try:
+                m = catalogue.read_manifest(tier, version).manifest
+            except CkptStoreError:
+                continue
+            if m.attempt == attempt:
+                with self._lock:
+                    self.base = Baseline(version, attempt, items, refs_of(m))
+                return
+
+    def seed(self, m: Manifest, items: dict) -> None:
+        """The baseline after a restore of ``m``: ``items`` ``{key: (xxh128, ItemLocation)}`` of what
+        this rank loaded whole."""
+        with self._lock:
+            self.base = Baseline(m.version, m.attempt, dict(items), refs_of(m))
+            self._pending = []
+
+    def lookup(self, tier, key: tuple, digest: int, dtype: Any, shape: Any, nbytes: int, present: dict,
+               key_id: str | None = None):
+        """The baseline's location of an identical item, or None. ``present``: a per-save cache of
+        ``{object name: bool}`` (the origin object is still in this rank's root); ``key_id``: the
+        master key id of this save (None: unencrypted) — frames encrypted otherwise are never
+        referenced."""
+        base = self.base
+        if base is None:
+            return None, None
+        hit = base.items.get(key)
+        if hit is None or hit[0] != digest:
+            return None, None
+        loc = hit[1]
+        if loc.dtype != dtype or loc.shape != shape or loc.nbytes != nbytes:
+            return None, None
+        ref = base.refs.get(loc.object)
+        if ref is None or ref.key_id != key_id:
+            return None, None
+        if loc.object not in present:
+            present[loc.object] = tier.exists(layout.object_key(ref.version, ref.name))
+        if not present[loc.object]:
+            return None, None
+        return loc, ref
+
+
+__all__ = ["Baseline", "Incremental", "item_key", "refs_of"]

@@ -1,0 +1,154 @@
+"""Incremental saves (docs/FORMAT.md, "References"): a tensor that did not change is referenced, not
+written or uploaded again. A frozen bf16 base (8 MiB) + a trained adapter and its AdamW state
+(tests/incremental_ranks.py), saved 10 times through ``CheckpointManager(incremental=True)``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptstore
+from ckptstore import gc
+from ckptstore.manifest import catalogue, layout
+from ckptstore.testing.dist import run_ranks
+from ckptstore.tiers import LocalTier
+
+import incremental_ranks as ir
+from store_helpers import cli
+
+PRELOAD = ["torch", "torch.distributed.checkpoint", "ckptstore", "ckptstore.manager", "incremental_ranks"]
+FAST = {"start_method": "forkserver", "preload": PRELOAD}
+
+
+def stored_locally(root: str) -> int:
+    total = 0
+    for d, _dn, fns in os.walk(os.path.join(root, layout.VERSIONS)):
+        total += sum(os.path.getsize(os.path.join(d, f)) for f in fns if f.endswith(".ckd"))
+    return total
+
+
+def full_size(tmp_path) -> int:
+    """Stored bytes of one full (non-incremental) save of the same state."""
+    root = str(tmp_path / "full")
+    state = ir.make()
+    from ckptstore import CheckpointManager
+
+    with CheckpointManager(root, state) as m:
+        ir.step(state, 1)
+        m.save(1)
+    return stored_locally(root)
+
+
+def test_ten_saves_of_a_frozen_base_store_it_once(tmp_path):
+    root = str(tmp_path / "inc")
+    fps = ir.train(0, 1, root, 10)
+    full = full_size(tmp_path)
+    assert stored_locally(root) <= 1.3 * full, (stored_locally(root), full)
+    st = ckptstore.Store(root)
+    recs = st.versions()
+    assert [r.version for r in recs] == [f"step-{i}" for i in range(1, 11)]
+    for r in recs[1:]:
+        assert r.stored_bytes < 0.05 * full and r.ref_bytes > 0.9 * full, (r.version, r.stored_bytes, full)
+        m = st.manifest(r.version).manifest
+        assert m.format == "ckptstore/2" and {ref.version for ref in m.refs} == {"step-1"}
+    for i in (1, 5, 10):  # every version loads bit-exact
+        assert ir.load(0, 1, root, f"step-{i}") == fps[i]
+    assert cli("scrub", root, "--deep").exit_code == 0
+
+
+def test_two_ranks_incremental_then_resharded_load_on_one(tmp_path):
+    root = str(tmp_path)
+    outs = run_ranks(ir.train, 2, root, 4, timeout=300, **FAST)
+    assert outs[0] == outs[1]
+    m = ckptstore.Store(root).manifest("step-4").manifest
+    assert m.refs and m.world_size == 2
+    assert ir.load(0, 1, root, "step-4") == outs[0][4]  # 2 -> 1 rank, through the references
+
+
+def test_a_restarted_manager_references_the_version_it_restored(tmp_path):
+    root = str(tmp_path)
+    ir.train(0, 1, root, 2)
+    fps = ir.train(0, 1, root, 2)  # a new process would do the same: resume, then save 3 and 4
+    m = ckptstore.Store(root).manifest("step-3").manifest
+    assert {r.version for r in m.refs} == {"step-1"}, m.refs  # the restore's baseline
+    assert ir.load(0, 1, root, "step-4") == fps[4]
+
+
+def test_retention_and_drop_keep_what_a_kept_version_references(tmp_path):
+    from ckptstore.retention import KeepLast, RetentionPolicy
+
+    root = str(tmp_path)
+    ir.train(0, 1, root, 10)
+    st = ckptstore.Store(root)
+    base_obj = next(r for r in st.manifest("step-10").manifest.refs)
+    base_key = layout.object_key(base_obj.version, base_obj.name)
+    plan, res = gc.run(st.tiers, RetentionPolicy([KeepLast(2)]), grace=0)
+    assert res.ok and [r.version for r in ckptstore.Store(root).versions()] == ["step-9", "step-10"]
+    assert LocalTier(root).exists(base_key)  # step-1 is un-committed, its frozen base stays
+    assert any("referenced by" in s.reason and s.key == base_key for s in plan.survivors), plan.survivors
+    deleted = {a.key for a in plan.actions if a.op == "delete"}
+    assert base_key not in deleted
+    # exactly what no kept version references is gone
+    t = LocalTier(root)
+    kept = catalogue.scan(t)
+    needed = {layout.object_key(v, o.name) for v, e in kept.items() for o in e.manifest.all_objects()}
+    needed |= set(catalogue.referenced(kept))
+    left = {i.key for i in t.list(layout.VERSIONS + "/") if i.key.endswith(".ckd")}
+    assert left == needed, (left - needed, needed - left)
+    assert cli("scrub", root, "--deep").exit_code == 0
+    assert ir.load(0, 1, root, "step-10") == ir.load(0, 1, root, "step-10")
+    # dropping the newest keeps what the other references; dropping both frees the base
+    gc.apply(st.tiers, gc.plan_drop(ckptstore.Store(root), "step-10"))
+    assert t.exists(base_key)
+    gc.apply(st.tiers, gc.plan_drop(ckptstore.Store(root), "step-9"))
+    plan, _ = gc.run(st.tiers, None, grace=0)
+    assert not t.exists(base_key)
+
+
+@pytest.mark.s3
+def test_incremental_uploads_only_what_changed_and_loads_from_s3_alone(tmp_path, s3_url):
+    root = str(tmp_path / "local")
+    fps = ir.train(0, 1, root, 10, s3_url, {"durability": "remote"})
+    full = full_size(tmp_path)
+    remote = ckptstore.Store(None, remote=s3_url).remote
+    per_version: dict = {}
+    for info in remote.list(layout.VERSIONS + "/"):
+        if info.key.endswith(".ckd"):
+            per_version.setdefault(layout.version_of_key(info.key), 0)
+            per_version[layout.version_of_key(info.key)] += info.size
+    for i in range(2, 11):
+        assert per_version[f"step-{i}"] <= 0.05 * full, (i, per_version[f"step-{i}"], full)
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    assert ir.load(0, 1, empty, "step-10", s3_url) == fps[10]  # from S3 alone
+
+
+def test_with_a_key_a_spliced_frame_is_refused_and_rekey_keeps_references(tmp_path):
+    from ckptstore.rekey import rekey
+
+    k1, k2 = os.urandom(32), os.urandom(32)
+    root = str(tmp_path)
+    base = torch.randn(1 << 18)
+    w = ckptstore.StorageWriter(root, key=k1, incremental=True, frame_size=1 << 16)
+    for i in (1, 2):
+        dcp.save({"base": base, "a": torch.full((8,), float(i))}, checkpoint_id=f"v{i}", storage_writer=w)
+    other = str(tmp_path / "other")  # the same tensor saved in another store
+    dcp.save({"base": base, "a": torch.zeros(8)}, checkpoint_id="v1", storage_writer=ckptstore.StorageWriter(other, key=k1))
+    m1 = catalogue.read_manifest(LocalTier(root), "v1").manifest
+    src = os.path.join(other, *layout.object_key("v1", catalogue.read_manifest(LocalTier(other), "v1").manifest.objects[0].name).split("/"))
+    dst = os.path.join(root, *layout.object_key("v1", m1.objects[0].name).split("/"))
+    good = open(dst, "rb").read()
+    spliced = open(src, "rb").read()
+    open(dst, "wb").write(spliced[: len(good)].ljust(len(good), b"\0"))
+    tgt = {"base": torch.zeros(1 << 18), "a": torch.zeros(8)}
+    with pytest.raises(BaseException) as ei:
+        dcp.load(tgt, checkpoint_id="v2", storage_reader=ckptstore.StorageReader(root, key=k1))
+    assert "IntegrityError" in repr(ei.value) or "verification" in str(ei.value)
+    open(dst, "wb").write(good)
+    assert rekey(ckptstore.Store(root), k1, k2).exit_code == 0
+    tgt = {"base": torch.zeros(1 << 18), "a": torch.zeros(8)}
+    dcp.load(tgt, checkpoint_id="v2", storage_reader=ckptstore.StorageReader(root, key=k2))
+    assert torch.equal(tgt["base"], base) and tgt["a"][0].item() == 2.0
