@@ -86,3 +86,25 @@ def load(rank, world, root, version, remote=None, reshard=True):
 
 def env_root(base: str) -> str:
     return os.path.join(base, "store")
+
+
+def reference(steps: int) -> dict:
+    """The fingerprints an uninterrupted run has after each step (no saving)."""
+    state = make()
+    out = {}
+    for i in range(1, steps + 1):
+        step(state, i)
+        out[i] = digest(state)
+    return out
+
+
+def crash_job(rank, world, root, saves, remote, scratch):
+    """:func:`train` under the peer watchdog of ``crash_ranks`` (the armed fault kills one rank, the
+    other dies with it, as a job does)."""
+    from crash_ranks import Watchdog
+
+    wd = Watchdog(scratch, rank, world)
+    opts = {"durability": "remote", "upload_timeout": 30} if remote else {}
+    out = train(rank, world, root, saves, remote, opts)
+    wd.done()
+    return out

@@ -152,3 +152,114 @@ def test_with_a_key_a_spliced_frame_is_refused_and_rekey_keeps_references(tmp_pa
     tgt = {"base": torch.zeros(1 << 18), "a": torch.zeros(8)}
     dcp.load(tgt, checkpoint_id="v2", storage_reader=ckptstore.StorageReader(root, key=k2))
     assert torch.equal(tgt["base"], base) and tgt["a"][0].item() == 2.0
+
+
+# -- the kill sweep with incremental saves on --------------------------------------------------------------
+def _unreferenced(tier) -> list[str]:
+    """Files under ``versions/`` that no committed manifest references (own objects or ``refs``)."""
+    entries = catalogue.scan(tier)
+    ref = set(catalogue.referenced(entries))
+    for v, e in entries.items():
+        d = layout.version_dir(v) + "/"
+        ref |= {d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED} | {d + o.name for o in e.manifest.all_objects()}
+    return sorted(i.key for i in tier.list(layout.VERSIONS + "/") if i.key not in ref)
+
+
+def _audit(root, remote, fps) -> list[str]:
+    """Every listed version loads bit-exact from each tier alone; scrub --deep clean; gc past the grace
+    period leaves nothing unreferenced and deletes no referenced frame (everything still loads)."""
+    import datetime as dt
+
+    viol = []
+    empty = os.path.join(os.path.dirname(root), "empty")
+    os.makedirs(empty, exist_ok=True)
+
+    def loads(phase):
+        for tname, (r, rem) in {"local": (root, None), **({"remote": (empty, remote)} if remote else {})}.items():
+            st = ckptstore.Store(r if tname == "local" else None, remote=rem)
+            for rec in st.versions():
+                step = int(rec.version.split("-")[1])
+                try:
+                    got = ir.load(0, 1, r, rec.version, rem)
+                except BaseException as e:  # noqa: BLE001
+                    viol.append(f"{phase}: {tname}: {rec.version} does not load: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                if got != fps[step]:
+                    viol.append(f"{phase}: {tname}: {rec.version} loads other bytes")
+            if st.problems:
+                viol.append(f"{phase}: {tname}: invalid manifests {st.problems}")
+
+    args = ["scrub", root, "--deep"] + (["--remote", remote] if remote else [])
+    loads("after crash")
+    r = cli(*args)
+    if r.exit_code != 0:
+        viol.append(f"after crash: scrub exit {r.exit_code}: {r.output[-600:]}")
+    st = ckptstore.Store(root, remote=remote)
+    _plan, res = gc.run(st.tiers, None, now=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2), grace=3600)
+    if not res.ok:
+        viol.append(f"gc failed: {res.failed}")
+    for tname, t in st.tiers.items():
+        left = [k for k in _unreferenced(t) if not k.endswith(".json")]
+        if left:
+            viol.append(f"after gc: {tname}: unreferenced objects left: {left[:6]}")
+    loads("after gc")
+    r = cli(*args)
+    if r.exit_code != 0:
+        viol.append(f"after gc: scrub exit {r.exit_code}: {r.output[-600:]}")
+    return viol
+
+
+SWEEP = ["write.frame:1@1", "write.commit@0", "write.metadata@0", "commit.manifest@0", "local.link@0",
+         "commit.after_manifest@0", "upload.object@1", "s3.put_if_absent@0", "remote.manifest@0"]
+S3_POINTS = {"upload.object@1", "s3.put_if_absent@0", "remote.manifest@0"}
+
+
+def _sweep_params(default=("write.frame:1@1", "commit.after_manifest@0")):
+    for f in SWEEP:
+        marks = [] if f in default else [pytest.mark.slow]
+        if f in S3_POINTS:
+            marks.append(pytest.mark.s3)
+        yield pytest.param(f, id=f.replace("@", "-r").replace(":", "-n"), marks=marks)
+
+
+@pytest.mark.parametrize("fault", list(_sweep_params()))
+def test_kill_sweep_with_incremental_saves(tmp_path, fault, request):
+    """2 ranks, one root: steps 1-2 saved; the next run resumes (its baseline: step-2) and is killed at
+    ``fault`` during the incremental save of step 3. Nothing half-visible, nothing referenced deleted."""
+    remote = request.getfixturevalue("s3_url") if fault in S3_POINTS else None
+    root = str(tmp_path / "root")
+    fps = ir.reference(4)
+    assert run_ranks(ir.crash_job, 2, root, 2, remote, str(tmp_path / "s0"), timeout=240, **FAST) == [
+        {1: fps[1], 2: fps[2]}] * 2
+    from ckptstore.testing.dist import run_ranks_raw
+
+    codes = run_ranks_raw(ir.crash_job, 2, root, 1, remote, str(tmp_path / "s1"), env=[{"CKPTSTORE_FAULT": fault}] * 2,
+                          timeout=120, **FAST)
+    assert -9 in codes.values(), codes  # the fault point was reached
+    listed = [r.version for r in ckptstore.Store(root).versions()]
+    assert listed in (["step-1", "step-2"], ["step-1", "step-2", "step-3"]), listed
+    if "step-3" in listed:
+        assert ckptstore.Store(root).manifest("step-3").manifest.refs  # it was an incremental save
+    viol = _audit(root, remote, fps)
+    assert not viol, "\n".join(viol)
+    outs = run_ranks(ir.crash_job, 2, root, 1, remote, str(tmp_path / "s2"), timeout=240, **FAST)  # the job goes on
+    assert max(outs[0]) == len(listed) + 1 and outs[0][max(outs[0])] == fps[max(outs[0])]
+
+
+@pytest.mark.parametrize("fault", ["gc.uncommit:2", pytest.param("gc.delete:2", marks=pytest.mark.slow)])
+def test_gc_killed_over_incremental_versions_deletes_no_referenced_frame(tmp_path, fault):
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "root")
+    fps = ir.train(0, 1, root, 3)
+    env = dict(os.environ, CKPTSTORE_FAULT=fault, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-m", "ckptstore.cli", "gc", root, "--keep-last", "1", "--grace", "0"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr[-800:]
+    assert "step-3" in [r.version for r in ckptstore.Store(root).versions()]
+    viol = _audit(root, None, fps)
+    assert not viol, "\n".join(viol)
+    assert cli("gc", root, "--keep-last", "1", "--grace", "0").exit_code == 0
+    assert [r.version for r in ckptstore.Store(root).versions()] == ["step-3"]
+    assert ir.load(0, 1, root, "step-3") == fps[3]
