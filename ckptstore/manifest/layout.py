@@ -85,10 +85,15 @@ def replica_record_name(attempt: str, rank: int) -> str:
 
 def replica_record_rank(key: str) -> int | None:
     """The rank of the replica record ``key`` (any prefix), or None when it is not one."""
+    return _rank_file(key, REPLICA_PREFIX)
+
+
+def _rank_file(key: str, prefix: str) -> int | None:
+    """NNNNN of a file named ``<prefix>rNNNNN.json`` (the last component of ``key``), else None."""
     base = key.rsplit("/", 1)[-1]
-    if not (base.startswith(REPLICA_PREFIX + "r") and base.endswith(".json")):
+    if not (base.startswith(prefix + "r") and base.endswith(".json")):
         return None
-    digits = base[len(REPLICA_PREFIX) + 1 : -len(".json")]
+    digits = base[len(prefix) + 1 : -len(".json")]
     return int(digits) if digits.isdigit() else None
 
 
@@ -99,11 +104,7 @@ def marker_prefix(attempt: str) -> str:
 
 def marker_rank(key: str) -> int | None:
     """The rank of the upload marker ``key`` (any prefix), or None when it is not a marker."""
-    base = key.rsplit("/", 1)[-1]
-    if not (base.startswith(MARKER_PREFIX + "r") and base.endswith(".json")):
-        return None
-    digits = base[len(MARKER_PREFIX) + 1 : -len(".json")]
-    return int(digits) if digits.isdigit() else None
+    return _rank_file(key, MARKER_PREFIX)
 
 
 def attempt_of_key(key: str) -> str | None:
