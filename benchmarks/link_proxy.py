@@ -1,11 +1,12 @@
 """A loopback TCP proxy that models a slower network link for the S3 benchmark (row 7d).
 
-    python benchmarks/link_proxy.py LISTEN_PORT TARGET_HOST TARGET_PORT RATE_BYTES_PER_S
+    python benchmarks/link_proxy.py LISTEN_PORT TARGET_HOST TARGET_PORT RATE_BYTES_PER_S [up|down]
 
 Prints the port it listens on (useful with ``LISTEN_PORT`` 0), then forwards every connection to
-the target. Bytes from clients to the target (uploads) share one token bucket of ``RATE`` bytes/s
-with a 1 MiB burst, over all connections together, as one network link would; replies are not
-limited. It runs in its own process, so it takes no GIL time from the client under test, and it
+the target. Bytes from clients to the target (uploads; ``down``: the replies, i.e. downloads, as
+``benchmarks/replica_bench.py`` uses it) share one token bucket of ``RATE`` bytes/s
+with a 1 MiB burst, over all connections together, as one network link would; the other direction
+is not limited. It runs in its own process, so it takes no GIL time from the client under test, and it
 copies 64 KiB at a time (a few percent of one core at 100 MB/s).
 
 Why: on loopback the S3 server shares the 2 cores with the client, so section 7a measures CPU, not
@@ -23,7 +24,7 @@ CHUNK = 64 << 10
 BURST = 1 << 20
 
 
-async def _serve(listen_port: int, host: str, port: int, rate: float) -> None:
+async def _serve(listen_port: int, host: str, port: int, rate: float, down: bool = False) -> None:
     clock = {"t": time.monotonic()}  # when the link is free again
 
     async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limited: bool) -> None:
@@ -50,7 +51,7 @@ async def _serve(listen_port: int, host: str, port: int, rate: float) -> None:
         except OSError:
             cw.close()
             return
-        await asyncio.gather(pipe(cr, sw, True), pipe(sr, cw, False))
+        await asyncio.gather(pipe(cr, sw, not down), pipe(sr, cw, down))
 
     server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
     print(server.sockets[0].getsockname()[1], flush=True)
@@ -60,8 +61,9 @@ async def _serve(listen_port: int, host: str, port: int, rate: float) -> None:
 
 def main() -> int:
     listen_port, host, port, rate = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    down = len(sys.argv) > 5 and sys.argv[5] == "down"
     try:
-        asyncio.run(_serve(listen_port, host, port, rate))
+        asyncio.run(_serve(listen_port, host, port, rate, down))
     except KeyboardInterrupt:
         pass
     return 0

@@ -3,9 +3,10 @@
 Runs the real thing end to end (torchrun, gloo, FSDP2, CheckpointManager async saves into
 ckptstore, a rank SIGKILLed while its save is in flight, torchrun restarting the workers,
 ``mgr.resume()``) and requires bit-exact per-rank losses and identical sample ids against an
-uncrashed reference. ``--nodes 2`` (issue 10): the same with two simulated nodes (two torchrun
+uncrashed reference. ``--nodes 2``: the same with two simulated nodes (two torchrun
 agents, c10d rendezvous on loopback, a local root each), a whole node killed mid-save and both
-relaunched (slow). Plus fast unit checks of the world-size-independent sampler, of the verifier
+relaunched (slow); ``--nodes 2 --replicas 1 --seaweedfs``: the killed node also comes back with an
+empty root and resumes from its peer's replicas with 0 S3 GETs (slow). Plus fast unit checks of the world-size-independent sampler, of the verifier
 failing loudly and of the demo's option checks.
 """
 
@@ -122,6 +123,9 @@ def _slow(request):
     (["--nodes", "2", "--world-size", "3"], "must be a positive multiple of --nodes"),
     (["--nodes", "0"], "must be a positive multiple of --nodes"),
     (["--nodes", "2", "--resume-world-size", "1"], "--resume-world-size is for the single-node demo"),
+    (["--replicas", "1"], "it needs --nodes 2 or more"),
+    (["--nodes", "2", "--replace-node"], "would lose the checkpoint"),
+    (["--nodes", "2", "--replicas", "-1"], "--replicas"),
 ])
 def test_nodes_option_errors_exit_2_before_any_work(tmp_path, args, message):
     from click.testing import CliRunner
@@ -152,3 +156,24 @@ def test_two_nodes_a_node_killed_mid_save_resumes_bit_exact(tmp_path, request, t
     assert len(roots) == 2 and roots[0] != roots[1] and all(os.listdir(r) for r in roots)
     assert s["scrub_exit_codes"] == [0, 0]
     assert "step-000012" in s["versions"]
+
+
+@pytest.mark.slow
+def test_a_replaced_node_resumes_from_its_peers_replicas_with_zero_s3_gets(tmp_path, request):
+    """``ckptstore demo --nodes 2 --replicas 1 --seaweedfs``: node 1 dies mid-save of step 8 and comes
+    back as a new machine (its local root removed before the relaunch). The job resumes from step 4
+    bit for bit, reading node 1's part from node 0's replica: 0 S3 GETs for the restore
+    (``last_restore.reads`` of every rank), and node 1 holds its part of step 4 again afterwards."""
+    _slow(request)
+    p, s = _demo(tmp_path / "out", tmp_path / "s.json", "--nodes", "2", "--replicas", "1", "--seaweedfs", "--no-plot",
+                 timeout=600)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    assert "node 1 is replaced by a new machine" in p.stdout
+    assert s["passed"] and s["bit_exact"] is True and s["replicas"] == 1
+    assert s["wiped_root"] == s["node_roots"][1]
+    assert s["resumed_from"] == "step-000004" and s["redone_steps"] == 4
+    reads = s["restore_reads"]
+    assert reads["ranks"] == 2 and reads["remote_reads"] == 0 and reads["peer_bytes"] > 0, reads
+    assert "0 S3 GETs" in p.stdout
+    assert "local(part 2/2 + replica of part 1)" in p.stdout  # node 1's list after the re-replication
+    assert s["scrub_exit_codes"] == [0, 0]

@@ -80,6 +80,7 @@ class Replicator:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._seq = 0  # jobs submitted: the tag base of the next one (the same on every rank)
+        self.closed = False
         self.errors: list[str] = []
         self.stats = {"sent_bytes": 0, "received_bytes": 0, "replicas": 0}
 
@@ -87,6 +88,9 @@ class Replicator:
     def _submit(self, fn, *args) -> cf.Future:
         fut: cf.Future = cf.Future()
         with self._lock:
+            if self.closed:
+                raise ReplicaError("this writer's replica copies were closed (StorageWriter.close()); "
+                                   "make a new StorageWriter(replicas=...) to save with replicas")
             tag = self._seq
             self._seq += 1
             self._q.put((fut, fn, args, tag))
@@ -106,17 +110,29 @@ class Replicator:
         return self._submit(self._heal, version, attempt, copies, manifest, metadata)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait until every submitted job has run."""
+        """Wait until every submitted job has run (at once once closed: nothing is left)."""
+        if self.closed:
+            return
         fut = self._submit(lambda _tag: True)
         fut.result(timeout)
 
     def close(self) -> None:
+        """Let the submitted jobs run, stop the thread and destroy the group (local, no collective):
+        each group holds a connection to every rank, so a writer per save would otherwise run out of
+        file descriptors. Later submissions raise :class:`ReplicaError`."""
         with self._lock:
+            if self.closed:
+                return
+            self.closed = True
             t = self._thread
             if t is not None and t.is_alive():
                 self._q.put(None)
         if t is not None:
             t.join()
+        from .._groups import destroy_group
+
+        group, self.group = self.group, None
+        destroy_group(group)
 
     def _run(self) -> None:
         while True:

@@ -975,7 +975,10 @@ class StorageWriter(_DCPStorageWriter):
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending uploads (bounded by ``timeout`` or ``upload_timeout`` seconds) and
         release resources; raises ``UploadError`` naming what was not uploaded — including versions
-        that DCP's checkpoint subprocess (PROCESS executor) committed locally but not remotely."""
+        that DCP's checkpoint subprocess (PROCESS executor) committed locally but not remotely.
+        With ``replicas``, also waits for the copies and destroys the writer's replica group (each
+        holds a connection to every rank); a later save through this writer raises
+        :class:`~ckptstore.dcp.replicas.ReplicaError` (make a new writer)."""
         timeout = self.upload_timeout if timeout is None else timeout
         try:
             self._follower.wait(timeout)
@@ -1001,7 +1004,7 @@ class StorageWriter(_DCPStorageWriter):
         from ..manifest.schema import parse
         from .replicas import heal_plan
 
-        if self._replicator is None or manifest is None:
+        if self._replicator is None or self._replicator.closed or manifest is None:
             return None
         m = parse(manifest, expect_version=view.version).manifest
         copies = heal_plan(view, m, m.replicas or self.replicas)

@@ -59,6 +59,14 @@ def check_extra(plot: bool) -> bool:
 @click.option("--nodes", default=_D.nodes, show_default=True, type=int,
               help="Run each job as this many simulated nodes (one torchrun agent each, c10d rendezvous on 127.0.0.1), "
                    "each with its own local root; the crash kills the crash rank's whole node mid-save.")
+@click.option("--replicas", default=_D.replicas, show_default=True, type=click.IntRange(min=0),
+              help="CheckpointManager(replicas=F): copy each node's part of every checkpoint to F other nodes' local "
+                   "roots (needs --nodes 2 or more); the crashed node then comes back as a new machine with an empty "
+                   "root and the job resumes from its peers' replicas.")
+@click.option("--replace-node/--same-node", "replace_node", default=None,
+              help="Wipe the crashed node's local root before the relaunch (a replaced machine), or give it its disk "
+                   "back. Default: replace it exactly when --replicas is given. Without --replicas it needs "
+                   "--seaweedfs or --remote (the part is then read from S3).")
 @click.option("--parallel", type=click.Choice(["fsdp", "ddp"]), default=_D.parallel, show_default=True,
               help="Data parallelism: FSDP2 fully_shard (sharded state) or DDP (replicated).")
 @click.option("--layers", default=_D.layers, show_default=True, type=int, help="Transformer blocks.")
@@ -74,7 +82,7 @@ def check_extra(plot: bool) -> bool:
 @click.option("--no-cli", is_flag=True, help="Skip the ckptstore list/gc/scrub views at the end.")
 @click.option("--no-plot", is_flag=True, help="Skip the PNG.")
 def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, world_size, resume_world_size, nodes,
-         parallel, layers, d_model, heads, context, global_batch, lr, seed, corpus_dir, summary, no_cli, no_plot):
+         replicas, replace_node, parallel, layers, d_model, heads, context, global_batch, lr, seed, corpus_dir, summary, no_cli, no_plot):
     """Train a small transformer on 2 CPU ranks, SIGKILL one mid-save, resume, and prove it.
 
     Runs a reference job and a crash job (torchrun, gloo, FSDP2, AdamW, LR schedule,
@@ -91,7 +99,7 @@ def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, worl
 
     cfg = DemoConfig(
         steps=steps, save_every=save_every, crash_step=crash_step, crash_rank=crash_rank, world_size=world_size,
-        resume_world_size=resume_world_size, nodes=nodes, parallel=parallel, layers=layers, d_model=d_model, heads=heads,
+        resume_world_size=resume_world_size, nodes=nodes, replicas=replicas, replace_node=replace_node, parallel=parallel, layers=layers, d_model=d_model, heads=heads,
         context=context, global_batch=global_batch, lr=lr, seed=seed, corpus_dir=corpus_dir, remote=remote,
         warmup=max(1, min(_D.warmup, steps // 10)),
     )

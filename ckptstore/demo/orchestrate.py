@@ -28,7 +28,9 @@ class DemoError(Exception):
     pass
 
 
-def validate(cfg: DemoConfig) -> None:
+def validate(cfg: DemoConfig, *, seaweed: bool = False) -> None:
+    """Refuse option combinations the demo cannot run (:class:`DemoError`, before any work);
+    ``seaweed``: a remote tier is coming (``--seaweedfs``) although ``cfg.remote`` is not set yet."""
     if cfg.save_every < 1 or cfg.steps < 1:
         raise DemoError("--steps and --save-every must be positive")
     if cfg.crash_step % cfg.save_every or not cfg.save_every <= cfg.crash_step < cfg.steps:
@@ -49,6 +51,17 @@ def validate(cfg: DemoConfig) -> None:
         raise DemoError(f"--world-size ({cfg.world_size}) must be a positive multiple of --nodes ({cfg.nodes})")
     if cfg.nodes > 1 and cfg.resume_world_size not in (None, cfg.world_size):
         raise DemoError("--resume-world-size is for the single-node demo; --nodes restarts the same nodes")
+    if cfg.replicas < 0:
+        raise DemoError("--replicas must be 0 or more")
+    if cfg.replicas and cfg.nodes < 2:
+        raise DemoError("--replicas copies each node's part of a checkpoint to other nodes' local roots: "
+                        "it needs --nodes 2 or more")
+    if cfg.replace_node and cfg.nodes < 2:
+        raise DemoError("--replace-node replaces the crashed node of a multi-node run: it needs --nodes 2 or more")
+    if cfg.replaces_node() and not cfg.replicas and not (cfg.remote or seaweed):
+        raise DemoError("--replace-node without --replicas and without a remote tier would lose the checkpoint: the "
+                        "wiped node's part of every version exists nowhere else. Add --replicas 1 (copies on the "
+                        "other nodes) or --seaweedfs / --remote s3://... (a copy in S3)")
 
 
 def prepare_out(out: str) -> None:
@@ -114,12 +127,27 @@ def goodput_table(gp: Goodput, ref: Goodput) -> Table:
     return t
 
 
+def restore_reads(run: History) -> dict[str, int] | None:
+    """The read counters of the first resume after the crash (``last_restore.reads`` of every rank's
+    "resumed" event), summed over the ranks, plus ``ranks``; None when no rank resumed."""
+    later = [a for a in run.attempts if a > 0]
+    events = run.of_kind("resumed", attempt=later[0], rank=None) if later else []
+    if not events:
+        return None
+    out = {k: 0 for k in ("remote_reads", "peer_bytes", "fallback_reads")}
+    for e in events:
+        for k in out:
+            out[k] += int(e.get("reads", {}).get(k, 0))
+    out["ranks"] = len(events)
+    return out
+
+
 def run_demo(cfg: DemoConfig, out: str, *, summary: str | None = None, seaweed: bool = False,
              show_cli: bool = True, plot: bool = True, console: Console | None = None) -> int:
     if console is None:
         console = make_console()
     t_start = time.time()
-    validate(cfg)
+    validate(cfg, seaweed=seaweed)
     prepare_out(out)
     out = os.path.abspath(out)
 
@@ -146,11 +174,13 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         crash_node = cfg.crash_rank // per
         launch = f"{cfg.nodes} simulated nodes x {per}: a torchrun agent and a local root each, c10d rendezvous on 127.0.0.1"
         fault = (f"node {crash_node} (rank {cfg.crash_rank}'s) dies at step {cfg.crash_step} while that save is in flight: "
-                 f"its ranks SIGKILL their agent and themselves; the supervisor relaunches all {cfg.nodes} nodes")
+                 f"its ranks SIGKILL their agent and themselves; the supervisor relaunches all {cfg.nodes} nodes"
+                 + (f", node {crash_node} as a new machine (its local root wiped)" if cfg.replaces_node() else ""))
     else:
         launch = "torchrun"
         fault = (f"rank {cfg.crash_rank} SIGKILLs itself at step {cfg.crash_step} while that save is in flight; "
                  f"restart on {rw} rank(s)")
+    replicas = f", replicas={cfg.replicas}: each node's part also on {cfg.replicas} other node(s)" if cfg.replicas else ""
     console.rule("[bold]ckptstore demo")
     console.print(
         f"model     byte-level decoder-only transformer: {cfg.layers} layers, d={cfg.d_model}, {cfg.heads} heads, "
@@ -160,7 +190,8 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         f"training  {cfg.steps} steps, {cfg.world_size} ranks ({launch}, gloo, {'FSDP2 fully_shard' if cfg.parallel == 'fsdp' else 'DDP'}, CPU), "
         f"AdamW + warmup/cosine LR, StatefulDataLoader\n"
         f"checkpoint ckptstore.CheckpointManager: async save every {cfg.save_every} steps"
-        f"{' (local + ' + cfg.remote + ')' if cfg.remote else ' (local tier)'}\n"
+        f"{' (local + ' + cfg.remote + ')' if cfg.remote else ' (local tier)'}"
+        f"{replicas}\n"
         f"fault     {fault}\n"
         f"output    {out}",
         highlight=False,
@@ -175,10 +206,29 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
     console.rule("3/3 verification")
     ref_h, run_h = History.of(ref_job.run_dir), History.of(run_job_.run_dir)
     v = verify(ref_h, run_h, asdict(cfg))
+    reads = restore_reads(run_h)
+    if run_job_.wiped_root and cfg.replicas:  # the replaced node's part came from its peers, not from S3
+        got = reads or {}
+        v.add("the replaced node's part was read from its peers' replicas"
+              + (", with 0 S3 GETs" if run_job_.remote else ""),
+              got.get("peer_bytes", 0) > 0 and got.get("remote_reads", 0) == 0,
+              "no resume" if reads is None else
+              f"{got['peer_bytes']} bytes from peers, {got['remote_reads']} S3 GET(s) over {got['ranks']} ranks")
+        held = [r.version for r in backend.versions(run_job_.wiped_root)] if os.path.isdir(run_job_.wiped_root) else []
+        v.add("the replaced node holds its part of the restored version again (re-replicated)",
+              v.resumed_from in held, f"{run_job_.wiped_root} lists {', '.join(held) or 'nothing'}")
     t = Table(show_header=False, box=None)
     for c in v.checks:
         t.add_row("[green]PASS[/green]" if c.ok else "[bold red]FAIL[/bold red]", c.name, f"[dim]{c.detail}[/dim]")
     console.print(t)
+
+    if reads is not None:
+        where = "the replaced node's part from its peers' replicas, " if run_job_.wiped_root and cfg.replicas else ""
+        console.print(
+            f"restore reads ({reads['ranks']} ranks, CheckpointManager.last_restore.reads): {where}"
+            f"{reads['peer_bytes'] / 2**20:.2f} MiB from peers, "
+            + (f"[bold]{reads['remote_reads']} S3 GET(s)[/bold]" if run_job_.remote else "no remote tier")
+            + f", {reads['fallback_reads']} fallback read(s)", highlight=False)
 
     gp, ref_gp = account(run_job_, run_h), account(ref_job, ref_h)
     console.print(goodput_table(gp, ref_gp))
@@ -224,6 +274,9 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         "world_size": cfg.world_size,
         "nodes": cfg.nodes,
         "node_roots": run_job_.node_roots,
+        "replicas": cfg.replicas,
+        "wiped_root": run_job_.wiped_root,
+        "restore_reads": reads,
         "scrub_exit_codes": scrub_rcs,
         "resume_world_size": v.resume_world_size,
         "redone_steps": v.redone_steps,
@@ -250,8 +303,12 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
     console.rule()
     if v.passed:
         how = "bit for bit" if v.bit_exact else f"within {v.max_rel_loss_diff:.2%} (resharded: not bit-exact by design)"
+        src = ""
+        if run_job_.wiped_root and reads is not None:
+            src = (" (the replaced node's part from its peers' replicas" if cfg.replicas else " (the replaced node's part from S3")
+            src += f", {reads['remote_reads']} S3 GETs)" if run_job_.remote else ")"
         console.print(
-            f"[bold green]PASS[/bold green]: the crashed run resumed from {v.resumed_from} and matched the reference "
+            f"[bold green]PASS[/bold green]: the crashed run resumed from {v.resumed_from}{src} and matched the reference "
             f"{how}; goodput {gp.goodput:.1%} (reference {ref_gp.goodput:.1%}); demo took {runtime:.0f} s",
             highlight=False,
         )

@@ -17,6 +17,12 @@ their agents exit. The supervisor waits for that (terminating agents still up af
 ``NODE_GRACE_S``) and relaunches all node agents on a fresh rendezvous, as a scheduler would with
 a replacement node that gets the same disk back; the workers resume with
 ``CheckpointManager.resume()``.
+
+**A replaced node** (``replicas`` > 0, ``ckptstore demo --nodes 2 --replicas 1``; or
+``replace_node``): before the relaunch the supervisor removes the dead node's local root, as a new
+machine with an empty disk would come up. The workers' managers copy each node's part of every
+version to ``replicas`` other nodes' roots (``CheckpointManager(replicas=F)``), so the job resumes
+from the peers' replicas (no S3 read) and re-replicates the restored version to the new node.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,6 +71,13 @@ class DemoConfig:
     resume_world_size: int | None = None  # None: restart on world_size
     remote: str | None = None
     nodes: int = 1  # simulated nodes, each with its own local root (world_size // nodes ranks each)
+    replicas: int = 0  # CheckpointManager(replicas=F): each node's part also on F other nodes' roots
+    # multi-node crash run: the dead node comes back as a new machine, its local root empty (wiped
+    # before the relaunch); None: exactly when replicas > 0
+    replace_node: bool | None = None
+
+    def replaces_node(self) -> bool:
+        return self.nodes > 1 and (self.replicas > 0 if self.replace_node is None else self.replace_node)
 
 
 @dataclass
@@ -85,6 +99,7 @@ class Job:
     crash: bool
     launches: list[Launch] = field(default_factory=list)
     node_roots: list[str] = field(default_factory=list)  # multi-node: node k's local root
+    wiped_root: str | None = None  # replaced node: the local root removed before the relaunch
 
     @property
     def t0(self) -> float:
@@ -240,6 +255,8 @@ def run_job(cfg: DemoConfig, out: str, label: str, *, crash: bool, console: Cons
         env_i = dict(env, CKPTSTORE_DEMO_ATTEMPT=str(i))
         launch = Launch(nproc=nproc, t0=time.time(), max_restarts=restarts)
         job.launches.append(launch)
+        if i and crash and cfg.replaces_node() and job.wiped_root is None:
+            job.wiped_root = replace_node(cfg, node_roots, label, console)
         if i:
             what = f"all {cfg.nodes} nodes" if cfg.nodes > 1 else f"torchrun on {nproc} rank(s)"
             console.print(f"  [dim]{label}[/dim] supervisor: relaunching {what}", highlight=False)
@@ -267,6 +284,18 @@ def run_job(cfg: DemoConfig, out: str, label: str, *, crash: bool, console: Cons
     with open(os.path.join(run_dir, "job.json"), "w") as f:
         json.dump(job.to_json(), f, indent=2)
     return job
+
+
+def replace_node(cfg: DemoConfig, node_roots: list[str], label: str, console: Console) -> str:
+    """The crashed node comes back as a new machine: remove its local root (its checkpoint parts and
+    the replicas it held for others). Returns the removed path."""
+    crash_node = cfg.crash_rank // (cfg.world_size // cfg.nodes)
+    root = node_roots[crash_node]
+    shutil.rmtree(root, ignore_errors=True)
+    console.print(f"  [dim]{label}[/dim] supervisor: [bold]node {crash_node} is replaced by a new machine: its local root "
+                  f"{root} is wiped[/bold]; its part of every checkpoint is now only in "
+                  + ("the other nodes' replicas" if cfg.replicas else "the remote tier"), highlight=False)
+    return root
 
 
 def _run_nodes(cfg: DemoConfig, run_dir: str, label: str, attempt: int, cfg_path: str, env: dict[str, str],

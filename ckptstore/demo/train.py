@@ -12,7 +12,9 @@ rank's node does, after SIGKILLing its node agent (the whole simulated node dies
 
 The local root is the config's ``store_root``; in a multi-node run each simulated node has its own
 directory, ``node_roots[GROUP_RANK]`` (a node-local disk: the ranks of node k share it, no other
-rank sees it).
+rank sees it). With ``replicas`` F > 0 the manager also copies each node's part of every version to
+F other nodes' roots (``durability="replicated"``: a save commits once they are in place), so a
+node whose root was wiped resumes from the peers' replicas.
 
 Everything the verifier and the goodput report need is appended, one JSON object a line, to
 ``<run_dir>/events/rank<R>.a<ATTEMPT>.jsonl`` and flushed at once (it survives SIGKILL): per step
@@ -185,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         root, state, remote=remote, interval_steps=cfg["save_every"], version_format=backend.VERSION_FORMAT, on_save=saved,
         # --resume-world-size: the restarted job loads the crashed job's versions resharded, on purpose
         reshard=cfg.get("resume_world_size") not in (None, cfg["world_size"]),
+        # --replicas F: each node's part is also copied to F other nodes' roots; a save commits once
+        # its replicas are in place, so a node lost later costs no committed version
+        **({"replicas": cfg["replicas"], "durability": "replicated"} if cfg.get("replicas") else {}),
     )
 
     # ---- resume ------------------------------------------------------------------------------
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if m["seed"] != cfg["seed"] or m["global_batch"] != G:
             raise SystemExit(f"checkpoint {r.version} was written with seed/global batch {m['seed']}/{m['global_batch']}")
         log("resumed", version=r.version, step=r.step, world_size=world, saved_world_size=r.world_size,
-            rng_restored=r.rng_restored, t0=t_load0, t1=time.time())
+            rng_restored=r.rng_restored, reads=r.reads, t0=t_load0, t1=time.time())
     start_step = start - 1
     it = iter(loader)
     if r is None or not r.rng_restored:  # on another world size the per-rank RNG states stay behind
