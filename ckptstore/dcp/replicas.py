@@ -116,10 +116,12 @@ class Replicator:
         fut = self._submit(lambda _tag: True)
         fut.result(timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Let the submitted jobs run, stop the thread and destroy the group (local, no collective):
         each group holds a connection to every rank, so a writer per save would otherwise run out of
-        file descriptors. Later submissions raise :class:`ReplicaError`."""
+        file descriptors. Later submissions raise :class:`ReplicaError`. ``timeout``: seconds to wait
+        for the thread; a thread still stuck in an exchange after that (a peer died mid-copy) is left
+        to the process's exit (it is a daemon) and the group is not destroyed under it."""
         with self._lock:
             if self.closed:
                 return
@@ -128,7 +130,11 @@ class Replicator:
             if t is not None and t.is_alive():
                 self._q.put(None)
         if t is not None:
-            t.join()
+            t.join(timeout)
+            if t.is_alive():
+                log.warning("ckptstore: replica copies still running after %s s at close (a peer gone?); left to exit",
+                            timeout)
+                return
         from .._groups import destroy_group
 
         group, self.group = self.group, None

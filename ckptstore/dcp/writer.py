@@ -985,8 +985,13 @@ class StorageWriter(_DCPStorageWriter):
             if self._replicator is not None:  # the copies a durability="local" save left running
                 try:
                     self._replicator.wait(timeout)
+                except cf.TimeoutError:
+                    from .replicas import ReplicaError
+
+                    raise ReplicaError(f"replica copies did not finish within {timeout:.0f} s (a peer gone?); the "
+                                       "committed versions stand, their missing replicas are made at the next restore") from None
                 finally:
-                    self._replicator.close()
+                    self._replicator.close(timeout)
             if self._shipped:
                 self._check_shipped(timeout)
             if self._uploader is not None:
