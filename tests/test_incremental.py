@@ -263,3 +263,18 @@ def test_gc_killed_over_incremental_versions_deletes_no_referenced_frame(tmp_pat
     assert cli("gc", root, "--keep-last", "1", "--grace", "0").exit_code == 0
     assert [r.version for r in ckptstore.Store(root).versions()] == ["step-3"]
     assert ir.load(0, 1, root, "step-3") == fps[3]
+
+
+def test_dropping_the_first_version_keeps_the_shared_base(tmp_path):
+    root = str(tmp_path)
+    fps = ir.train(0, 1, root, 3)
+    st = ckptstore.Store(root)
+    plan = gc.plan_drop(st, "step-1")
+    base = next(iter(st.manifest("step-3").manifest.refs))
+    key = layout.object_key(base.version, base.name)
+    assert key not in {a.key for a in plan.actions} and any(s.key == key for s in plan.survivors)
+    assert gc.apply(st.tiers, plan).ok
+    assert [r.version for r in ckptstore.Store(root).versions()] == ["step-2", "step-3"]
+    assert LocalTier(root).exists(key) and ir.load(0, 1, root, "step-3") == fps[3]
+    out = cli("gc", root, "--grace", "0", "--dry-run").output
+    assert "referenced by 'step-2', 'step-3'" in out, out
