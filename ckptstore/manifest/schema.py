@@ -384,7 +384,10 @@ def _placement(v: Any) -> list | None:
 
 
 def _refs(v: Any, fmt: Any) -> list:
-    if v is None:
+    if v is None or v == []:
+        if fmt == FORMAT_REFS:
+            # Format 2 is written only for a manifest with references (docs/FORMAT.md "Manifest").
+            raise ManifestError(f"manifest format {fmt!r} has no 'refs' list; a format-2 manifest must reference objects")
         return []
     if fmt != FORMAT_REFS:
         raise ManifestError(f"manifest format {fmt!r} has no 'refs' (a manifest with references is {FORMAT_REFS!r})")
