@@ -309,6 +309,7 @@ class CheckpointManager:
         self._step_time: float | None = None
         self._closed = False
         self._broken: str | None = None  # why the job is broken (a peer died, the group is gone)
+        self._job_world = dist.get_world_size() if self._dist else 1
         self._init_events(event_log, on_event, metrics_file, progress_s)
         self._init_preemption(save_on_signal, grace_s)
         with _open_lock:
@@ -320,7 +321,9 @@ class CheckpointManager:
 
     # -- events and metrics (module docstring, "Event log") ----------------------------------------
     def _world(self) -> int:
-        return dist.get_world_size() if self._dist else 1
+        """The job's number of ranks (as at construction: asking torch.distributed fails once the
+        group is destroyed)."""
+        return self._job_world
 
     def _init_events(self, event_log: Any, on_event, metrics_file, progress_s: float) -> None:
         self.attempt_id = uuid.uuid4().hex[:12]  # this manager's part of the run (the lines' "a")
@@ -998,6 +1001,12 @@ class CheckpointManager:
         return step
 
     def _restore_event(self, t_wall: float, r: "RestoreInfo | None", e: BaseException | None) -> None:
+        try:
+            self._restore_line(t_wall, r, e)
+        except Exception:  # noqa: BLE001 - the event log never changes what restore() returns or raises
+            log.exception("ckptstore: could not record the restore event")
+
+    def _restore_line(self, t_wall: float, r: "RestoreInfo | None", e: BaseException | None) -> None:
         fields: dict[str, Any] = {"t0": t_wall, "seconds": time.time() - t_wall, "ranks": self._world()}
         if r is not None:
             fields.update(
