@@ -473,6 +473,8 @@ class CheckpointManager:
             _signal.signal(signum, self._on_signal)
             self._prev_handlers[signum] = prev
         self._signals = tuple(self._prev_handlers)
+        if self._signals:
+            _handling.add(self)
         if self._signals and self.grace_s is not None:
             # the watchdog hears the signal through Python's wakeup fd, written by the C-level handler
             # at once: the Python handler runs only once the main thread is back in the interpreter,
@@ -1577,6 +1579,31 @@ def _group_alive(pg) -> bool:
 # the open managers of this process by (real root path, version names): see "One manager per root"
 _open: dict[tuple, "weakref.WeakSet[CheckpointManager]"] = {}
 _open_lock = threading.Lock()
+
+
+# managers whose signal handlers are installed (reset in forked children: below)
+_handling: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+
+
+def _reset_signals_in_child() -> None:
+    """A forked child (a data loader's worker, a forkserver) is not the training loop: the signals
+    get their previous handlers back and the wakeup fd (shared with the parent's watchdog) is
+    dropped, so a SIGTERM to the child ends it as before and never reaches the parent's watchdog."""
+    for m in list(_handling):
+        try:
+            for signum, prev in m._prev_handlers.items():
+                if getattr(_signal.getsignal(signum), "__self__", None) is m:
+                    _signal.signal(signum, prev if prev is not None else _signal.SIG_DFL)
+            if m._wake is not None:
+                m._wake.uninstall()
+                m._wake = None
+        except (ValueError, OSError):  # forked from a thread other than the main one
+            pass
+        m._signals, m._rounds = (), False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_signals_in_child)
 
 
 def _stop_watchdogs_at_exit() -> None:  # managers never closed: their watchdog threads end before finalisation

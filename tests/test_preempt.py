@@ -189,6 +189,28 @@ def test_the_readme_loop_as_written_saves_the_step_and_exits_143_on_sigterm(tmp_
     assert ev[-1]["version"] == "step-3"
 
 
+FORKED_CHILD = """
+import multiprocessing as mp, os, signal, sys, time, torch, ckptstore
+mgr = ckptstore.CheckpointManager(sys.argv[1], {"x": torch.zeros(3)}, grace_s=2)
+p = mp.get_context("fork").Process(target=time.sleep, args=(30,))
+p.start()
+time.sleep(0.3)
+os.kill(p.pid, signal.SIGTERM)
+p.join(5)
+time.sleep(3)  # past the parent's grace period
+print("child", p.exitcode, "parent signalled", mgr._sig is not None or mgr._sig_mono is not None, flush=True)
+mgr.close()
+"""
+
+
+def test_a_forked_childs_sigterm_ends_the_child_and_not_the_parent(tmp_path):
+    """A forked child (a data loader worker) gets the default SIGTERM back, and its signal never
+    reaches the parent's watchdog through the shared wakeup fd."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    p = subprocess.run([sys.executable, "-c", FORKED_CHILD, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "child -15 parent signalled False" in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
+
+
 @pytest.mark.slow
 def test_process_executor_preempted_by_a_signal_to_one_rank(tmp_path):
     """PROCESS executor, in-process ranks: only rank 1 gets SIGTERM; both ranks learn it at the same
