@@ -56,8 +56,9 @@ Design (anchors: Orbax ``CheckpointManager``, torchtitan's checkpointer, NVRx as
   ``save()`` call runs one asynchronous all-reduce of two numbers (the signal, its time) on a second
   small gloo group of the manager, issued at one call and read at the next, so all ranks learn of a
   signal that reached any of them at the same ``save(step)`` call: that call becomes a forced save of
-  ``step`` on every rank, waits (within the grace period) for its commit at the asked durability —
-  at least locally, saying so, when the upload does not fit — and raises
+  ``step`` on every rank, waits (within the grace period) for its commit — the remote one when there
+  is a remote tier, whatever ``durability`` says, at least the local one (saying so) when the upload
+  does not fit — and raises
   :class:`~ckptstore.errors.Preempted` (a ``SystemExit``: exit status 128 + signal, 143 for SIGTERM).
   Waits are bounded by the grace period: a rank that never reaches ``save()`` makes the others give
   up (``Preempted`` with ``saved=False``) instead of hanging, and a watchdog thread ends the process
