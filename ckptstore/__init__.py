@@ -11,6 +11,7 @@ from .errors import (  # noqa: E402
     JobBrokenError,
     KeyMismatchError,
     ManifestError,
+    Preempted,
     StateDictKeysError,
     StorageError,
     StorageFullError,
@@ -61,4 +62,5 @@ __all__ = [
     "UnsupportedFormatError",
     "UnsupportedStateError",
     "JobBrokenError",
+    "Preempted",
 ]

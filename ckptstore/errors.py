@@ -45,6 +45,7 @@ __all__ = [
     "StateDictKeysError",
     "UnsupportedStateError",
     "JobBrokenError",
+    "Preempted",
 ]
 
 
@@ -184,3 +185,41 @@ class JobBrokenError(CkptStoreError):
     it resumes from the newest version every rank committed."""
 
     exit_code = 1
+
+
+class Preempted(SystemExit):
+    """The job was told to stop (a preemption signal, e.g. the scheduler's SIGTERM) and
+    :class:`ckptstore.CheckpointManager` has saved the step the loop reached: raised by ``save()``.
+
+    Not a failure, so not a :class:`CkptStoreError`: it derives from ``SystemExit``, so it passes
+    through the training loop's ``except Exception`` and, when nobody catches it, ends the process
+    without a traceback with exit status :attr:`code` (default ``128 + signal``: 143 for SIGTERM, what
+    a shell reports for a process the signal ended). Resume with ``mgr.resume()`` in the next run.
+
+    Attributes: ``signal`` (its number), ``step`` and ``version`` saved, ``saved`` (the save
+    committed), ``durability`` (``"remote"``, ``"local"``: committed locally only — the upload could
+    not finish within the grace period; the next run's first save uploads it — or None), ``seconds``
+    (from the signal to the commit, or to giving up), ``reason`` (why nothing was saved, or None)."""
+
+    def __init__(self, message: str, *, signal: int, step: int | None, version: str | None, saved: bool,
+                 durability: str | None, seconds: float, reason: str | None = None, code: int | None = None):
+        super().__init__(128 + int(signal) if code is None else code)
+        self.message = message
+        self.signal = int(signal)
+        self.step = step
+        self.version = version
+        self.saved = saved
+        self.durability = durability
+        self.seconds = seconds
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        kw = {k: getattr(self, k) for k in ("signal", "step", "version", "saved", "durability", "seconds", "reason")}
+        return (_rebuild_preempted, (self.message, kw, self.code))
+
+
+def _rebuild_preempted(message: str, kw: dict, code) -> Preempted:
+    return Preempted(message, code=code, **kw)

@@ -53,6 +53,26 @@ Design (anchors: Orbax ``CheckpointManager``, torchtitan's checkpointer, NVRx as
   the old manager raises there is part of the warning. So a restart inside the process (a new
   manager after an exception) never races the old one for a version name, and resumes from what the
   old one committed.
+- **Preemption** (``save_on_signal=``, ``grace_s=``). A scheduler's SIGTERM (Slurm ``--signal``,
+  Kubernetes, spot VMs, ``torchrun`` forwarding it) only *records* the request in the handler. Every
+  ``save()`` call runs one asynchronous all-reduce of two numbers (the signal, its time) on a second
+  small gloo group of the manager, issued at one call and read at the next, so all ranks learn of a
+  signal that reached any of them at the same ``save(step)`` call: that call becomes a forced save of
+  ``step`` on every rank, waits (within the grace period) for its commit — the remote one when there
+  is a remote tier, whatever ``durability`` says, at least the local one (saying so) when the upload
+  does not fit — and raises
+  :class:`~ckptstore.errors.Preempted` (a ``SystemExit``: exit status 128 + signal, 143 for SIGTERM).
+  Waits are bounded by the grace period: a rank that never reaches ``save()`` makes the others give
+  up (``Preempted`` with ``saved=False``) instead of hanging, and a watchdog thread ends the process
+  (``os._exit``, the same status) at the grace period's end minus a reserve when it is still alive
+  (e.g. blocked in the training loop's own collective with that rank). In-flight saves finish first
+  (queue order) or die with the process: a manifest commits a version whole or not at all.
+- **Event log** (:mod:`ckptstore.events`, docs/FORMAT.md "Event log"): rank 0 appends one JSON line
+  per save, restore, retention run and preemption, plus ``open``/``close``/``progress`` lines, to
+  ``ROOT/events.jsonl`` (``event_log=`` another path, ``{rank}`` in it for one log per rank, False:
+  none); every rank passes its events to ``on_event`` and :meth:`metrics_text`
+  (:mod:`ckptstore.metrics`; ``metrics_file=`` keeps a textfile-collector file up to date).
+  ``ckptstore goodput LOG`` (:mod:`ckptstore.goodput`) reads the log back.
 - **Timings.** Per save: ``blocked_s`` (time ``save()`` held the training loop), ``local_commit_s``
   and ``remote_commit_s`` (from the ``save()`` call to the commit; ``remote_commit_s`` only on the
   coordinator, which makes the remote commit). Passed to ``on_save`` and kept by :meth:`stats`,
@@ -61,15 +81,18 @@ Design (anchors: Orbax ``CheckpointManager``, torchtitan's checkpointer, NVRx as
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
 import os
 import queue
 import random
+import signal as _signal
 import sys
 import threading
 import time
+import uuid
 import warnings
 import weakref
 from typing import Any, Callable
@@ -82,7 +105,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ._groups import destroy_group, new_gloo_group
 from .dcp import StorageReader, StorageWriter
-from .errors import CkptStoreError, JobBrokenError, VersionNotFoundError
+from . import events as _events
+from .errors import CkptStoreError, JobBrokenError, Preempted, VersionNotFoundError
+from .metrics import Metrics, write_textfile
 
 log = logging.getLogger("ckptstore")
 
@@ -173,6 +198,25 @@ class CheckpointManager:
             times in a row with nothing newer committed in between (the job dies after every resume),
             skip it and restore the one before (default None: never; the count is always in
             ``last_restore.restore_count`` and warned about from 2 on).
+        save_on_signal: signals that ask for a last save and a clean exit (module docstring,
+            "Preemption"). Default ``"auto"``: SIGTERM, when the manager is created in the main
+            thread and SIGTERM has its default disposition (a handler of the program's own is left
+            alone); a tuple of signals: those, replacing their handlers; ``()`` or None: off. The
+            previous handlers come back at :meth:`close`. Every rank must pass the same setting.
+        grace_s: seconds from the signal until the process must be gone (Kubernetes'
+            ``terminationGracePeriodSeconds``, 30 by default, and ``torchrun``'s shutdown timeout).
+            The last save and its waits end ``2 * r`` before that and the watchdog ends the process
+            ``r`` before it, with ``r = min(5, max(1, grace_s / 10))``; None: no bound.
+        event_log: where rank 0 appends its events: True (default) ``ROOT/events.jsonl``, a path
+            (with ``{rank}`` in it: every rank writes its own), False/None: no log.
+        on_event: ``callback(event: dict)`` for every event of this rank (the log's lines; on the
+            calling or the manager's thread); an exception in it is logged, never raised.
+        metrics_file: a file this rank keeps up to date with :meth:`metrics_text` (atomically
+            replaced after every save, restore, gc and preemption event): point it into a node
+            exporter's textfile-collector directory (``.prom``); ``{rank}`` in it for one per rank,
+            else rank 0 writes it.
+        progress_s: seconds between two ``progress`` lines of a loop that calls :meth:`save` every
+            step (a save always writes one); 0: every call. A crash is placed at the last one.
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``endpoint_url``, ...); ``world_size`` defaults to the job's.
 
@@ -204,6 +248,12 @@ class CheckpointManager:
         version_format: str | None = None,
         reshard: bool = False,
         fall_back_after: int | None = None,
+        save_on_signal: Any = "auto",
+        grace_s: float | None = 30.0,
+        event_log: Any = True,
+        on_event: Callable[[dict], None] | None = None,
+        metrics_file: str | os.PathLike | None = None,
+        progress_s: float = 5.0,
         **writer_options: Any,
     ) -> None:
         if interval_steps < 1:
@@ -232,6 +282,10 @@ class CheckpointManager:
         self.reshard = reshard
         if fall_back_after is not None and fall_back_after < 1:
             raise ValueError("fall_back_after must be >= 1 (or None)")
+        if grace_s is not None and grace_s <= 0:
+            raise ValueError("grace_s must be positive (or None)")
+        if progress_s < 0:
+            raise ValueError("progress_s must be >= 0")
         self.fall_back_after = fall_back_after
         from .choice import version_pattern
 
@@ -267,8 +321,414 @@ class CheckpointManager:
         self._step_time: float | None = None
         self._closed = False
         self._broken: str | None = None  # why the job is broken (a peer died, the group is gone)
+        self._job_world = dist.get_world_size() if self._dist else 1
+        self._init_events(event_log, on_event, metrics_file, progress_s)
+        self._init_preemption(save_on_signal, grace_s)
         with _open_lock:
             _open.setdefault(self._names, weakref.WeakSet()).add(self)
+        self._emit("open", pid=os.getpid(), proc_start=_events.process_start_time(), ranks=self._world(),
+                   names=self._names[2], interval_steps=interval_steps, executor=kind, durability=durability,
+                   remote=remote is not None, restart_count=_env_int("TORCHELASTIC_RESTART_COUNT"),
+                   save_on_signal=[_signal.Signals(x).name for x in self._signals], grace_s=grace_s)
+
+    # -- events and metrics (module docstring, "Event log") ----------------------------------------
+    def _world(self) -> int:
+        """The job's number of ranks (as at construction: asking torch.distributed fails once the
+        group is destroyed)."""
+        return self._job_world
+
+    def _init_events(self, event_log: Any, on_event, metrics_file, progress_s: float) -> None:
+        self.attempt_id = uuid.uuid4().hex[:12]  # this manager's part of the run (the lines' "a")
+        self.on_event = on_event
+        self.progress_s = float(progress_s)
+        path = None
+        if event_log is True:
+            path = _events.default_path(self.root) if self.rank == 0 else None
+        elif event_log not in (None, False):
+            path = os.fspath(event_log)
+            path = path.format(rank=self.rank) if "{rank}" in path else (path if self.rank == 0 else None)
+        #: the event log this rank appends to (None: this rank writes none)
+        self.event_log = path
+        self._elog = _events.EventLog(path) if path else None
+        self._elog_failed = False
+        mf = None if metrics_file is None else os.fspath(metrics_file)
+        self.metrics_file = None if mf is None else (mf.format(rank=self.rank) if "{rank}" in mf else (mf if self.rank == 0 else None))
+        self._metrics = Metrics(self.rank)
+        self._metrics_lock = threading.Lock()
+        self._last_progress = float("-inf")
+        self._save_extra: dict[str, dict] = {}
+
+    def _emit(self, kind: str, **fields: Any) -> dict:
+        """One event of this rank: to the log (rank 0), the metrics and ``on_event``; never raises."""
+        e = {"ev": _events.FORMAT, "kind": kind, "t": time.time(), "a": self.attempt_id, "rank": self.rank, **fields}
+        if self._elog is not None:
+            try:
+                self._elog.write(e)
+            except OSError as ex:
+                if not self._elog_failed:
+                    self._elog_failed = True
+                    log.warning("ckptstore: cannot append to the event log %s: %s (events are not logged)", self.event_log, ex)
+        self._metrics.observe(e)
+        if self.metrics_file and kind != "progress":
+            try:
+                with self._metrics_lock:
+                    write_textfile(self.metrics_file, self._metrics.text())
+            except OSError as ex:
+                log.warning("ckptstore: cannot write the metrics file %s: %s", self.metrics_file, ex)
+        if self.on_event is not None:
+            try:
+                self.on_event(dict(e))
+            except Exception:  # noqa: BLE001 - a callback must not break saving
+                log.exception("ckptstore: on_event callback failed")
+        return e
+
+    def metrics_text(self, openmetrics: bool = False) -> str:
+        """This rank's figures (saves, bytes, phases of the last save, durable lag, restores,
+        retention, preemptions) in the Prometheus text format 0.0.4, or with ``openmetrics`` in the
+        OpenMetrics format (:mod:`ckptstore.metrics`)."""
+        return self._metrics.text(openmetrics)
+
+    def _progress(self, step: int, t_call: float, version: str | None) -> None:
+        """A ``progress`` line: always for a save (``version``), else at most every ``progress_s``."""
+        now = time.monotonic()
+        if version is None and now - self._last_progress < self.progress_s:
+            return
+        self._last_progress = now
+        fields: dict[str, Any] = {"step": int(step)}
+        if version is not None:
+            fields.update(save=version, blocked_s=now - t_call)
+        self._emit("progress", **fields)
+
+    def _save_event(self, info: "SaveInfo") -> None:
+        extra = self._save_extra.pop(info.version, {})
+        tm = self._writer.timings(info.version)
+        m = self._writer.last_manifest
+        if m is None or m.version != info.version:
+            m = None
+            if self.rank == 0 and info.local_commit_s is not None and self._elog is not None:
+                try:  # PROCESS executor: the subprocess committed it; its manifest says the sizes
+                    from .manifest import catalogue
+
+                    m = catalogue.read_manifest(self._writer._tier, info.version).manifest
+                except Exception:  # noqa: BLE001 - the figures are optional
+                    m = None
+        remote_ok = info.remote_commit_s is not None
+        if info.local_commit_s is None:
+            outcome = "failed"
+        elif self.remote is not None and self.rank == 0 and not remote_ok and info.error:
+            outcome = "committed-local"
+        else:
+            outcome = "committed"
+        upload_s = info.remote_commit_s - info.local_commit_s if remote_ok and info.local_commit_s is not None else None
+        self._emit(
+            "save", step=info.step, version=info.version, ranks=self._world(), t_call=extra.get("t_call"),
+            forced=bool(extra.get("forced")), blocked_s=info.blocked_s, stage_s=extra.get("stage_s"),
+            write_s=tm.get("write_s"), commit_s=tm.get("commit_s"), local_commit_s=info.local_commit_s,
+            upload_s=upload_s, replicate_s=tm.get("replicate_s"), remote_commit_s=info.remote_commit_s,
+            durable_lag_s=info.remote_commit_s, logical_bytes=None if m is None else m.nbytes,
+            stored_bytes=None if m is None else m.stored_bytes,
+            uploaded_bytes=(None if m is None else m.stored_bytes) if remote_ok else (0 if self.remote else None),
+            durability="remote" if remote_ok else ("local" if info.local_commit_s is not None else None),
+            outcome=outcome, error=info.error,
+        )
+        for pruned in self._writer.pruned():
+            self._emit("gc", source="retention", **pruned)
+
+    # -- preemption (module docstring, "Preemption") -----------------------------------------------
+    def _init_preemption(self, save_on_signal: Any, grace_s: float | None) -> None:
+        self.grace_s = grace_s
+        auto = isinstance(save_on_signal, str) and save_on_signal == "auto"
+        if auto:
+            wanted: tuple[int, ...] = (int(_signal.SIGTERM),)
+        elif save_on_signal in (None, False):
+            wanted = ()
+        else:
+            wanted = tuple(int(x) for x in (save_on_signal if isinstance(save_on_signal, (tuple, list)) else (save_on_signal,)))
+        self._signals: tuple[int, ...] = ()  # the signals this rank handles
+        self._prev_handlers: dict[int, Any] = {}
+        self._sig: int | None = None  # the signal received (by this rank, or by a peer: learnt at save())
+        self._sig_wall: float | None = None
+        self._sig_mono: float | None = None
+        self._sig_event = threading.Event()
+        self._preempted: Preempted | None = None
+        self._watch_stop = False
+        self._watchdog_thread: threading.Thread | None = None
+        self._wake: _Wakeup | None = None
+        self._round = None  # (work, tensor): the all-reduce issued at the last save() call
+        self._ctl = None
+        if wanted:
+            self._install_signals(wanted, explicit=not auto)
+            self._writer._subprocess_own_group = True  # torchrun signals the worker's process group
+        self._rounds = False
+        if wanted and self._dist and self._world() > 1:
+            # every rank creates it here, in the same order; the ranks agree once whether any listens
+            self._ctl = new_gloo_group()  # keyed per creation, like _pg
+            flag = torch.tensor([1.0 if self._signals else 0.0], dtype=torch.float64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctl)
+            self._rounds = bool(flag.item())
+
+    def _install_signals(self, wanted: tuple[int, ...], explicit: bool) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            if explicit:
+                log.warning("ckptstore: save_on_signal needs the manager to be created in the main thread; "
+                            "signals are not handled")
+            return
+        for signum in wanted:
+            prev = _signal.getsignal(signum)
+            other = getattr(prev, "__self__", None)
+            if isinstance(other, CheckpointManager):  # an earlier manager's handler: take over from it
+                prev = other._prev_handlers.get(signum, _signal.SIG_DFL)
+            elif not explicit and prev not in (_signal.SIG_DFL, None):
+                log.info("ckptstore: %s has a handler of the program's own; CheckpointManager leaves it alone",
+                         _signal.Signals(signum).name)
+                continue
+            _signal.signal(signum, self._on_signal)
+            self._prev_handlers[signum] = prev
+        self._signals = tuple(self._prev_handlers)
+        if self._signals:
+            _handling.add(self)
+        if self._signals and self.grace_s is not None:
+            # the watchdog hears the signal through Python's wakeup fd, written by the C-level handler
+            # at once: the Python handler runs only once the main thread is back in the interpreter,
+            # which a loop blocked in a collective with a stuck rank never is
+            self._wake = _Wakeup.install()
+            self._watchdog_thread = threading.Thread(target=self._watchdog, name="ckptstore-preempt-watchdog", daemon=True)
+            self._watchdog_thread.start()
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 - the signal handler: records only
+        if self._sig is None:
+            self._sig = int(signum)
+            if self._sig_mono is None:  # (the watchdog may have heard it first, through the wakeup fd)
+                self._sig_wall, self._sig_mono = time.time(), time.monotonic()
+        self._sig_event.set()
+
+    def _wake_watchdog(self) -> None:
+        self._sig_event.set()
+        if self._wake is not None:
+            self._wake.poke()
+
+    def _restore_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, prev in self._prev_handlers.items():
+            if getattr(_signal.getsignal(signum), "__self__", None) is self:
+                _signal.signal(signum, prev if prev is not None else _signal.SIG_DFL)
+        self._prev_handlers.clear()
+        if self._wake is not None:
+            self._wake.uninstall()
+
+    def _stop_watchdog(self) -> None:
+        """End the watchdog thread unless a signal came (then it ends the process at its deadline).
+        Joined: a thread left waiting at interpreter exit makes torch 2.13's teardown abort more often
+        (pytorch/pytorch #190489)."""
+        t = self._watchdog_thread
+        if self._sig is None and self._sig_mono is None and t is not None:
+            self._watch_stop = True
+            self._wake_watchdog()
+            t.join(1.0)
+            if self._wake is not None and not t.is_alive():
+                self._wake.close()
+
+    def _reserve(self) -> float:
+        return min(5.0, max(1.0, (self.grace_s or 0.0) / 10))
+
+    def _hard_deadline(self) -> float | None:
+        """Monotonic time the watchdog ends the process (None: no signal, or no grace period)."""
+        if self._sig_mono is None or self.grace_s is None:
+            return None
+        return self._sig_mono + self.grace_s - self._reserve()
+
+    def _work_deadline(self) -> float | None:
+        """Monotonic time the last save and its waits give up."""
+        d = self._hard_deadline()
+        return None if d is None else d - self._reserve()
+
+    def _watchdog(self) -> None:
+        seen = None
+        while True:
+            if self._wake is not None:
+                got = self._wake.wait()
+            else:
+                self._sig_event.wait()
+                got = b""
+            if self._watch_stop and self._sig is None and self._sig_mono is None:
+                return
+            seen = next((b for b in got if b in self._signals), None)
+            if seen is not None and self._sig_mono is None:  # before the Python handler ran
+                self._sig_wall, self._sig_mono = time.time(), time.monotonic()
+            if self._sig_mono is not None:
+                break
+            if self._wake is None and not got:
+                return
+        d = self._hard_deadline()
+        if d is None:
+            return
+        time.sleep(max(0.0, d - time.monotonic()))
+        signum = int(self._sig or seen or _signal.SIGTERM)
+        code = 128 + signum
+        name = _signal.Signals(signum).name
+        why = ("the process did not end after the last save" if self._preempted is not None else
+               "the training loop did not reach save() (or the save did not finish)")
+        msg = (f"ckptstore: {name} {time.monotonic() - self._sig_mono:.1f} s ago, grace period {self.grace_s:g} s: "
+               f"{why}; ending the process now (exit {code}) before the scheduler kills it")
+        try:
+            self._emit("preempt", signal=name, outcome="grace period over", saved=bool(self._preempted and self._preempted.saved),
+                       step=None if self._preempted is None else self._preempted.step, exit_code=code, reason=why)
+            log.error(msg)
+            for h in logging.getLogger().handlers + log.handlers + [logging.lastResort]:
+                if h is not None:
+                    h.flush()
+        finally:
+            os._exit(code)
+
+    def _poll_preempt(self) -> tuple | None:
+        """At a ``save()`` call: ``(signal, its wall time, why not to save or None)`` when the job is to stop here —
+        learnt from the all-reduce issued at the previous call (every rank reads it at the same call)
+        or, outside a multi-rank job, from this process's handler — else None (and the next
+        all-reduce is issued)."""
+        if not self._rounds:
+            return None if self._sig is None else (self._sig, self._sig_wall, None)
+        agreed = None
+        if self._round is not None:
+            work, t = self._round
+            deadline = self._work_deadline()
+            try:
+                if deadline is None:
+                    work.wait()
+                elif not work.is_completed():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    work.wait(_timedelta(left))
+            except BaseException as e:  # noqa: BLE001 - gloo raises RuntimeError("... timed out") on a timeout
+                self._round = None
+                if self._sig is not None:
+                    self._rounds = False
+                    late = deadline is not None and time.monotonic() >= deadline - 0.05
+                    why = (f"a rank did not reach save() within the grace period ({self.grace_s:g} s)" if late else
+                           f"the ranks could not agree on the step ({type(e).__name__}: {str(e)[:200]}; a rank is gone?)")
+                    return (self._sig, self._sig_wall, why + "; nothing was saved at this step")
+                self._rounds = False
+                log.warning("ckptstore: the preemption check across ranks failed (%s: %s); signals are handled "
+                            "per rank from now on", type(e).__name__, e)
+                return None
+            self._round = None
+            sig, neg_t = t.tolist()
+            if sig > 0:
+                agreed = (int(sig), -neg_t, None)
+        if agreed is not None:
+            return agreed
+        t = torch.tensor([float(self._sig or 0), -self._sig_wall if self._sig_wall is not None else -1e18],
+                         dtype=torch.float64)
+        self._round = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl, async_op=True), t)
+        return None
+
+    def _preempt_save(self, step: int, state, metadata, pre: tuple, t0: float) -> None:
+        """The forced save of ``step`` after a preemption signal; always raises :class:`Preempted`."""
+        signum, t_sig, failed = pre
+        if self._sig is None:  # a peer got the signal: this rank's grace period runs from that one
+            self._sig, self._sig_wall = signum, t_sig
+        if self._sig_wall is None or t_sig < self._sig_wall:
+            self._sig_wall = t_sig
+        self._sig_mono = time.monotonic() - max(0.0, time.time() - self._sig_wall)
+        self._wake_watchdog()
+        name = _signal.Signals(signum).name
+        version = self.version_name(step)
+        in_flight = self._in_flight()
+        deadline = self._work_deadline()
+        saved, durability, reason = False, None, None
+        local_at = remote_at = None
+        info = None
+        if failed:
+            reason = failed
+        elif deadline is not None and time.monotonic() >= deadline:
+            reason = f"the grace period ({self.grace_s:g} s after {name}) was over when this rank reached save()"
+        else:
+            if self.rank == 0:
+                log.warning("ckptstore: %s received: saving step %d (%s) before exiting (grace period %s)", name, step,
+                            version, "none" if self.grace_s is None else f"{self.grace_s:g} s")
+            try:
+                self._check_job()
+                if self.executor == "process":
+                    info = self._save_here(step, state, metadata, t0, deadline)
+                else:
+                    info = self._start_save(step, state, metadata, t0, forced=True, deadline=deadline)
+                while True:
+                    if info.local_commit_s is not None and local_at is None:
+                        local_at = time.time()
+                    if info.remote_commit_s is not None and remote_at is None:
+                        remote_at = time.time()
+                    if info.error is not None or info.remote_commit_s is not None:
+                        break
+                    if info.local_commit_s is not None and (self.remote is None or self.rank != 0):
+                        break  # only the coordinator makes (and sees) the remote commit
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.02)
+                if info.local_commit_s is None and self._committed_locally(version):
+                    local_at = time.time()  # PROCESS: the subprocess committed it, the remote commit is pending
+                saved = local_at is not None
+                durability = "remote" if info.remote_commit_s is not None else ("local" if saved else None)
+                if not saved:
+                    reason = info.error or f"the save did not commit within the grace period ({self.grace_s:g} s)"
+                elif self.remote is not None and self.rank == 0 and durability == "local":
+                    reason = ("committed locally only: the upload did not finish within the grace period; the next "
+                              "run's first save uploads it" if info.error is None else f"committed locally only: {info.error}")
+            except Preempted:
+                raise
+            except BaseException as e:  # noqa: BLE001 - reported in Preempted; the process is ending anyway
+                reason = f"{type(e).__name__}: {e}"
+        done_at = remote_at or local_at or time.time()
+        seconds = done_at - (self._sig_wall or done_at)
+        code = 128 + signum
+        if saved:
+            msg = (f"{name}: saved step {step} ({version}) {seconds:.1f} s after the signal, committed "
+                   f"{'remotely' if durability == 'remote' else 'locally'}"
+                   + (f" ({reason})" if reason else "") + f"; exiting with status {code}. Resume with mgr.resume()")
+        else:
+            msg = f"{name}: step {step} not saved ({reason}); exiting with status {code}"
+        exc = Preempted(msg, signal=signum, step=int(step), version=version if saved else None, saved=saved,
+                        durability=durability, seconds=seconds, reason=reason, code=code)
+        self._preempted = exc
+        self._progress(step, t0, version if info is not None else None)
+        self._emit("preempt", signal=name, t_signal=self._sig_wall, step=int(step), version=version, saved=saved,
+                   durability=durability, seconds=seconds, local_s=None if local_at is None else local_at - self._sig_wall,
+                   remote_s=None if remote_at is None else remote_at - self._sig_wall, in_flight=in_flight,
+                   outcome="saved" if saved else "not saved", reason=reason, exit_code=code)
+        (log.warning if saved else log.error)("ckptstore: %s", msg)
+        raise exc
+
+    def _save_here(self, step: int, state, metadata, t0: float, deadline: float | None) -> SaveInfo:
+        """PROCESS executor, the last save before exiting: once the save in flight has finished (its
+        subprocess is out of the trainer's process group, so torchrun's signal does not end it), save
+        in this process (``dcp.save``): nothing is gained by handing a save we wait for to the
+        subprocess, and its uploads are this process's to bound (``close()``)."""
+        if not self._wait_process(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise CkptStoreError("the save in flight did not finish within the grace period")
+        version = self.version_name(step)
+        sd = self._state_dict(self._state(state))
+        self._writer.save_options(version, step=int(step), user_metadata=metadata, supersede=self._supersede.get(version))
+        self._save_extra[version] = {"t_call": time.time() - (time.monotonic() - t0), "forced": True}
+        info = SaveInfo(int(step), version, 0.0)
+        with self._lock:
+            self._infos.append(info)
+        try:
+            dcp.save(sd, checkpoint_id=version, storage_writer=self._writer, process_group=self._pg)
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            info.blocked_s = time.monotonic() - t0
+            self._failed(info, e)
+            return info
+        info.blocked_s = info.local_commit_s = time.monotonic() - t0
+        self._track_remote(info, t0)
+        return info
+
+    def _committed_locally(self, version: str) -> bool:
+        from .manifest import layout
+
+        try:
+            return self._writer._tier.exists(layout.manifest_key(version))
+        except Exception:  # noqa: BLE001
+            return False
 
     # -- saving ------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -294,41 +754,70 @@ class CheckpointManager:
         Returns after staging (and, when the queue is full, after the oldest queued save started).
         Raises the error of an earlier failed save; :class:`~ckptstore.errors.JobBrokenError` once
         the job lost ranks (a save failed in a collective, or the manager's process group was
-        destroyed): then every later call raises it at once (see "Only the whole job commits")."""
+        destroyed): then every later call raises it at once (see "Only the whole job commits").
+
+        After a preemption signal (``save_on_signal``) reached any rank, the call at which every rank
+        has learnt it saves ``step`` whether due or not, waits for the commit within the grace period
+        and raises :class:`~ckptstore.errors.Preempted` (exit status 143 for SIGTERM when not caught;
+        ``saved=False`` when it could not save in time). Call ``save(step)`` at every step, on every
+        rank, for the signal to be noticed within a step."""
         t0 = time.monotonic()
         self._note_step(step, t0)
+        if self._preempted is not None:
+            raise self._preempted  # the loop caught it and went on: stop again
         self._raise_errors()
         if self._closed:
             raise CkptStoreError("CheckpointManager is closed")
+        if self._rounds or self._sig is not None:
+            pre = self._poll_preempt()
+            if pre is not None:
+                self._preempt_save(step, state, metadata, pre, t0)  # raises Preempted
         if not (force or self.due(step)):
+            self._progress(step, t0, None)
             return False
         self._check_job()
+        info = self._start_save(step, state, metadata, t0)
+        self._progress(step, t0, info.version)
+        return True
+
+    def _start_save(self, step: int, state, metadata, t0: float, *, forced: bool = False,
+                    deadline: float | None = None) -> SaveInfo:
+        """Stage and queue (THREAD) or hand to DCP's checkpoint subprocess (PROCESS) the save of
+        ``step``; with ``deadline`` (monotonic), waits for earlier saves only until then."""
         version = self.version_name(step)
         sd = self._state_dict(self._state(state))
         # a name left by a damaged, unloadable or abandoned version is superseded, not refused
         # (docs/FORMAT.md, "Superseding")
         self._writer.save_options(version, step=int(step), user_metadata=metadata,
                                   supersede=self._supersede.get(version))
+        extra = self._save_extra[version] = {"t_call": time.time() - (time.monotonic() - t0), "forced": forced}
+        info = SaveInfo(int(step), version, 0.0)
         if self.executor == "process":
-            self._wait_process()
+            if not self._wait_process(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise CkptStoreError("the save in flight did not finish within the grace period")
             self._raise_errors()
-            info = SaveInfo(int(step), version, 0.0)
+            t_stage = time.monotonic()
             fut = dcp.async_save(
                 sd, checkpoint_id=version, storage_writer=self._writer, process_group=self._pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
             )
+            extra["stage_s"] = time.monotonic() - t_stage
             info.blocked_s = time.monotonic() - t0
             self._proc_future, self._proc_info = fut, info
             fut.add_done_callback(lambda f, info=info, t0=t0: self._process_done(f, info, t0))
         else:
+            t_stage = time.monotonic()
             staged = self._writer.stage(sd)
-            info = SaveInfo(int(step), version, 0.0)
+            extra["stage_s"] = time.monotonic() - t_stage
             self._ensure_worker()
-            self._queue.put((info, staged, t0))  # blocks while max_pending saves wait (policy: wait)
+            try:  # blocks while max_pending saves wait (policy: wait)
+                self._queue.put((info, staged, t0), timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
+            except queue.Full:
+                raise CkptStoreError("the saves in flight did not start within the grace period") from None
             info.blocked_s = time.monotonic() - t0
         with self._lock:
             self._infos.append(info)
-        return True
+        return info
 
     def _note_step(self, step: int, now: float) -> None:
         if self._last_call is not None and step > self._last_call[0]:
@@ -396,6 +885,10 @@ class CheckpointManager:
         self._report(info)
 
     def _report(self, info: SaveInfo) -> None:
+        try:
+            self._save_event(info)
+        except Exception:  # noqa: BLE001 - the event log never breaks saving
+            log.exception("ckptstore: could not record the save event of %s", info.version)
         if self.on_save is not None:
             try:
                 self.on_save(info)
@@ -433,14 +926,17 @@ class CheckpointManager:
         if self._broken is not None:
             raise JobBrokenError(self._broken_message(self._broken))
 
-    def _wait_process(self) -> None:
+    def _wait_process(self, timeout: float | None = None) -> bool:
+        """Wait for the PROCESS save in flight (at most ``timeout`` seconds); False if still running."""
         f = self._proc_future
         if f is not None:
             try:
-                f.result()
+                f.result(timeout=timeout)
             except BaseException:  # noqa: BLE001 - recorded by _process_done
-                pass
+                if not f.done():
+                    return False
             self._proc_future = None
+        return True
 
     def wait(self) -> None:
         """Block until every queued save has committed (locally; see ``durability``); raise the
@@ -525,8 +1021,35 @@ class CheckpointManager:
         and ``per_rank_keys`` values are not restored (there is no copy for this rank);
         ``last_restore.rng_restored`` is False, so the caller can reseed.
         Raises what ``dcp.load`` raises (``ckptstore.errors`` types) when the version cannot be read."""
-        with self._group():
-            return self._restore(state, version)
+        t_wall = time.time()
+        try:
+            with self._group():
+                step = self._restore(state, version)
+        except BaseException as e:
+            self._restore_event(t_wall, None, e)
+            raise
+        self._restore_event(t_wall, self.last_restore if step is not None else None, None)
+        return step
+
+    def _restore_event(self, t_wall: float, r: "RestoreInfo | None", e: BaseException | None) -> None:
+        try:
+            self._restore_line(t_wall, r, e)
+        except Exception:  # noqa: BLE001 - the event log never changes what restore() returns or raises
+            log.exception("ckptstore: could not record the restore event")
+
+    def _restore_line(self, t_wall: float, r: "RestoreInfo | None", e: BaseException | None) -> None:
+        fields: dict[str, Any] = {"t0": t_wall, "seconds": time.time() - t_wall, "ranks": self._world()}
+        if r is not None:
+            fields.update(
+                outcome="restored", version=r.version, step=r.step, saved_ranks=r.world_size, attempt_loaded=r.attempt,
+                skipped=[{"version": sk.version, "kind": sk.kind, "reason": sk.reason} for sk in r.skipped],
+                remote_error=r.remote_error, restore_count=r.restore_count, rng_restored=r.rng_restored,
+                reads={k: v for k, v in r.reads.items() if isinstance(v, (int, float))})
+        elif e is None:
+            fields.update(outcome="none")
+        else:
+            fields.update(outcome="failed", error=f"{type(e).__name__}: {e}")
+        self._emit("restore", **fields)
 
     def _restore(self, state: dict[str, Any] | None, version: str | None) -> int | None:
         state = self._state(state)
@@ -712,24 +1235,94 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for every save and upload (bounded by ``upload_timeout``); raise the first problem
         (a failed save, or ``UploadError`` naming versions not uploaded). Then destroy the manager's
-        process group (local, no collective). No save after this; :meth:`restore` and :meth:`latest`
+        process groups (local, no collective). No save after this; :meth:`restore` and :meth:`latest`
         still work, each on a group made for the call (a collective on the default group)."""
+        self._close(None)
+
+    def _close(self, loop_error: BaseException | None) -> None:
         if self._closed:
             return
         self._closed = True
         with _open_lock:
             _open.get(self._names, set()).discard(self)
+        t_wall = time.time()
+        err: BaseException | None = None
         try:
-            self.wait()
+            if self._sig is not None:
+                self._close_preempted()
+            else:
+                try:
+                    self.wait()
+                finally:
+                    if self._worker is not None:
+                        self._queue.put(None)
+                        self._worker.join()
+                    self._writer.close()
+        except BaseException as e:
+            err = e
+            raise
         finally:
-            if self._worker is not None:
-                self._queue.put(None)
-                self._worker.join()
-            try:
-                self._writer.close()
-            finally:
-                pg, self._pg = self._pg, None
+            self._finish_round()
+            for name in ("_pg", "_ctl"):  # local, no collective (_groups.py)
+                pg = getattr(self, name)
+                setattr(self, name, None)
                 destroy_group(pg)
+            self._stop_watchdog()
+            self._restore_signals()
+            # the loop's own exception (not a preemption): the attempt ended in a failure (ckptstore goodput)
+            failed = loop_error is not None and not isinstance(loop_error, (Preempted, KeyboardInterrupt))
+            self._emit("close", t0=t_wall, seconds=time.time() - t_wall, outcome="ok" if err is None else "error",
+                       error=None if err is None else f"{type(err).__name__}: {err}",
+                       loop_error=f"{type(loop_error).__name__}: {loop_error}"[:500] if failed else None)
+            if self._elog is not None:
+                self._elog.close()
+
+    def _finish_round(self) -> None:
+        """Let the last preemption all-reduce complete (every rank issued it at its last save() call)
+        and drop it, so that no collective of this manager is left to gloo's threads at exit
+        (pytorch/pytorch #190489: a gloo worker freeing a collective's tensors while Python finalises)."""
+        r, self._round = self._round, None
+        if r is None:
+            return
+        try:
+            if not r[0].is_completed():
+                r[0].wait(_timedelta(5.0 if self._sig is None else 0.5))
+        except BaseException:  # noqa: BLE001 - a peer that is gone: nothing to wait for
+            pass
+
+    def _close_preempted(self) -> None:
+        """close() after a preemption signal: every wait ends before the watchdog's deadline; what is
+        not uploaded by then is named in a warning (not raised: the next run's first save uploads it)."""
+        d = self._hard_deadline()
+        left = (lambda: None) if d is None else (lambda: max(0.0, d - self._reserve() / 2 - time.monotonic()))
+        problems = []
+        if self.executor == "process":
+            if not self._wait_process(left()):
+                problems.append("the save in flight did not finish")
+        elif self._worker is not None:
+            end = None if d is None else time.monotonic() + (left() or 0.0)
+            with self._queue.all_tasks_done:
+                while self._queue.unfinished_tasks and (end is None or time.monotonic() < end):
+                    self._queue.all_tasks_done.wait(None if end is None else max(0.01, end - time.monotonic()))
+            if self._queue.unfinished_tasks:
+                problems.append("a save in flight did not finish (it never commits: nothing is half-visible)")
+            else:
+                self._queue.put(None)
+                self._worker.join(left())
+        with self._lock:
+            errors, self._errors = self._errors, []
+        problems.extend(errors)
+        t = left()
+        self._writer.upload_timeout = 0.0 if t is None else t  # also what the exit-time checks wait
+        up = self._writer._uploader
+        if up is not None and t is not None:
+            up.timeout = t
+        try:
+            self._writer.close(t)
+        except CkptStoreError as e:
+            problems.append(str(e))
+        if problems and self.rank == 0:
+            log.warning("ckptstore: closing after %s: %s", _signal.Signals(self._sig).name, "; ".join(problems))
 
     def _in_flight(self) -> bool:
         """A save queued or running, or an upload / remote commit not finished."""
@@ -749,9 +1342,76 @@ class CheckpointManager:
             self.close()
             return
         try:  # the loop already failed: finish what can be finished, never hide its error
-            self.close()
+            self._close(exc)
         except BaseException as e:  # noqa: BLE001
             log.error("ckptstore: CheckpointManager.close() after %s: %s", exc_type.__name__, e)
+
+
+class _Wakeup:
+    """A socket pair whose write end is Python's signal wakeup fd (``signal.set_wakeup_fd``): the
+    C-level handler writes each signal's number there as it arrives, whatever the main thread is
+    doing; the watchdog thread reads the other end. Not installed when the program already has a
+    wakeup fd (asyncio's): the watchdog then learns of the signal from the Python handler."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.r, self.w = socket.socketpair()
+        self.w.setblocking(False)
+
+    @classmethod
+    def install(cls) -> "_Wakeup | None":
+        wk = cls()
+        try:
+            old = _signal.set_wakeup_fd(wk.w.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            wk.close()
+            return None
+        if old != -1:
+            _signal.set_wakeup_fd(old)
+            wk.close()
+            return None
+        return wk
+
+    def wait(self) -> bytes:
+        try:
+            return self.r.recv(64)
+        except OSError:
+            return b""
+
+    def poke(self) -> None:
+        try:
+            self.w.send(b"\0")
+        except OSError:
+            pass
+
+    def uninstall(self) -> None:
+        try:
+            cur = _signal.set_wakeup_fd(-1)
+            if cur not in (-1, self.w.fileno()):
+                _signal.set_wakeup_fd(cur)
+        except (ValueError, OSError):
+            pass
+
+    def close(self) -> None:
+        for sk in (self.r, self.w):
+            try:
+                sk.close()
+            except OSError:
+                pass
+
+
+def _timedelta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=max(0.001, seconds))
+
+
+def _env_int(name: str) -> int | None:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
 
 
 def _unverifiable(e: BaseException) -> tuple | None:
@@ -994,6 +1654,41 @@ def _group_alive(pg) -> bool:
 # the open managers of this process by (real root path, version names): see "One manager per root"
 _open: dict[tuple, "weakref.WeakSet[CheckpointManager]"] = {}
 _open_lock = threading.Lock()
+
+
+# managers whose signal handlers are installed (reset in forked children: below)
+_handling: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+
+
+def _reset_signals_in_child() -> None:
+    """A forked child (a data loader's worker, a forkserver) is not the training loop: the signals
+    get their previous handlers back and the wakeup fd (shared with the parent's watchdog) is
+    dropped, so a SIGTERM to the child ends it as before and never reaches the parent's watchdog."""
+    for m in list(_handling):
+        try:
+            for signum, prev in m._prev_handlers.items():
+                if getattr(_signal.getsignal(signum), "__self__", None) is m:
+                    _signal.signal(signum, prev if prev is not None else _signal.SIG_DFL)
+            if m._wake is not None:
+                m._wake.uninstall()
+                m._wake = None
+        except (ValueError, OSError):  # forked from a thread other than the main one
+            pass
+        m._signals, m._rounds = (), False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_signals_in_child)
+
+
+def _stop_watchdogs_at_exit() -> None:  # managers never closed: their watchdog threads end before finalisation
+    with _open_lock:
+        mgrs = [m for ms in _open.values() for m in ms]
+    for m in mgrs:
+        m._stop_watchdog()
+
+
+atexit.register(_stop_watchdogs_at_exit)
 
 
 def _close_previous(names: tuple) -> None:

@@ -20,7 +20,7 @@ import ckptstore
 from ckptstore.cli import main as cli_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ("list", "show", "pin", "unpin", "gc", "drop", "scrub", "rekey", "keygen", "advise", "demo")
+COMMANDS = ("list", "show", "pin", "unpin", "gc", "drop", "scrub", "rekey", "keygen", "advise", "goodput", "demo")
 
 
 # -- helpers ------------------------------------------------------------------------------------------------

@@ -60,6 +60,31 @@ def test_crash_and_resume_is_bit_exact(crash_demo):
     assert "PASS" in p.stdout
 
 
+def test_ckptstore_goodput_on_the_crash_run_agrees_with_the_demos_table(crash_demo):
+    """The demo's goodput table is ``ckptstore goodput`` on the run's own event log; it agrees with the
+    demo's own accounting from the workers' per-step events (to within rounding), restart counted."""
+    from ckptstore.demo.goodput import AGREE
+
+    d, p, s = crash_demo
+    assert s is not None, p.stderr[-3000:]
+    store = d / "out" / "crash" / "store"
+    r = subprocess.run([sys.executable, "-m", "ckptstore.cli", "goodput", str(store), "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    table, own = s["goodput_breakdown"], s["goodput_from_step_events"]
+    assert rep["restarts"] == table["restarts"] == own["restarts"] == 1 and rep["failures"] == 1
+    assert rep["steps"] == table["steps"] == own["steps"] == 12
+    assert rep["lost_work"][0]["kept_to_step"] == 4 and rep["lost_work"][0]["lost_steps"] == 4  # steps 5-8 redone
+    for row in AGREE:
+        got = rep["recovery"][f"{row}_s"] if row in ("restart", "init", "load") else rep["wall_s" if row == "wall" else (
+            "restart_s" if row == "recovery" else f"{row}_s")]
+        assert got == pytest.approx(table[row], abs=1e-6), row  # the table is the command's figures
+        assert abs(table[row] - own[row]) <= AGREE[row], (row, table[row], own[row])
+    assert abs(table["goodput"] - own["goodput"]) <= 0.01
+    assert f"{table['goodput']:.1%}" in p.stdout and "ckptstore goodput" in p.stdout
+    assert any(c["name"].startswith("ckptstore goodput on the crash run") and c["ok"] for c in s["checks"])
+
+
 def test_verifier_fails_loudly_on_a_changed_loss(crash_demo, tmp_path):
     d, p, s = crash_demo
     assert s is not None, p.stderr[-3000:]

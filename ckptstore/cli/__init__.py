@@ -17,7 +17,7 @@ import click
 
 from .. import __version__
 from ..demo.cli import demo
-from . import cmd_advise, cmd_drop, cmd_gc, cmd_keygen, cmd_list, cmd_pin, cmd_rekey, cmd_scrub, cmd_show
+from . import cmd_advise, cmd_drop, cmd_gc, cmd_goodput, cmd_keygen, cmd_list, cmd_pin, cmd_rekey, cmd_scrub, cmd_show
 from ._common import CONTEXT_SETTINGS, Group
 
 
@@ -37,6 +37,7 @@ main.add_command(cmd_scrub.scrub)
 main.add_command(cmd_rekey.rekey)
 main.add_command(cmd_keygen.keygen)
 main.add_command(cmd_advise.advise)
+main.add_command(cmd_goodput.goodput)
 main.add_command(demo)
 
 __all__ = ["main"]

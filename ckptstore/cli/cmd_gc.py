@@ -7,6 +7,7 @@ the first failure.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import sys
 
 import click
@@ -117,6 +118,27 @@ def _print_plan(p, notes: dict, dry_run: bool) -> None:
     click.echo(_summary(p, dry_run))
 
 
+def _log_gc(st, p, result, t0: float) -> None:
+    """One ``gc`` line in the local root's event log (docs/FORMAT.md, "Event log"), when the root has one."""
+    if st.root is None:
+        return
+    import time
+
+    from .. import events
+
+    path = events.default_path(st.root)
+    if not os.path.exists(path):  # only a root a CheckpointManager writes its log into
+        return
+    deleted = p.deleted_versions
+    try:
+        events.append(path, "gc", source="cli", tiers=sorted(deleted), deleted=sorted({v for vs in deleted.values() for v in vs}),
+                      deleted_per_tier=deleted, actions=len(result.applied), failed=len(result.failed),
+                      freed_bytes=p.bytes_removed, t0=t0, seconds=time.time() - t0, outcome="ok" if result.ok else "failed",
+                      error="; ".join(f"{a.op} {a.tier} {a.key}: {e}" for a, e in result.failed[:3]) or None)
+    except OSError as e:
+        click.echo(f"warning: could not append to the event log {path}: {e}", err=True)
+
+
 def _print_result(result) -> None:
     for a, why in result.skipped:
         click.echo(f"skipped {a.op} {a.tier} {a.key}: {why}")
@@ -166,9 +188,13 @@ def gc(root, remote, endpoint_url, as_json, metric, mode, grace, dry_run, now_te
     notes = _pin_notes(st, p)
     result = None
     if not dry_run:
+        import time
+
+        t0 = time.time()
         with progress("gc", unit="actions") as (set_total, advance):
             set_total(len(p.actions))
             result = _gc.apply(tiers, p, on_action=lambda a, outcome: advance(1))
+        _log_gc(st, p, result, t0)
     if as_json:
         emit_json({"dry_run": dry_run, "plan": p.to_json(), "pin_notes": notes,
                    "result": None if result is None else result.to_json()})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import click
 
 from ._common import emit_json, human, one_note, open_store, pin_notes, reported_here, store_options
@@ -20,19 +22,30 @@ def list_cmd(root, remote, endpoint_url, as_json):
     ``supersedes`` (the commit replaced an earlier attempt of the name: ``ckptstore show``),
     ``future-time`` (committed at a time ahead of this host's clock), ``stale:TIER`` (that tier holds
     another copy of the name, which is not loaded).
+
+    The last line gives the last save's durable lag (seconds from its ``save()`` call to its remote
+    commit) from the root's event log, when there is one (in --json: ``"last_save"``).
     """
     st = open_store(root, remote, endpoint_url)
     with reported_here():
         recs = st.versions()
+    last = _last_save(st)
     if as_json:
         versions = []
         for r in recs:
             d = r.to_json()
             d["pin_note"] = one_note(pin_notes(st, r.version, r.tiers)) if r.pinned else None
             versions.append(d)
-        emit_json({"versions": versions, "problems": [list(p) for p in st.problems]})
+        emit_json({"versions": versions, "problems": [list(p) for p in st.problems],
+                   "last_save": None if last is None else {k: last.get(k) for k in (
+                       "version", "step", "outcome", "durability", "durable_lag_s", "local_commit_s", "t_call", "t")}})
     else:
         _print_table(recs)
+        if last is not None:
+            from ..events import durable_lag_text
+
+            click.echo(f"last save: {last.get('version')} ({last.get('outcome')}), durable lag "
+                       f"{durable_lag_text(last, time.time())}")
     for tier, key, why in st.problems:
         click.echo(f"warning: {tier} tier: ignored invalid manifest {key}: {why}", err=True)
     for r in recs:
@@ -43,6 +56,15 @@ def list_cmd(root, remote, endpoint_url, as_json):
             click.echo(f"warning: {r.version} was committed at {r.created:%Y-%m-%d %H:%M:%S} UTC, in the future of this "
                        "host's clock (a skewed clock on the saving host); its order comes from its step and commit "
                        "sequence, not from that time", err=True)
+
+
+def _last_save(st):
+    """The last ``save`` line of the local root's event log (docs/FORMAT.md, "Event log"), or None."""
+    if st.root is None:
+        return None
+    from .. import events
+
+    return events.last_save(events.tail(events.default_path(st.root)))
 
 
 def _print_table(recs) -> None:

@@ -15,7 +15,8 @@ from ._common import emit_json, human, one_note, open_store, pin_note, store_opt
 @click.option("--objects", "list_objects", is_flag=True, help="Also list every stored object.")
 def show(root, remote, endpoint_url, as_json, version, list_objects):
     """Summarise one committed VERSION: step, time, ranks, tiers, sizes, codecs, encryption, pin
-    (with its note), damage marks, metadata."""
+    (with its note), damage marks, metadata, and — from the root's event log — its save's durable
+    lag (seconds from ``save()`` to the remote commit)."""
     st = open_store(root, remote, endpoint_url)
     rec = st.get(version)
     m = st.manifest(version, next(n for n in st.tiers if n in rec.tiers)).manifest
@@ -24,6 +25,14 @@ def show(root, remote, endpoint_url, as_json, version, list_objects):
         part = rec.local_part  # set for a split version only
         per_tier["local"]["part"] = None if part is None or part.whole else part.to_json()
     info = _info(version, rec, m, per_tier)
+    ev = None
+    if st.root is not None:
+        from .. import events
+
+        ev = events.last_save(events.tail(events.default_path(st.root)), version)
+    info["save_event"] = None if ev is None else {k: ev.get(k) for k in (
+        "step", "outcome", "durability", "blocked_s", "local_commit_s", "remote_commit_s", "durable_lag_s", "t_call", "t")}
+    info["durable_lag_s"] = None if ev is None else ev.get("durable_lag_s")
     if as_json:
         if list_objects:
             info["object_list"] = [o.to_json() for o in m.all_objects()]
@@ -31,6 +40,14 @@ def show(root, remote, endpoint_url, as_json, version, list_objects):
         return
     for k, v in _rows(info, m):
         click.echo(f"{k + ':':<15} {v}")
+    if ev is not None:
+        import time
+
+        from ..events import durable_lag_text
+
+        click.echo(f"{'durable lag:':<15} {durable_lag_text(ev, time.time())}; blocked {ev.get('blocked_s') or 0:.3f} s"
+                   + (f", local commit {ev['local_commit_s']:.2f} s" if isinstance(ev.get("local_commit_s"), (int, float)) else "")
+                   + " (event log)")
     for n, d in per_tier.items():
         click.echo(f"{n + ' tier:':<15} " + _tier_line(d))
     if list_objects:

@@ -293,6 +293,13 @@ class StorageWriter(_DCPStorageWriter):
         self._born = utcnow()
         self._options_for: dict[str, tuple] = {}
         self._remote_futs: dict[str, cf.Future] = {}
+        self._timings: dict[str, dict] = {}
+        self._pruned: list[dict] = []
+        #: DCP's checkpoint subprocess leaves the trainer's process group (set by
+        #: CheckpointManager(save_on_signal=...)): torchrun signals a worker's whole process group
+        #: (os.killpg), and a save in flight there must be able to finish after a preemption signal; it
+        #: still exits once its trainer is gone (the watcher) and when the trainer ends it
+        self._subprocess_own_group = False
         self.last_manifest: Manifest | None = None
         self._probe = _roots.PROCESS_NONCE  # this process's root probe (docs/FORMAT.md, "Placement")
         self._publisher = _roots.Publisher()
@@ -331,6 +338,8 @@ class StorageWriter(_DCPStorageWriter):
         for k in ("_uploader", "_lock", "_tls", "_follower"):
             s.pop(k, None)
         s["_remote_futs"] = {}
+        s["_timings"] = {}
+        s["_pruned"] = []
         s["_in_subprocess"] = True
         return s
 
@@ -341,6 +350,11 @@ class StorageWriter(_DCPStorageWriter):
         if self._trainer is not None:
             self._trainer_is_parent = os.getppid() == self._trainer[0]
             _liveness.watch(self._trainer)  # exits this process once the trainer is gone
+            try:
+                if self._subprocess_own_group and os.getpgid(0) == os.getpgid(self._trainer[0]):
+                    os.setpgid(0, 0)
+            except OSError as e:  # a session leader cannot (the signal then reaches it too); a trainer gone
+                log.debug("ckptstore: checkpoint subprocess stays in its trainer's process group: %s", e)
 
     def _check_trainer(self, what: str) -> None:
         """Raise :class:`JobBrokenError` when this copy runs in DCP's checkpoint subprocess and its
@@ -643,10 +657,12 @@ class StorageWriter(_DCPStorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         s = self._cur()
         staged: list[int] = []  # storage address of the first staged tensor: which host copy to free
+        t0 = time.monotonic()
         try:
             results = self._write_data(s, plan, planner, staged)
         finally:
             self._stager.release(staged[0] if staged else None)
+        self._timed(s.version, write_s=time.monotonic() - t0)
         if self._in_subprocess and not s.is_coordinator:
             self._drop_uploader()
         self._check_trainer(f"to report the write results of {s.version!r}")
@@ -781,6 +797,7 @@ class StorageWriter(_DCPStorageWriter):
         s = self._cur()
         if s.attempt is None:  # a rank-less save (empty plans everywhere)
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
+        t0 = time.monotonic()
         reports, replicas, tables, extras = _collect(results)
         upload_failures = [x for x in extras if isinstance(x, _UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
@@ -799,8 +816,11 @@ class StorageWriter(_DCPStorageWriter):
                 self._publisher.publish(s.attempt, b"", None)  # the other roots stop waiting
             raise
         _faults.point("commit.after_manifest")
+        self._timed(s.version, commit_s=time.monotonic() - t0)
         if split:  # every other root that holds objects gets the manifest (docs/FORMAT.md, "Placement")
+            t1 = time.monotonic()
             self._publisher.publish(s.attempt, body, self._tier.get(layout.object_key(s.version, m.metadata_object.name)))
+            self._timed(s.version, replicate_s=time.monotonic() - t1)
         self.last_manifest = m
         if upload_failures:  # PROCESS + durability="local": the local version stands, the future fails
             from .upload import UploadError
@@ -935,6 +955,20 @@ class StorageWriter(_DCPStorageWriter):
         if self._sync_remote:
             fut.result()
 
+    def _timed(self, version: str | None, **seconds: float) -> None:
+        with self._lock:
+            self._timings.setdefault(version, {}).update(seconds)
+            while len(self._timings) > 64:  # nobody asked for them: keep the newest
+                self._timings.pop(next(iter(self._timings)))
+
+    def timings(self, version: str) -> dict:
+        """Seconds of this rank's phases of the committed save ``version`` — ``write_s`` (encode and
+        write its shard, ``write_data``), and on the coordinator ``commit_s`` (metadata object,
+        manifest, local commit) and ``replicate_s`` (handing the manifest to the other roots) — or
+        ``{}`` (PROCESS executor: measured in DCP's checkpoint subprocess); handed out once."""
+        with self._lock:
+            return self._timings.pop(version, {})
+
     def remote_commit_future(self, version: str):
         """The ``concurrent.futures.Future`` of ``version``'s remote commit made by this writer (the
         coordinator), or None; handed out once."""
@@ -955,8 +989,23 @@ class StorageWriter(_DCPStorageWriter):
         from ..gc import apply_after_commit
 
         up = self._uploader
-        apply_after_commit(self._tier, self.retention, m, tier_name="local", others={"remote": self._remote},
-                           in_flight=up.in_flight() if up is not None else ())
+        t0 = time.monotonic()
+        decisions = apply_after_commit(self._tier, self.retention, m, tier_name="local", others={"remote": self._remote},
+                                       in_flight=up.in_flight() if up is not None else ())
+        deleted = [d.version for d in decisions if not d.keep]
+        if deleted:
+            with self._lock:
+                self._pruned.append({"tier": "local", "after": m.version, "deleted": deleted,
+                                     "seconds": time.monotonic() - t0, "outcome": "ok"})
+                del self._pruned[:-16]
+
+    def pruned(self) -> list[dict]:
+        """What automatic retention deleted after this writer's commits since the last call (one
+        dict per run: ``tier``, ``after`` (the version just committed), ``deleted`` versions,
+        ``seconds``)."""
+        with self._lock:
+            out, self._pruned = self._pruned, []
+        return out
     # -- AsyncStager protocol (dcp.async_save uses the writer as its stager) --------------------
     _synchronize_after_execute = False
 

@@ -15,9 +15,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .. import events
 from . import backend
 from .events import History
-from .goodput import Goodput, account
+from .goodput import Goodput, account, disagreement, from_report
 from .supervisor import DemoConfig, run_job
 from .verify import verify
 
@@ -103,8 +104,18 @@ def _fmt_s(x: float) -> str:
     return f"{x:6.1f} s"
 
 
+def log_report(job):
+    """``ckptstore goodput`` (its library) on ``job``'s event log (rank 0's root)."""
+    from ..goodput import account as account_log
+
+    path = os.path.join(job.store_root, events.LOG_NAME)
+    with open(path, "rb") as f:
+        evs, bad = events.parse(f)
+    return account_log(evs, mtbf_s=6 * 3600.0, skipped_lines=bad)
+
+
 def goodput_table(gp: Goodput, ref: Goodput) -> Table:
-    t = Table(title="Goodput (wall time of each run, rank 0's clock)", title_justify="left")
+    t = Table(title="Goodput (ckptstore goodput on each run's event log; rank 0's clock)", title_justify="left")
     t.add_column("")
     t.add_column("crash run", justify="right")
     t.add_column("share", justify="right")
@@ -114,8 +125,8 @@ def goodput_table(gp: Goodput, ref: Goodput) -> Table:
         ("blocked in mgr.save (staging + back-pressure)", gp.blocked, ref.blocked),
         ("work lost to the crash (redone)", gp.lost, ref.lost),
         ("restart / recovery (crash → first resumed step)", gp.recovery, ref.recovery),
-        ("   of which: detect crash, restart workers, import torch", gp.restart, ref.restart),
-        ("   of which: rendezvous, process group, data, model", gp.init, ref.init),
+        ("   of which: detect the crash, restart the workers", gp.restart, ref.restart),
+        ("   of which: worker start-up (imports, rendezvous, group, data, model)", gp.init, ref.init),
         ("   of which: load checkpoint", gp.load, ref.load),
         ("start-up (launch → first step)", gp.startup, ref.startup),
         ("other (shutdown, final save flush, logging)", gp.other, ref.other),
@@ -217,6 +228,17 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         held = [r.version for r in backend.versions(run_job_.wiped_root)] if os.path.isdir(run_job_.wiped_root) else []
         v.add("the replaced node holds its part of the restored version again (re-replicated)",
               v.resumed_from in held, f"{run_job_.wiped_root} lists {', '.join(held) or 'nothing'}")
+
+    # the table comes from `ckptstore goodput` (its library) on each run's own event log; the demo's
+    # own accounting from the workers' step events must agree with it
+    reports = {j.label: log_report(j) for j in (ref_job, run_job_)}
+    gp, ref_gp = from_report(reports[run_job_.label]), from_report(reports[ref_job.label])
+    own = {run_job_.label: account(run_job_, run_h), ref_job.label: account(ref_job, ref_h)}
+    for label, mine in ((run_job_.label, gp), (ref_job.label, ref_gp)):
+        off = disagreement(mine, own[label])
+        v.add(f"ckptstore goodput on the {label} run's event log agrees with its step events", not off,
+              "within rounding (every row ±0.2-0.3 s, goodput ±1 point)" if not off else
+              "; ".join(f"{k} differs by {d:.2f}" for k, d in off.items()))
     t = Table(show_header=False, box=None)
     for c in v.checks:
         t.add_row("[green]PASS[/green]" if c.ok else "[bold red]FAIL[/bold red]", c.name, f"[dim]{c.detail}[/dim]")
@@ -230,7 +252,6 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
             + (f"[bold]{reads['remote_reads']} S3 GET(s)[/bold]" if run_job_.remote else "no remote tier")
             + f", {reads['fallback_reads']} fallback read(s)", highlight=False)
 
-    gp, ref_gp = account(run_job_, run_h), account(ref_job, ref_h)
     console.print(goodput_table(gp, ref_gp))
     if (adv := gp.advice()) is not None:  # ckptstore advise, from this run's measured costs
         console.print(f"interval advice for an MTBF of 6 h (measured {gp.blocked / gp.saves:.2f} s blocked/save, "
@@ -261,6 +282,7 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
                        "--keep-best", "1", "--metric", "loss", "--mode", "min"], console)
         for root in roots:
             scrub_rcs.append(ckptstore_cli(["scrub", root, *extra], console))
+        ckptstore_cli(["goodput", run_job_.store_root, "--mtbf", "6h"], console)  # the table above, from the command
 
     runtime = time.time() - t_start
     result: dict[str, Any] = {
@@ -283,6 +305,9 @@ def _run(cfg: DemoConfig, out: str, summary: str | None, show_cli: bool, plot: b
         "max_rel_loss_diff": v.max_rel_loss_diff,
         "goodput_breakdown": gp.to_json(),
         "reference_goodput": ref_gp.to_json(),
+        "goodput_from_step_events": own[run_job_.label].to_json(),
+        "goodput_log": os.path.join(run_job_.store_root, events.LOG_NAME),
+        "goodput_report": reports[run_job_.label].to_json(),
         "checks": [asdict(c) for c in v.checks],
         "final_loss": {"reference": ref_h.mean_loss(cfg.steps) if cfg.steps in ref_h.effective else None,
                        "crash_run": run_h.mean_loss(cfg.steps) if cfg.steps in run_h.effective else None},

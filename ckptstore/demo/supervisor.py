@@ -41,6 +41,8 @@ from typing import Any
 
 from rich.console import Console
 
+from .. import events
+
 
 @dataclass
 class DemoConfig:
@@ -251,8 +253,13 @@ def run_job(cfg: DemoConfig, out: str, label: str, *, crash: bool, console: Cons
 
     follower = _Follower(run_dir, console, label, cfg.steps)
     env = _worker_env()
+    # the launcher's markers in the event log rank 0's manager appends to: `ckptstore goodput`
+    # counts start-up (launch -> first step) and shutdown (-> exit) as a scheduler sees them
+    elog = os.path.join(job.store_root, events.LOG_NAME)
     for i, (nproc, restarts) in enumerate(plan):
         env_i = dict(env, CKPTSTORE_DEMO_ATTEMPT=str(i))
+        if i == 0:
+            events.append(elog, "launch", label=label, nproc=nproc)
         launch = Launch(nproc=nproc, t0=time.time(), max_restarts=restarts)
         job.launches.append(launch)
         if i and crash and cfg.replaces_node() and job.wiped_root is None:
@@ -275,6 +282,8 @@ def run_job(cfg: DemoConfig, out: str, label: str, *, crash: bool, console: Cons
         launch.t1 = time.time()
         follower.poll()
         last = i == len(plan) - 1
+        if last:
+            events.append(elog, "exit", label=label, rc=launch.rc)
         if last and launch.rc != 0:
             tail = open(log_path, errors="replace").read()[-4000:]
             console.print(f"[red]torchrun failed (exit {launch.rc}); tail of {log_path}:[/red]\n{tail}", highlight=False)
