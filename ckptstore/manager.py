@@ -499,7 +499,8 @@ class CheckpointManager:
         finally:
             st.close()
 
-    def restore(self, state: dict[str, Any] | None = None, version: str | None = None) -> int | None:
+    def restore(self, state: dict[str, Any] | None = None, version: str | None = None, *,
+                allow_partial_load: bool | tuple = False) -> int | None:
         """Load the newest version in scope that every rank can load and verify (or ``version``) into
         ``state`` (default: the constructor's) in place; return its step, or None when there is no
         checkpoint (``state`` is left unchanged). :attr:`last_restore` then says what was loaded and
@@ -523,11 +524,15 @@ class CheckpointManager:
         When the version was saved by another world size (``reshard=True``), this rank's RNG states
         and ``per_rank_keys`` values are not restored (there is no copy for this rank);
         ``last_restore.rng_restored`` is False, so the caller can reseed.
+
+        ``allow_partial_load``: a ``state`` that asks for part of the version only — True, or a
+        tuple of key prefixes (DCP's flattened keys, e.g. ``("dataloader.",)``) that may stay unread
+        (see :class:`ckptstore.StorageReader`); default False: every stored key must be asked for.
         Raises what ``dcp.load`` raises (``ckptstore.errors`` types) when the version cannot be read."""
         with self._group():
-            return self._restore(state, version)
+            return self._restore(state, version, allow_partial_load)
 
-    def _restore(self, state: dict[str, Any] | None, version: str | None) -> int | None:
+    def _restore(self, state: dict[str, Any] | None, version: str | None, partial: bool | tuple = False) -> int | None:
         state = self._state(state)
         t0 = time.monotonic()
         self.wait()
@@ -543,6 +548,7 @@ class CheckpointManager:
             sd = self._state_dict(state, for_load=True, per_rank=same_world)
             # resharded: the saving ranks' own values (RNG, per_rank_keys) have no rank here to go to
             unread = () if same_world else tuple(f"{k}/rank" for k in self.per_rank_keys) + ("rng/rank",)
+            unread = True if partial is True else unread + tuple(partial or ())
             reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg,
                                    allow_partial_load=unread or False, **self._reader_options)
             try:
