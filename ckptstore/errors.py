@@ -150,6 +150,12 @@ class StorageError(CkptStoreError):
     exit_code = 7
 
 
+class ConditionalWritesError(StorageError):
+    """The S3 endpoint does not enforce put-if-absent (``If-None-Match: *``): it overwrote a key a
+    conditional PUT should have refused. Remote commits are refused there, since two writers could
+    both commit one version (docs/FORMAT.md, "Conditional writes")."""
+
+
 class TransientStorageError(StorageError):
     """The storage failed in a way that may succeed if retried (throttling, connection reset)."""
 

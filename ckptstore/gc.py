@@ -76,7 +76,7 @@ DEFAULT_GRACE = 3600.0
 #: to find out which ranks see the same root (docs/FORMAT.md, "Placement"); gc deletes probes older
 #: than the grace period and leaves anything else in it alone
 PROBES = "probes"
-_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+")
+_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+")
 
 UNCOMMIT = "uncommit"
 DELETE = "delete"
@@ -451,20 +451,22 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
 
 
 def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
-    """Root-sharing probes (``probes/r<rank>.<nonce>``) older than ``grace`` are deleted; younger
-    ones (a save setting up now) and anything else under ``probes/`` survive."""
+    """Root-sharing probes (``probes/r<rank>.<nonce>``) and conditional-write probes left by a killed
+    process (``probes/put-if-absent.<nonce>``) older than ``grace`` are deleted; younger ones (a save
+    setting up now) and anything else under ``probes/`` survive."""
     for info in s.probes:
         base = info.key[len(PROBES) + 1:]
         if not _PROBE_NAME.fullmatch(base):
             parts.survivors.append(Survivor(s.name, info.key, "not a root-sharing probe; left alone", info.size))
             continue
         age = now_ts - info.mtime
+        what = "conditional-write probe" if base.startswith(layout.CONDITIONAL_PROBE) else "root-sharing probe"
         if age >= grace:
             parts.garbage.append(Action(s.name, DELETE, info.key, "probe",
-                                        f"root-sharing probe; age {format_duration(age)} >= grace {format_duration(grace)}",
+                                        f"{what}; age {format_duration(age)} >= grace {format_duration(grace)}",
                                         size=info.size, mtime=info.mtime))
         else:
-            parts.survivors.append(Survivor(s.name, info.key, f"root-sharing probe younger than the grace period "
+            parts.survivors.append(Survivor(s.name, info.key, f"{what} younger than the grace period "
                                             f"(age {format_duration(age)} < {format_duration(grace)})", info.size))
 
 
