@@ -179,7 +179,9 @@ class StorageReader(_DCPStorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            check_version(checkpoint_id if isinstance(checkpoint_id, str) else None)
+            # a path-like (``pathlib.Path("step-1")``) as ``reset`` takes it; frameworks that auto-detect
+            # the storage class ask this first
+            check_version(os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None)
             return True
         except Exception:
             return False

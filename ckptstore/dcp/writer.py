@@ -419,9 +419,11 @@ class StorageWriter(_DCPStorageWriter):
     # -- DCP contract --------------------------------------------------------------------------
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True for strings that are valid version names; never raises."""
+        """True for a valid version name, given as a string or a path-like; never raises."""
         try:
-            check_version(checkpoint_id if isinstance(checkpoint_id, str) else None)
+            # a path-like (``pathlib.Path("step-1")``) as ``reset`` takes it; frameworks that auto-detect
+            # the storage class ask this first
+            check_version(os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None)
             return True
         except Exception:
             return False
