@@ -61,7 +61,7 @@ import re
 from typing import Callable, Iterable, Mapping
 
 from . import _faults
-from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError
+from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError, version_not_found
 from .manifest import catalogue, layout, placement
 from .manifest.order import order_key
 from .manifest.schema import Manifest, parse
@@ -711,8 +711,9 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
         raise CkptStoreError(f"version {version!r} is pinned (in the {' and '.join(pinned_in)} tier); "
                              "unpin it first ('ckptstore unpin'), or drop it with force")
     if not parts.uncommits:
-        raise VersionNotFoundError(f"version {version!r} is not in the {' or '.join(names) or 'no'} tier of this store; "
-                                   "run 'ckptstore list' to see the versions there")
+        committed = [v for n in names for v in catalogue.scan(all_tiers[n])]
+        raise version_not_found(version, " or ".join(f"the {n} tier ({all_tiers[n].url})" for n in names) or "no tier",
+                                committed)
     return GcPlan(now=now or _dt.datetime.now(_dt.timezone.utc), grace=0.0, policy=RetentionPolicy(),
                   tiers=[n for n in names if any(a.tier == n for a in parts.uncommits)], decisions=decisions,
                   actions=parts.actions(), survivors=[], problems=[])

@@ -58,7 +58,7 @@ from ..manifest import layout, placement
 from ..manifest.schema import Manifest, ObjectEntry
 from ..manifest.schema import parse as parse_manifest
 from ..store import Store
-from ._checks import install_log_filter, reject_unknown_kwargs
+from ._checks import install_log_filter, quiet_single_process, reject_unknown_kwargs
 from . import _job, _subclass
 from ._types import ItemLocation, PeerPlan
 
@@ -130,6 +130,7 @@ class StorageReader(_DCPStorageReader):
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
+        quiet_single_process()
         self.read_repair = read_repair
         self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0, "remote_reads": 0, "peer_bytes": 0}
         self._pg = process_group

@@ -67,7 +67,7 @@ from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
 from . import _liveness, _roots, _subclass
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest, RootReport
-from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
+from ._checks import check_metadata_loads, quiet_single_process, reject_unknown_kwargs, value_digest
 from ._metadata import ItemTable, ItemTables, pack_items
 from ._metadata import pack as pack_metadata
 from .staging import Stager
@@ -237,6 +237,7 @@ class StorageWriter(_DCPStorageWriter):
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
+        quiet_single_process()
         if compression not in ("auto", "none"):
             raise ValueError("compression must be 'auto' or 'none'")
         if durability not in ("local", "replicated", "remote"):
