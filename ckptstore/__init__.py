@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     CkptStoreError,
+    ConditionalWritesError,
     DamagedVersionError,
     DtypeMismatchError,
     IntegrityError,
@@ -59,6 +60,7 @@ __all__ = [
     "DtypeMismatchError",
     "StorageError",
     "StorageFullError",
+    "ConditionalWritesError",
     "UnsupportedFormatError",
     "UnsupportedStateError",
     "JobBrokenError",

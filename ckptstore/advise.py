@@ -41,12 +41,20 @@ class Advice:
     goodput_at_current: float | None = None
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """Seconds rounded to the millisecond, goodputs to 6 decimals (no ``327.20000000000005``)."""
+        out = dataclasses.asdict(self)
+        for k, v in out.items():
+            if isinstance(v, float):
+                out[k] = round(v, 6 if k.startswith("goodput") else 3)
+        return out
 
     def __str__(self) -> str:
+        if self.interval_s == 0:  # a free checkpoint: only the restart costs time
+            return (f"checkpoint at every step (a checkpoint that costs 0 s loses no work): expected goodput "
+                    f"{self.goodput:.1%}")
         s = f"checkpoint every {format_seconds(self.interval_s)}"
         if self.interval_steps is not None:
-            s += f" (every {self.interval_steps} steps)"
+            s += f" (every {self.interval_steps} step{'' if self.interval_steps == 1 else 's'})"
         s += f": expected goodput {self.goodput:.1%}"
         if self.goodput_at_current is not None:
             s += f"; now every {format_seconds(self.current_interval_s)}: {self.goodput_at_current:.1%}"
@@ -54,9 +62,10 @@ class Advice:
 
 
 def goodput(interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
-    """Expected useful fraction of wall time when checkpointing every ``interval_s`` seconds of work."""
+    """Expected useful fraction of wall time when checkpointing every ``interval_s`` seconds of work;
+    for ``cost_s == 0`` and ``interval_s == 0`` the limit ``exp(-R/M)`` (continuous free checkpoints)."""
     if interval_s <= 0:
-        return 0.0
+        return math.exp(-restart_s / mtbf_s) if cost_s == 0 else 0.0
     m = mtbf_s
     return interval_s / (m * math.exp(restart_s / m) * math.expm1((interval_s + cost_s) / m))
 
@@ -85,6 +94,8 @@ def advise(
     if step_time_s:
         steps = max(1, round(t / step_time_s))
         t = steps * step_time_s
+    elif cost_s == 0:
+        t = 0.0  # as often as possible: at every step (goodput: the limit, see goodput())
     cur = None if current_interval_s is None else goodput(current_interval_s, cost_s, mtbf_s, restart_s)
     return Advice(t, math.sqrt(2 * cost_s * mtbf_s), goodput(t, cost_s, mtbf_s, restart_s), steps, current_interval_s, cur)
 

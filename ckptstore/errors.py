@@ -95,6 +95,22 @@ class VersionNotFoundError(CkptStoreError, FileNotFoundError):
     exit_code = 3
 
 
+def version_not_found(version: str, where: str, committed=()) -> VersionNotFoundError:
+    """The one "not found" of a named version (``show``, ``pin``, ``drop``, ``scrub --version``,
+    ``Store.get``): where it was looked for, the closest committed names when there are near misses
+    (``step-00018`` → "did you mean 'step-000180'?"), and where to see the versions."""
+    import difflib
+
+    close = difflib.get_close_matches(str(version), sorted(set(committed)), n=3, cutoff=0.75)
+    hint = ""
+    if len(close) == 1:
+        hint = f"; did you mean {close[0]!r}?"
+    elif close:
+        hint = "; did you mean one of " + ", ".join(repr(c) for c in close) + "?"
+    return VersionNotFoundError(f"version {version!r} is not committed in {where}{hint} "
+                                "('ckptstore list' shows the committed versions)")
+
+
 class StoreNotFoundError(CkptStoreError, FileNotFoundError):
     """No ckptstore store where one was named: a local root that does not exist, or an S3 prefix
     with nothing under ``versions/`` (never written to). An empty but existing root is a store."""
@@ -149,6 +165,12 @@ class StorageError(CkptStoreError):
     """The storage refused an operation permanently (permission denied, bad bucket, I/O error)."""
 
     exit_code = 7
+
+
+class ConditionalWritesError(StorageError):
+    """The S3 endpoint does not enforce put-if-absent (``If-None-Match: *``): it overwrote a key a
+    conditional PUT should have refused. Remote commits are refused there, since two writers could
+    both commit one version (docs/FORMAT.md, "Conditional writes")."""
 
 
 class TransientStorageError(StorageError):

@@ -61,7 +61,7 @@ import re
 from typing import Callable, Iterable, Mapping
 
 from . import _faults
-from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError
+from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError, version_not_found
 from .manifest import catalogue, layout, placement
 from .manifest.order import order_key
 from .manifest.schema import Manifest, parse
@@ -76,7 +76,7 @@ DEFAULT_GRACE = 3600.0
 #: to find out which ranks see the same root (docs/FORMAT.md, "Placement"); gc deletes probes older
 #: than the grace period and leaves anything else in it alone
 PROBES = "probes"
-_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+")
+_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+")
 
 UNCOMMIT = "uncommit"
 DELETE = "delete"
@@ -464,20 +464,22 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
 
 
 def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
-    """Root-sharing probes (``probes/r<rank>.<nonce>``) older than ``grace`` are deleted; younger
-    ones (a save setting up now) and anything else under ``probes/`` survive."""
+    """Root-sharing probes (``probes/r<rank>.<nonce>``) and conditional-write probes left by a killed
+    process (``probes/put-if-absent.<nonce>``) older than ``grace`` are deleted; younger ones (a save
+    setting up now) and anything else under ``probes/`` survive."""
     for info in s.probes:
         base = info.key[len(PROBES) + 1:]
         if not _PROBE_NAME.fullmatch(base):
             parts.survivors.append(Survivor(s.name, info.key, "not a root-sharing probe; left alone", info.size))
             continue
         age = now_ts - info.mtime
+        what = "conditional-write probe" if base.startswith(layout.CONDITIONAL_PROBE) else "root-sharing probe"
         if age >= grace:
             parts.garbage.append(Action(s.name, DELETE, info.key, "probe",
-                                        f"root-sharing probe; age {format_duration(age)} >= grace {format_duration(grace)}",
+                                        f"{what}; age {format_duration(age)} >= grace {format_duration(grace)}",
                                         size=info.size, mtime=info.mtime))
         else:
-            parts.survivors.append(Survivor(s.name, info.key, f"root-sharing probe younger than the grace period "
+            parts.survivors.append(Survivor(s.name, info.key, f"{what} younger than the grace period "
                                             f"(age {format_duration(age)} < {format_duration(grace)})", info.size))
 
 
@@ -743,8 +745,9 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
         raise CkptStoreError(f"version {version!r} is pinned (in the {' and '.join(pinned_in)} tier); "
                              "unpin it first ('ckptstore unpin'), or drop it with force")
     if not parts.uncommits:
-        raise VersionNotFoundError(f"version {version!r} is not in the {' or '.join(names) or 'no'} tier of this store; "
-                                   "run 'ckptstore list' to see the versions there")
+        committed = [v for n in names for v in catalogue.scan(all_tiers[n])]
+        raise version_not_found(version, " or ".join(f"the {n} tier ({all_tiers[n].url})" for n in names) or "no tier",
+                                committed)
     return GcPlan(now=now or _dt.datetime.now(_dt.timezone.utc), grace=0.0, policy=RetentionPolicy(),
                   tiers=[n for n in names if any(a.tier == n for a in parts.uncommits)], decisions=decisions,
                   actions=parts.actions(), survivors=parts.survivors, problems=[])

@@ -996,7 +996,8 @@ class CheckpointManager:
         finally:
             st.close()
 
-    def restore(self, state: dict[str, Any] | None = None, version: str | None = None) -> int | None:
+    def restore(self, state: dict[str, Any] | None = None, version: str | None = None, *,
+                allow_partial_load: bool | tuple = False) -> int | None:
         """Load the newest version in scope that every rank can load and verify (or ``version``) into
         ``state`` (default: the constructor's) in place; return its step, or None when there is no
         checkpoint (``state`` is left unchanged). :attr:`last_restore` then says what was loaded and
@@ -1020,11 +1021,15 @@ class CheckpointManager:
         When the version was saved by another world size (``reshard=True``), this rank's RNG states
         and ``per_rank_keys`` values are not restored (there is no copy for this rank);
         ``last_restore.rng_restored`` is False, so the caller can reseed.
+
+        ``allow_partial_load``: a ``state`` that asks for part of the version only — True, or a
+        tuple of key prefixes (DCP's flattened keys, e.g. ``("dataloader.",)``) that may stay unread
+        (see :class:`ckptstore.StorageReader`); default False: every stored key must be asked for.
         Raises what ``dcp.load`` raises (``ckptstore.errors`` types) when the version cannot be read."""
         t_wall = time.time()
         try:
             with self._group():
-                step = self._restore(state, version)
+                step = self._restore(state, version, allow_partial_load)
         except BaseException as e:
             self._restore_event(t_wall, None, e)
             raise
@@ -1051,7 +1056,7 @@ class CheckpointManager:
             fields.update(outcome="failed", error=f"{type(e).__name__}: {e}")
         self._emit("restore", **fields)
 
-    def _restore(self, state: dict[str, Any] | None, version: str | None) -> int | None:
+    def _restore(self, state: dict[str, Any] | None, version: str | None, partial: bool | tuple = False) -> int | None:
         state = self._state(state)
         t0 = time.monotonic()
         self.wait()
@@ -1075,6 +1080,7 @@ class CheckpointManager:
             sd = self._state_dict(state, for_load=True, per_rank=same_world)
             # resharded: the saving ranks' own values (RNG, per_rank_keys) have no rank here to go to
             unread = () if same_world else tuple(f"{k}/rank" for k in self.per_rank_keys) + ("rng/rank",)
+            unread = True if partial is True else unread + tuple(partial or ())
             reader = StorageReader(self.root, remote=self.remote, key=self._key, process_group=self._pg,
                                    allow_partial_load=unread or False, avoid=frozenset(bad),
                                    record_digests=self._writer.incremental and same_world, **self._reader_options)

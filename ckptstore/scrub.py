@@ -45,6 +45,8 @@ Exit codes (``ckptstore scrub``; also :attr:`ScrubReport.exit_code`), most sever
 
 ====  ======================  =========================================================
 10    ``EXIT_DAMAGE``         damage found and not (all) repaired
+5     ``EXIT_KEY``            no unrepaired damage, but the key given does not fit an
+                              encrypted version (``--deep``): the key's exit code, as everywhere
 12    ``EXIT_UNCHECKED``      no unrepaired damage, but something could not be checked
                               (key missing for ``--deep``, tier unreachable, read error)
 11    ``EXIT_REPAIRED``       damage found and all of it repaired
@@ -74,12 +76,14 @@ from .errors import (
     ObjectNotFoundError,
     UnsupportedFormatError,
     VersionNotFoundError,
+    version_not_found,
 )
 from .manifest import catalogue, layout, placement
 from .manifest.schema import ObjectEntry, utcnow
 from .tiers.base import Tier, tiers_of
 
 EXIT_CLEAN = 0
+EXIT_KEY = 5  # KeyMismatchError.exit_code
 EXIT_DAMAGE = 10
 EXIT_REPAIRED = 11
 EXIT_UNCHECKED = 12
@@ -145,6 +149,8 @@ class VersionCheck:
     mark: str | None = None  # "marked damaged" | "mark removed"
     #: the part of the version this tier holds and that was checked (None: not looked at)
     part: placement.Part | None = None
+    #: ``deep``: a key was given, but not the one this encrypted version was written with
+    wrong_key: bool = False
 
     @property
     def status(self) -> str:
@@ -171,6 +177,7 @@ class VersionCheck:
             "was_marked_damaged": self.was_marked,
             "mark": self.mark,
             "part": None if self.part is None else self.part.to_json(),
+            "wrong_key": self.wrong_key,
             "issues": [i.to_json() for i in self.issues],
             "objects": [o.to_json() for o in self.objects],
         }
@@ -188,6 +195,8 @@ class ScrubReport:
         st = [v.status for v in self.versions]
         if DAMAGED in st:
             return EXIT_DAMAGE
+        if any(v.wrong_key for v in self.versions):
+            return EXIT_KEY
         if UNCHECKED in st or self.unreachable:
             return EXIT_UNCHECKED
         if REPAIRED in st:
@@ -715,11 +724,8 @@ def scrub(
     report = ScrubReport(deep=deep, repair=repair)
     master = None
     key_problem = None
-    if deep:
-        try:
-            master = resolve_key(key if key is not None else getattr(store, "key", None))
-        except KeyMismatchError as e:
-            key_problem = str(e)
+    if deep:  # an invalid key, however given (key=, CKPTSTORE_KEY, CKPTSTORE_KEY_FILE): KeyMismatchError, exit 5
+        master = resolve_key(key if key is not None else getattr(store, "key", None))
     entries: dict[str, dict] = {}
     for name, t in tiers.items():
         problems: list = []
@@ -736,7 +742,8 @@ def scrub(
     names = {v for e in entries.values() for v in e}
     if version is not None:
         if version not in names and not report.unreachable and not report.versions:
-            raise VersionNotFoundError(f"version {version!r} is not committed in any tier of this store")
+            raise version_not_found(version, " or ".join(f"the {n} tier ({t.url})" for n, t in tiers.items()) or "no tier",
+                                    names)
         names &= {version}
     recs = catalogue.merge({n: {v: e[v] for v in names if v in e} for n, e in entries.items()})
     order = [r.version for r in recs]
@@ -815,6 +822,11 @@ def _check_divergence(holders: dict, checks: dict[str, VersionCheck]) -> None:
                 f"--tier {n}' (the {winner} copy stays), or let the pending upload replace it")))
 
 
+def _NO_KEY() -> None:
+    """A key provider with no key (not the environment's): for versions that are not encrypted."""
+    return None
+
+
 def _codec_for(vc: VersionCheck, te, master, key_problem) -> FrameCodec | None:
     """The frame codec for a deep check, or None (with an issue recorded) when not possible."""
     m = te.manifest
@@ -829,6 +841,7 @@ def _codec_for(vc: VersionCheck, te, master, key_problem) -> FrameCodec | None:
         data_key = unwrap_key(master, m.encryption["wrapped_key"], m.version, m.attempt, m.encryption["key_id"])
     except KeyMismatchError as e:
         vc.issues.append(Issue("key", str(e), UNCHECKED))
+        vc.wrong_key = True
         return None
     except IntegrityError:
         vc.issues.append(Issue("key", "the wrapped data key does not authenticate under the master key "
@@ -922,7 +935,9 @@ def _check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, 
     md = None
     if not tier.exists(layout.damaged_key(vc.version)):
         try:
-            reader = StorageReader(None, remote=tier, key=master, version=vc.version, allow_unencrypted=True)
+            # an unencrypted version needs no key: never fall back to CKPTSTORE_KEY for it
+            reader = StorageReader(None, remote=tier, key=master if master is not None else _NO_KEY,
+                                   version=vc.version, allow_unencrypted=True)
             md = reader.read_metadata()
         except KeyMismatchError as e:
             vc.issues.append(Issue("metadata", f"not checked: {e}", UNCHECKED))

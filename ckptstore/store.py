@@ -7,7 +7,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from .errors import DamagedVersionError, TransientStorageError, VersionNotFoundError
+from .errors import DamagedVersionError, TransientStorageError, VersionNotFoundError, version_not_found
 from .manifest import catalogue, layout, placement
 from .manifest.catalogue import VersionRecord
 from .manifest.schema import ParsedManifest
@@ -133,15 +133,14 @@ class Store:
         return view
 
     def get(self, version: str) -> VersionRecord:
-        for r in self.versions():
+        recs = self.versions()
+        for r in recs:
             if r.version == version:
                 return r
-        raise VersionNotFoundError(
-            f"version {version!r} is not committed in {self._where()}; run 'ckptstore list' to see what is"
-        )
+        raise version_not_found(version, self._where(), [r.version for r in recs])
 
     def _where(self) -> str:
-        return " or ".join(f"{n} tier {t.url}" for n, t in self.tiers.items()) or "no tier"
+        return " or ".join(f"the {n} tier ({t.url})" for n, t in self.tiers.items()) or "no tier"
 
     def manifest(self, version: str, tier: str | None = None) -> ParsedManifest:
         """The parsed manifest of ``version`` from ``tier`` (default: local if committed there, else remote)."""

@@ -42,6 +42,7 @@ if [ "$need_install" = 1 ]; then
     echo "demo.sh: installing torch and ckptstore[demo] into $VENV (scripts/setup.sh demo)"
     PYTHON="$PY" bash scripts/setup.sh demo
 fi
+outer=$(command -v ckptstore 2>/dev/null || true)  # what the caller's shell runs as `ckptstore`
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
@@ -52,4 +53,14 @@ for arg in "$@"; do
     fi
 done
 
-exec ckptstore demo "$@"
+set +e
+ckptstore demo "$@"
+rc=$?
+set -e
+help=0
+for arg in "$@"; do case "$arg" in -h|--help) help=1 ;; esac; done
+if [ "$help" = 0 ] && [ "$outer" != "$(command -v ckptstore)" ]; then
+  # the `$ ckptstore ...` lines above ran inside the venv; the caller's shell does not have it
+  echo "demo.sh: ckptstore is installed in $VENV; to run the commands above yourself: . $VENV/bin/activate  (or call $VENV/bin/ckptstore)"
+fi
+exit "$rc"

@@ -10,7 +10,13 @@
 #                              stock PyPI set-up on Linux that is the CUDA build (several GB). A
 #                              machine whose pip config points at a local wheel directory holding the
 #                              +cpu wheel (find-links, as on the project's build machines) gets that.
-# Environment: PYTHON (interpreter for a new venv, default python3), VENV (default .venv).
+# Environment: PYTHON (interpreter for a new venv, default python3), VENV (default .venv),
+# CKPTSTORE_REINSTALL=1 (install even when nothing changed).
+#
+# Installs once: a stamp ($VENV/.ckptstore-setup: pyproject.toml's hash, the extras, the torch version
+# and index) is written after a successful install, and a later run with the same stamp and an intact
+# install (torch, ckptstore pointing at this checkout) does nothing. Editing pyproject.toml (new
+# dependencies) or asking for other extras installs again.
 set -euo pipefail
 EXTRAS="${1:-test,demo}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,6 +26,18 @@ TORCH_VERSION="${CKPTSTORE_TORCH_VERSION:-2.13.0}"
 TORCH_INDEX="${CKPTSTORE_TORCH_INDEX:-}"
 PIP=(python -m pip install -q --disable-pip-version-check)
 
+STAMP="$VENV/.ckptstore-setup"
+WANT="pyproject=$("$PY" -c 'import hashlib,sys; print(hashlib.sha256(open(sys.argv[1],"rb").read()).hexdigest())' pyproject.toml) extras=$EXTRAS torch=$TORCH_VERSION index=$TORCH_INDEX"
+if [ "${CKPTSTORE_REINSTALL:-0}" != 1 ] && [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] \
+   && "$VENV/bin/python" - "$TORCH_VERSION" "$PWD" >/dev/null 2>&1 <<'PYEOF'
+import importlib.metadata as md, os, sys
+assert md.version("torch").split("+")[0] == sys.argv[1]
+import ckptstore  # the editable install of this checkout, not a copy
+assert os.path.dirname(os.path.dirname(os.path.abspath(ckptstore.__file__))) == os.path.abspath(sys.argv[2])
+PYEOF
+then
+  exit 0  # installed, and pyproject.toml unchanged since
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
@@ -34,3 +52,4 @@ else
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
 "${PIP[@]}" -e ".[${EXTRAS}]"
+echo "$WANT" > "$STAMP"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# README command 2: install everything into .venv and run the test suite.
-# Extra arguments go to pytest (e.g. -k core). CKPTSTORE_FULL=1 also runs the slow sweeps.
+# README command 2: install everything into .venv (once: again only when pyproject.toml changed,
+# see scripts/setup.sh) and run the test suite.
+# Extra arguments go to pytest (e.g. tests/test_cli.py -k json). CKPTSTORE_FULL=1 also runs the slow sweeps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test,demo

@@ -69,7 +69,9 @@ def _remote_versions(url):
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("kind", ["process", "thread"])
+@pytest.mark.parametrize("s3_server,kind", [("seaweedfs", "process"), ("seaweedfs", "thread"),
+                                            pytest.param("moto", "process", marks=pytest.mark.slow)],
+                         indirect=["s3_server"])
 def test_durability_local_upload_reaches_s3_after_close(tmp_path, s3_url, kind):
     outs = run_ranks(async_ranks.process_save_s3, 2, str(tmp_path), s3_url, "v1", kind, timeout=180)
     assert all(o["future"] == "ok" and o["close"] == "ok" for o in outs), outs

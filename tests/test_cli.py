@@ -350,7 +350,7 @@ def test_wrong_key_hint_names_the_cli_options(tmp_path):
     wrong = tmp_path / "wrong"
     wrong.write_bytes(base64.b64encode(bytes(range(1, 33))) + b"\n")
     r = cli("scrub", root, "--deep", "--key-file", wrong)
-    assert r.exit_code == 12
+    assert r.exit_code == 5  # the key's exit code (was 12)
     assert "key=" not in r.output and "(--key-file, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE)" in r.output
     assert crypto.KEY_SOURCES.startswith("key=")  # the library's own words are back after the command
 
@@ -433,3 +433,152 @@ def test_license_is_an_spdx_string():
 def test_testing_doc_does_not_call_a_fixed_bug_known():
     text = open(os.path.join(REPO, "docs", "TESTING.md")).read()
     assert "known bug" not in text
+
+
+# -- a first run that just works (README "The two commands"; the newcomer's findings) -------------------------
+def test_a_directory_that_is_not_a_store_says_so_and_points_at_the_store(tmp_path):
+    """``list`` on the folder above ``store/`` (the demo's ``demo-out/crash``) and on
+    ``store/versions``: not "no committed versions", exit 0 (before), but exit 9 naming the store."""
+    run = tmp_path / "crash"
+    save(run / "store", "v1", 1)
+    (run / "train.log").write_text("log\n")
+    r = cli("list", run)
+    assert r.exit_code == 9 and "not empty but holds no versions/" in r.stderr
+    assert os.path.relpath(run / "store") in r.stderr
+    r = cli("list", run / "store" / "versions")
+    assert r.exit_code == 9 and f"the versions/ directory of the store {str(run / 'store')!r}" in r.stderr
+    for cmd in (["scrub"], ["gc", "--dry-run"]):
+        assert cli(*cmd[:1], run, *cmd[1:]).exit_code == 9
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli("list", empty).exit_code == 0  # an empty directory is an empty store
+    assert cli("list", run / "store").exit_code == 0
+
+
+def test_json_errors_are_json_on_stdout(tmp_path):
+    save(tmp_path, "v1", 1)
+    for args, code, kind in ((["show", tmp_path, "nope"], 3, "VersionNotFoundError"),
+                             (["list", tmp_path / "missing"], 9, "StoreNotFoundError"),
+                             (["advise", "--mtbf", "0", "--cost", "1"], 2, "UsageError")):
+        r = cli(*args, "--json")
+        assert r.exit_code == code
+        err = json.loads(r.stdout)["error"]  # before: nothing on stdout
+        assert err["type"] == kind and err["exit_code"] == code and err["message"]
+        assert "error" in r.stderr.lower()  # the human line stays on stderr
+
+
+def test_advise_with_free_checkpoints_and_json_rounding():
+    r = cli("advise", "--mtbf", "6h", "--cost", "0")
+    assert r.exit_code == 0 and "every step" in r.stdout and "100.0%" in r.stdout  # before: "every 0.0 s ... 0.0%"
+    r = cli("advise", "--mtbf", "6h", "--cost", "0", "--restart", "2m", "--step-time", "0.8")
+    assert "every 1 step)" in r.stdout and "99.4%" in r.stdout
+    _, out = cli_json("advise", "--mtbf", "6h", "--cost", "2.5")
+    assert out["interval_s"] == 326.969 and out["goodput"] == 0.984863  # not 326.9689809635838
+
+
+def test_one_behaviour_for_a_bad_key_however_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("CKPTSTORE_KEY", raising=False)
+    monkeypatch.delenv("CKPTSTORE_KEY_FILE", raising=False)
+    plain, enc = tmp_path / "plain", tmp_path / "enc"
+    save(plain, "p1", 1)
+    save(enc, "e1", 1, key=bytes(range(32)))
+    bad = tmp_path / "bad"
+    bad.write_text("not-base64!\n")
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(base64.b64encode(bytes(range(1, 33))) + b"\n")
+    right = tmp_path / "right"
+    right.write_bytes(base64.b64encode(bytes(range(32))) + b"\n")
+    # an undecodable key: exit 5 at once, by any route (before: CKPTSTORE_KEY made an unencrypted store UNCHECKED, 12)
+    for root in (plain, enc):
+        assert cli("scrub", root, "--deep", "--key-file", bad).exit_code == 5
+        r = cli("scrub", root, "--deep", env={"CKPTSTORE_KEY": "not-base64!"})
+        assert r.exit_code == 5 and "CKPTSTORE_KEY is not valid base64" in r.stderr
+        assert cli("scrub", root, "--deep", env={"CKPTSTORE_KEY_FILE": str(bad)}).exit_code == 5
+    # a key that does not fit: 5 (before: 12), by any route
+    assert cli("scrub", enc, "--deep", "--key-file", wrong).exit_code == 5
+    assert cli("scrub", enc, "--deep", env={"CKPTSTORE_KEY_FILE": str(wrong)}).exit_code == 5
+    assert cli("scrub", enc, "--deep", "--key-file", right).exit_code == 0
+    # no key: still "could not check everything" (12)
+    assert cli("scrub", enc, "--deep").exit_code == 12
+    # a key nobody needs is said to be unused (before: silent)
+    r = cli("scrub", plain, "--deep", "--key-file", right)
+    assert r.exit_code == 0 and "is not used: no version checked is encrypted" in r.stderr
+    r = cli("scrub", plain, "--key-file", right)
+    assert r.exit_code == 0 and "only --deep decrypts" in r.stderr
+
+
+def test_version_not_found_is_one_message_with_near_misses(tmp_path):
+    for s in (18, 180):
+        save(tmp_path, f"step-{s:06d}", s)
+    msgs = []
+    for args in (["show", tmp_path, "step-00018"], ["pin", tmp_path, "step-00018"],
+                 ["drop", tmp_path, "step-00018", "--yes"], ["scrub", tmp_path, "--version", "step-00018"]):
+        r = cli(*args)
+        assert r.exit_code == 3
+        msgs.append(r.stderr)
+    assert len(set(msgs)) == 1, msgs  # before: three different wordings, no hint
+    assert "did you mean one of 'step-000180', 'step-000018'?" in msgs[0]
+    assert "did you mean" not in cli("show", tmp_path, "zzz").stderr
+
+
+def test_show_objects_is_a_table(tmp_path):
+    save(tmp_path, "v1", 1)
+    lines = cli("show", tmp_path, "v1", "--objects").stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.strip().startswith("OBJECT"))
+    table = lines[head:head + 3]
+    assert "1 frame " in "\n".join(table) + " " and "1 frames" not in "\n".join(table)
+    cols = [line.index("XXH3") if "XXH3" in line else len(line) - 16 for line in table]
+    assert len(set(cols)) == 1, table  # the digests start in one column
+
+
+def test_single_process_examples_print_no_torch_warning(tmp_path):
+    code = """
+import sys, warnings, torch, torch.distributed.checkpoint as dcp, ckptstore
+warnings.simplefilter("default")
+root = sys.argv[1]
+dcp.save({"w": torch.ones(3)}, checkpoint_id="v1", storage_writer=ckptstore.StorageWriter(root))
+sd = {"w": torch.zeros(3)}
+dcp.load(sd, checkpoint_id="v1", storage_reader=ckptstore.StorageReader(root))
+print(int(sd["w"].sum()))
+"""
+    p = python(code, tmp_path)
+    assert p.returncode == 0 and p.stdout.strip() == "3", p.stderr
+    assert "torch.distributed is disabled" not in p.stderr  # before: once for the save, once for the load
+
+
+def test_setup_installs_once_and_again_when_pyproject_changes(tmp_path):
+    """``scripts/test.sh`` runs ``scripts/setup.sh`` every time; it installs only when the stamp
+    (pyproject.toml's hash, extras, torch) differs or the install is broken (before: pip ran on every
+    call, ≈ 7 s). A fake venv whose ``python`` is this interpreter records what would be installed."""
+    import hashlib
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    shim = venv / "bin" / "python"
+    shim.write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "$*" >> {log}; exit 0; fi
+        PYTHONPATH={REPO} exec {sys.executable} "$@"
+        """))
+    shim.chmod(0o755)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    h = hashlib.sha256(open(os.path.join(REPO, "pyproject.toml"), "rb").read()).hexdigest()
+    env = {**os.environ, "VENV": str(venv), "CKPTSTORE_TORCH_VERSION": torch.__version__.split("+")[0]}
+    env.pop("CKPTSTORE_TORCH_INDEX", None)
+    (venv / ".ckptstore-setup").write_text(f"pyproject={h} extras=test,demo torch={env['CKPTSTORE_TORCH_VERSION']} index=\n")
+
+    def setup(*extras):
+        return subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh"), *extras], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    assert setup("test,demo").returncode == 0
+    assert not log.exists()  # stamp matches, install intact: nothing installed
+    p = setup("test")  # other extras (as after an edit of pyproject.toml): installs, and stamps
+    assert p.returncode == 0, p.stderr
+    assert "-e .[test]" in log.read_text()
+    assert (venv / ".ckptstore-setup").read_text().startswith(f"pyproject={h} extras=test ")
+    log.unlink()
+    assert setup("test").returncode == 0 and not log.exists()
+    (venv / ".ckptstore-setup").write_text("pyproject=0000 extras=test torch=x index=\n")  # pyproject.toml changed
+    assert setup("test").returncode == 0 and "-e .[test]" in log.read_text()

@@ -96,6 +96,7 @@ def test_crash_between_commit_and_copy_is_repaired_by_the_next_load(tmp_path):
     assert _versions(roots[1]) == ["v1", "v2"]  # repaired
 
 
+@pytest.mark.s3_both(moto_slow=True)
 def test_two_nodes_with_s3_restore_reads_no_remote_and_replaced_node_reads_only_its_part(tmp_path, s3_url):
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     pol = R.RetentionPolicy(per_tier={"local": (R.KeepLast(2),), "remote": (R.KeepLast(4),)})
@@ -117,6 +118,7 @@ def test_two_nodes_with_s3_restore_reads_no_remote_and_replaced_node_reads_only_
         assert o["remote_keys"] and all(k.endswith("/r00001.ckd") for k in o["remote_keys"]), o["remote_keys"]
 
 
+@pytest.mark.s3_both
 @pytest.mark.parametrize("durability", ["local", "remote"])
 def test_resaving_a_name_from_a_fresh_root_is_refused_before_any_commit(tmp_path, s3_url, durability):
     """Host 1 saves "v" and uploads it; host 2 (empty root, same remote) saves other data as "v":

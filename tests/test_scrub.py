@@ -233,7 +233,7 @@ def test_scrub_deep_encrypted(tmp_path):
     assert code == S.EXIT_CLEAN and out["versions"][0]["deep"] is True
     wrong = tmp_path / "wrong"
     wrong.write_bytes(os.urandom(32))
-    assert cli("scrub", root, "--deep", "--key-file", wrong, env=env).exit_code == S.EXIT_UNCHECKED
+    assert cli("scrub", root, "--deep", "--key-file", wrong, env=env).exit_code == S.EXIT_KEY  # 5 (was 12)
     code, out = cli_json("show", root, "v1")
     assert out["encrypted"] is True and out["key_id"] == ckptstore.codec.key_id(key)
 

@@ -153,12 +153,13 @@ def test_gc_deletes_old_probes_only(roots):
     pdir = os.path.join(a, "probes")
     shutil.rmtree(pdir, ignore_errors=True)  # the fixture's saves left their (fresh) probes
     os.makedirs(pdir)
-    for name in ("r0.old1", "r1.fresh", "notes.txt"):
+    for name in ("r0.old1", "r1.fresh", "notes.txt", "put-if-absent.00ff00ff00ff00ff"):
         with open(os.path.join(pdir, name), "w") as f:
             f.write("x")
     old = time.time() - 2 * 3600
-    os.utime(os.path.join(pdir, "r0.old1"), (old, old))
-    os.utime(os.path.join(pdir, "notes.txt"), (old, old))
+    # a conditional-write probe left by a killed process (docs/FORMAT.md, "Conditional writes")
+    for name in ("r0.old1", "notes.txt", "put-if-absent.00ff00ff00ff00ff"):
+        os.utime(os.path.join(pdir, name), (old, old))
     before = files_under(a, "versions/")
     code, out = cli_json("scrub", a)
     assert code == 0
@@ -167,7 +168,7 @@ def test_gc_deletes_old_probes_only(roots):
     code, out = cli_json("gc", a)
     assert code == 0
     probes = [x for x in out["plan"]["actions"] if x["kind"] == "probe"]
-    assert [x["key"] for x in probes] == ["probes/r0.old1"]
+    assert sorted(x["key"] for x in probes) == ["probes/put-if-absent.00ff00ff00ff00ff", "probes/r0.old1"]
     assert sorted(os.listdir(pdir)) == ["notes.txt", "r1.fresh"]
     assert files_under(a, "versions/") == before
 

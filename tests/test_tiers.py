@@ -78,10 +78,19 @@ class TestLocalTier(TierConformanceTests):
 
 
 @pytest.mark.s3
+@pytest.mark.s3_both
 class TestS3Tier(TierConformanceTests):
+    """The tier conformance suite on SeaweedFS and on moto (a second, independent implementation)."""
+
     list_count = 1100  # crosses S3's 1000-key page
     writer_size = 9 * MiB + 17  # larger than the 8 MiB part: exercises multipart streaming
     big_size = 5 * MiB  # ranges farther apart than the 1 MiB coalescing gap
+    # on moto in the slow set only: 1,100 PUTs (≈ 8 s), and retries of injected 503s (client-side)
+    moto_slow = ("test_list_pagination", "test_transient_errors_are_typed")
+
+    @pytest.fixture(autouse=True)
+    def _server(self, s3_server):
+        self.server = s3_server
 
     def make_tier(self):
         from ckptstore.tiers.s3 import S3Tier

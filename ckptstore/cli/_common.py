@@ -30,20 +30,34 @@ KEY_SOURCES = "--key-file, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
 # -- errors → exit codes (the one place) ---------------------------------------------------------------
 class Group(click.Group):
     """The ``ckptstore`` group: a :class:`CkptStoreError` raised by any command is printed as
-    ``error: <message>`` on stderr and the process exits with the error's ``exit_code``."""
+    ``error: <message>`` on stderr and the process exits with the error's ``exit_code``. With
+    ``--json`` the error is also written to stdout as ``{"error": {"type", "message", "exit_code"}}``
+    (usage errors too: type ``UsageError``, exit code 2), so a script reading stdout always gets JSON."""
 
     def invoke(self, ctx: click.Context):
         from ..codec import crypto
 
         setup_logging()
+        as_json = "--json" in [*(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", ()) or ()),
+                               *ctx.args]
         library_words, crypto.KEY_SOURCES = crypto.KEY_SOURCES, KEY_SOURCES
         try:
             return super().invoke(ctx)
         except CkptStoreError as e:
+            if as_json:
+                _json_error(type(e).__name__, str(e), e.exit_code)
             click.echo(f"error: {e}", err=True)
             ctx.exit(e.exit_code)
+        except click.ClickException as e:
+            if as_json:
+                _json_error(type(e).__name__, e.format_message(), e.exit_code)
+            raise
         finally:
             crypto.KEY_SOURCES = library_words
+
+
+def _json_error(kind: str, message: str, exit_code: int) -> None:
+    click.echo(json.dumps({"error": {"type": kind, "message": message, "exit_code": exit_code}}, indent=2))
 
 
 # -- library warnings ------------------------------------------------------------------------------------
@@ -117,6 +131,21 @@ def load_key(path: str):
     return crypto.load_key_file(path)
 
 
+def master_key(key_file: str | None) -> tuple[bytes | None, str | None]:
+    """``(key, where it came from)``: ``--key-file``, else ``CKPTSTORE_KEY``, else
+    ``CKPTSTORE_KEY_FILE``; ``(None, None)`` when none is set. A key that cannot be read or decoded
+    raises :class:`~ckptstore.errors.KeyMismatchError` (exit 5) naming its source, however given."""
+    from ..codec import crypto
+
+    if key_file:
+        return crypto.load_key_file(key_file), f"--key-file {key_file}"
+    if os.environ.get("CKPTSTORE_KEY"):
+        return crypto.resolve_key(None), "CKPTSTORE_KEY"
+    if os.environ.get("CKPTSTORE_KEY_FILE"):
+        return crypto.resolve_key(None), f"CKPTSTORE_KEY_FILE {os.environ['CKPTSTORE_KEY_FILE']}"
+    return None, None
+
+
 def open_store(root: str, remote: str | None, endpoint_url: str | None, key=None):
     """The :class:`~ckptstore.Store` at ``ROOT`` / ``--remote``, after checking that the tiers named
     are initialised stores (README "Command line", docs/FORMAT.md "An initialised store"):
@@ -171,9 +200,48 @@ def _check_local_root(root: str) -> None:
     if not os.access(root, os.R_OK | os.X_OK):
         raise StorageError(f"cannot read the store directory {root!r}: permission denied")
     try:
-        os.listdir(root)
+        names = os.listdir(root)
     except OSError as e:
         raise StorageError(f"cannot read the store directory {root!r}: {e.strerror}") from None
+    if names and not _STORE_ENTRIES.intersection(names):
+        raise StoreNotFoundError(f"no ckptstore store at {root!r}: the directory is not empty but holds no "
+                                 f"{_VERSIONS}/ (an empty directory is an empty store)" + _store_nearby(root))
+
+
+#: what the top of a local root holds (docs/FORMAT.md, "Layout by example"): a non-empty directory
+#: with none of these is not a store (a typo for the directory above or below one)
+_VERSIONS = "versions"
+_STORE_ENTRIES = frozenset({_VERSIONS, "probes", "restores.jsonl"})
+
+
+def _is_store(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, _VERSIONS))
+
+
+def _store_nearby(root: str) -> str:
+    """"; the store is at X" for a store just above or below ``root`` (``ROOT/versions`` named as
+    ROOT, or the directory that holds the store), else ""."""
+    here = os.path.abspath(root)
+    parent = os.path.dirname(here)
+    if os.path.basename(here) == _VERSIONS and _is_store(parent):
+        return f"; it is the {_VERSIONS}/ directory of the store {parent!r}: pass that as ROOT"
+    found = []
+    try:
+        for d in sorted(os.listdir(here)):
+            p = os.path.join(here, d)
+            if _is_store(p):
+                found.append(p)
+            elif os.path.isdir(p) and len(found) < 5:
+                try:
+                    found += [os.path.join(p, e) for e in sorted(os.listdir(p)) if _is_store(os.path.join(p, e))]
+                except OSError:
+                    pass
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    shown = ", ".join(repr(os.path.relpath(f)) for f in found[:5])
+    return f"; the store below it is {shown}" if len(found) == 1 else f"; stores below it: {shown}"
 
 
 # -- output ------------------------------------------------------------------------------------------------

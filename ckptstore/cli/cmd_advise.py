@@ -27,5 +27,5 @@ def advise(mtbf, cost, restart, step_time, as_json):
         emit_json(a.to_json())
     else:
         click.echo(str(a))
-        click.echo(f"  (Young's first-order interval: {format_seconds(a.young_s)}; MTBF {format_seconds(mtbf)}, "
-                   f"cost {cost:g} s, restart {restart:g} s)")
+        young = "" if cost == 0 else f"Young's first-order interval: {format_seconds(a.young_s)}; "
+        click.echo(f"  ({young}MTBF {format_seconds(mtbf)}, cost {cost:g} s, restart {restart:g} s)")

@@ -1,7 +1,8 @@
 """``ckptstore scrub``: verify every committed version's objects in each tier; optionally repair.
 
 Exits with :attr:`ckptstore.scrub.ScrubReport.exit_code`: 0 clean, 10 damage found (not all
-repaired), 11 damage found and all repaired, 12 something could not be checked.
+repaired), 11 damage found and all repaired, 5 the key given does not fit (or cannot be read),
+12 something could not be checked.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 
 import click
 
-from ._common import emit_json, key_file_option, load_key, open_store, progress, reported_here, store_options
+from ._common import emit_json, key_file_option, master_key, open_store, progress, reported_here, store_options
 
 
 @click.command("scrub")
@@ -31,16 +32,26 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
     checked whole.
 
     Exit codes: 0 clean; 10 damage found (not all repaired); 11 damage found and all repaired;
-    12 something could not be checked (key missing for --deep, tier unreachable); 9 no store at
-    ROOT / --remote.
+    5 key: the key given (--key-file, CKPTSTORE_KEY, CKPTSTORE_KEY_FILE) cannot be read or does not fit
+    an encrypted version; 12 something could not be checked (key missing for --deep, tier
+    unreachable); 9 no store at ROOT / --remote.
     """
     from .. import scrub as _scrub
 
-    key = load_key(key_file) if key_file else None
+    # one behaviour for a key however it is given (docs: README "Command line"): only --deep reads
+    # one; a key that cannot be decoded is exit 5 at once, a key that does not fit is exit 5 after
+    # the check, a key that no checked version needs is said to be unused
+    key = source = None
+    if deep:
+        key, source = master_key(key_file)
+    elif key_file:
+        click.echo(f"warning: --key-file {key_file} is not used: only --deep decrypts", err=True)
     st = open_store(root, remote, endpoint_url, key=key)
     with progress("scrub") as (set_total, advance), reported_here():
         report = _scrub.scrub(st, version=version_name, deep=deep, repair=repair, key=key, on_total=set_total, on_bytes=advance,
                                jobs=jobs)
+    if key is not None and report.versions and not any(v.encrypted for v in report.versions):
+        click.echo(f"warning: the key from {source} is not used: no version checked is encrypted", err=True)
     if as_json:
         emit_json(report.to_json())
     else:

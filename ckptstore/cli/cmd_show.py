@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._common import emit_json, human, one_note, open_store, pin_note, store_options
+from ._common import emit_json, human, one_note, open_store, pin_note, plural, store_options
 
 
 @click.command("show")
@@ -51,8 +51,14 @@ def show(root, remote, endpoint_url, as_json, version, list_objects):
     for n, d in per_tier.items():
         click.echo(f"{n + ' tier:':<15} " + _tier_line(d))
     if list_objects:
-        for o in m.all_objects():
-            click.echo(f"  {o.name}  {human(o.size)}  {o.frames} frames  rank {'-' if o.rank is None else o.rank}  xxh3 {o.digest}")
+        objs = m.all_objects()
+        rows = [(o.name, human(o.size), plural(o.frames, "frame"), "-" if o.rank is None else str(o.rank), o.digest)
+                for o in objs]
+        heads = ("OBJECT", "SIZE", "FRAMES", "RANK", "XXH3")
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(heads)]
+        right = (False, True, True, True, False)
+        for r in [heads, *rows]:
+            click.echo("  " + "  ".join(c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(r, widths, right)).rstrip())
 
 
 def _per_tier(st, version: str, current_attempt: str) -> dict[str, dict]:

@@ -123,4 +123,23 @@ def install_log_filter() -> None:
         lg.addFilter(_FILTER)
 
 
-__all__ = ["reject_unknown_kwargs", "check_metadata_loads", "value_digest", "install_log_filter"]
+# -- a first run: DCP's single-process warning when ckptstore knows the intent ---------------------
+def quiet_single_process() -> None:
+    """A ckptstore writer or reader made in a process without ``torch.distributed`` is for one
+    process: DCP's "torch.distributed is disabled, unavailable or uninitialized, assuming the intent
+    is to save (load) in a single process" warning says nothing new then, and is silenced (in this
+    process, for DCP's checkpoint modules only)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    warnings.filterwarnings(
+        "ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint",
+        message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) "
+                r"in a single process",
+    )
+
+
+__all__ = ["reject_unknown_kwargs", "check_metadata_loads", "value_digest", "install_log_filter", "quiet_single_process"]

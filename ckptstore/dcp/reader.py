@@ -58,7 +58,7 @@ from ..manifest import layout, placement
 from ..manifest.schema import Manifest, ObjectEntry
 from ..manifest.schema import parse as parse_manifest
 from ..store import Store
-from ._checks import install_log_filter, reject_unknown_kwargs
+from ._checks import install_log_filter, quiet_single_process, reject_unknown_kwargs
 from . import _job, _subclass
 from ._types import ItemLocation, PeerPlan
 
@@ -135,6 +135,7 @@ class StorageReader(_DCPStorageReader):
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
+        quiet_single_process()
         self.read_repair = read_repair
         self.avoid = frozenset(avoid)
         #: with ``record_digests``: ``{(fqn, offset): (XXH3-128, ItemLocation)}`` of the items loaded whole
@@ -188,7 +189,9 @@ class StorageReader(_DCPStorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            check_version(checkpoint_id if isinstance(checkpoint_id, str) else None)
+            # a path-like (``pathlib.Path("step-1")``) as ``reset`` takes it; frameworks that auto-detect
+            # the storage class ask this first
+            check_version(os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None)
             return True
         except Exception:
             return False

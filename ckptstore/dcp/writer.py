@@ -67,7 +67,7 @@ from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from ..tiers import LocalTier, make_remote
 from . import _liveness, _roots, _subclass
 from ._types import ItemLocation, LocalPlanData, ObjectReport, PlanData, ReplicaDigest, RootReport
-from ._checks import check_metadata_loads, reject_unknown_kwargs, value_digest
+from ._checks import check_metadata_loads, quiet_single_process, reject_unknown_kwargs, value_digest
 from ._metadata import ItemTable, ItemTables, pack_items
 from ._metadata import pack as pack_metadata
 from .staging import Stager
@@ -244,6 +244,7 @@ class StorageWriter(_DCPStorageWriter):
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
+        quiet_single_process()
         if compression not in ("auto", "none"):
             raise ValueError("compression must be 'auto' or 'none'")
         if durability not in ("local", "replicated", "remote"):
@@ -444,9 +445,11 @@ class StorageWriter(_DCPStorageWriter):
     # -- DCP contract --------------------------------------------------------------------------
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True for strings that are valid version names; never raises."""
+        """True for a valid version name, given as a string or a path-like; never raises."""
         try:
-            check_version(checkpoint_id if isinstance(checkpoint_id, str) else None)
+            # a path-like (``pathlib.Path("step-1")``) as ``reset`` takes it; frameworks that auto-detect
+            # the storage class ask this first
+            check_version(os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None)
             return True
         except Exception:
             return False

@@ -96,7 +96,8 @@ def ckptstore_cli(args: list[str], console: Console) -> int:
     text = (p.stdout + p.stderr).rstrip()
     for line in text.splitlines():
         console.print("  " + line, highlight=False, markup=False, soft_wrap=True)
-    console.print(f"  [dim](exit {p.returncode})[/dim]", highlight=False)
+    if not text.endswith(f"(exit {p.returncode})"):  # scrub's summary already ends with its exit code
+        console.print(f"  [dim](exit {p.returncode})[/dim]", highlight=False)
     return p.returncode
 
 

@@ -9,6 +9,7 @@
     versions/<enc(version)>/attempts/<attempt>/replicas.r00002.json  replicas rank 2 wrote into its root
     versions/<enc(version)>/.../.tmp-<random>              a local temporary file (garbage if left)
     probes/r00003.<nonce>                                  rank 3's root probe (local tier; see placement)
+    probes/put-if-absent.<nonce>                           conditional-write probe (S3; deleted at once)
     restores.jsonl                                         restore log of the jobs whose rank 0 used this root
 
 Every key and name of that layout is built or recognised here and nowhere else.
@@ -147,6 +148,15 @@ def version_of_key(key: str) -> str | None:
 def probe_key(rank: int, nonce: int) -> str:
     """Rank ``rank``'s probe file: its presence in a root says that rank writes to this root."""
     return f"{PROBES}/r{rank:05d}.{nonce:016x}"
+
+
+#: name prefix of the conditional-write probes of the remote tier (docs/FORMAT.md, "Conditional writes")
+CONDITIONAL_PROBE = "put-if-absent."
+
+
+def conditional_probe_key() -> str:
+    """A fresh key for the probe that checks whether an S3 endpoint enforces ``If-None-Match: *``."""
+    return f"{PROBES}/{CONDITIONAL_PROBE}{secrets.token_hex(8)}"
 
 
 def probe_of(name: str) -> tuple[int, int] | None:

@@ -44,7 +44,17 @@ put-if-absent → :class:`ObjectExistsError`; throttling codes, 5xx, 429 and con
 Writes
 ------
 * ``put`` is a single PUT up to one part size, else a parallel multipart upload.
-* ``put_if_absent`` is a PUT with ``If-None-Match: *``. If the PUT was retried by botocore and
+* ``put_if_absent`` is a PUT with ``If-None-Match: *``. Some S3-compatible servers accept the header
+  and ignore it (an emulator answered 200 and overwrote, pithings/mountx #19; Ceph's conformance
+  suite does not test conditional writes, ceph/s3-tests #583), so before the first ``put_if_absent``
+  of a process to an endpoint and prefix the tier checks that the endpoint enforces it: it writes a
+  probe key ``probes/put-if-absent.<nonce>`` under the prefix twice with ``If-None-Match: *``,
+  expects 412 the second time, and deletes it. The answer is cached per process for that endpoint,
+  bucket and prefix. An endpoint that overwrites raises
+  :class:`~ckptstore.errors.ConditionalWritesError` from every ``put_if_absent`` (so every remote
+  commit is refused), naming the endpoint and the opt-out: ``conditional_writes="trust"`` (or
+  ``CKPTSTORE_S3_CONDITIONAL_WRITES=trust``) for servers known to serialise writers another way
+  (docs/FORMAT.md, "Conditional writes"). If the PUT was retried by botocore and
   the final answer is 412, the stored object's ETag is compared with the MD5 of our body: an
   earlier attempt of *this* call may have landed with its response lost. A ``409
   ConditionalRequestConflict`` (another conditional write in flight) is retried a few times,
@@ -89,6 +99,7 @@ from botocore.config import Config
 from .. import _faults
 from .._names import check_key
 from ..errors import (
+    ConditionalWritesError,
     IntegrityError,
     InvalidNameError,
     ObjectExistsError,
@@ -99,6 +110,13 @@ from ..errors import (
 from .base import ObjectInfo, ObjectWriter, Tier
 
 __all__ = ["S3Tier", "MultipartUploadInfo", "PartUpload", "part_size_for", "parse_s3_url"]
+
+#: ``CKPTSTORE_S3_CONDITIONAL_WRITES``: the default of ``S3Tier(conditional_writes=...)``
+CONDITIONAL_WRITES_ENV = "CKPTSTORE_S3_CONDITIONAL_WRITES"
+_CONDITIONAL_MODES = ("verify", "trust")
+#: (endpoint, bucket, prefix) -> None (enforced) or the reason it is not: the probe's answers
+_conditional: dict[tuple[str, str, str], str | None] = {}
+_conditional_lock = threading.Lock()
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -393,7 +411,10 @@ class S3Tier(Tier):
     ``max_coalesced`` (``get_ranges`` merges ranges closer than the gap into one GET of at most
     that many bytes),
     ``connect_timeout`` / ``read_timeout`` (seconds), ``list_page_size`` (keys per LIST request;
-    default: the server's maximum, 1000 on S3), ``payload_signing`` (see below).
+    default: the server's maximum, 1000 on S3), ``payload_signing`` (see below),
+    ``conditional_writes``: ``"verify"`` (default, or ``$CKPTSTORE_S3_CONDITIONAL_WRITES``): before the
+    first ``put_if_absent`` check once per process that the endpoint enforces ``If-None-Match: *``
+    (module docstring); ``"trust"``: do not check (servers known to serialise writers another way).
 
     Request bodies are not part of the SigV4 signature (``UNSIGNED-PAYLOAD``, botocore's
     ``payload_signing_enabled=False``) unless ``payload_signing=True``: every PUT and UploadPart
@@ -426,8 +447,14 @@ class S3Tier(Tier):
         read_timeout: float = 60.0,
         list_page_size: int | None = None,
         payload_signing: bool = False,
+        conditional_writes: str | None = None,
     ):
         self.bucket, self.prefix = parse_s3_url(url)
+        if conditional_writes is None:
+            conditional_writes = os.environ.get(CONDITIONAL_WRITES_ENV) or "verify"
+        if conditional_writes not in _CONDITIONAL_MODES:
+            raise ValueError(f"conditional_writes must be 'verify' or 'trust' (also ${CONDITIONAL_WRITES_ENV}), "
+                             f"got {conditional_writes!r}")
         self.url = f"s3://{self.bucket}/{self.prefix}"
         if not 1 <= max_parts <= 10000:
             raise ValueError(f"max_parts must be in [1, 10000], got {max_parts}")
@@ -453,7 +480,9 @@ class S3Tier(Tier):
             read_timeout=read_timeout,
             list_page_size=list_page_size,
             payload_signing=bool(payload_signing),
+            conditional_writes=conditional_writes,
         )
+        self.conditional_writes = conditional_writes
         self.list_page_size = list_page_size
         self.endpoint_url = endpoint_url
         self.max_parts = max_parts
@@ -802,6 +831,80 @@ class S3Tier(Tier):
     def put_if_absent(self, key: str, data) -> None:
         full = self._full(key)
         mv = memoryview(data).cast("B")
+        if self.conditional_writes == "verify":
+            self.check_conditional_writes()
+        self._put_if_absent(key, full, data, mv)
+
+    def check_conditional_writes(self) -> None:
+        """Raise :class:`~ckptstore.errors.ConditionalWritesError` unless this endpoint enforces
+        put-if-absent under this prefix (module docstring; one probe per process, endpoint, bucket and
+        prefix, answer cached). :class:`~ckptstore.errors.TransientStorageError` and other storage
+        errors of the probe's requests are raised as they are (and not cached)."""
+        where = (str(self.client.meta.endpoint_url), self.bucket, self.prefix)
+        with _conditional_lock:
+            known = where in _conditional
+            why = _conditional.get(where)
+        if not known:
+            why = self._probe_conditional_writes()
+            with _conditional_lock:
+                _conditional[where] = why
+        if why is not None:
+            raise ConditionalWritesError(
+                f"the S3 endpoint {where[0]} does not enforce put-if-absent (If-None-Match: *) for "
+                f"s3://{self.bucket}/{self.prefix}: {why}. Two writers could both commit one version there, so "
+                "ckptstore refuses remote commits. Use a server that answers 412 PreconditionFailed to a "
+                "conditional PUT of an existing key (AWS S3, MinIO, SeaweedFS, moto); if the writers of this "
+                f"prefix are serialised another way, opt out with {CONDITIONAL_WRITES_ENV}=trust "
+                "(or S3Tier(url, conditional_writes='trust'))"
+            )
+
+    def _probe_conditional_writes(self) -> str | None:
+        """None when a second conditional PUT of a fresh probe key is refused with 412 (and the first
+        body stays), else what the endpoint did instead. The probe is deleted either way."""
+        from ..manifest.layout import conditional_probe_key
+
+        key = conditional_probe_key()
+        full = self._full(key)
+        first, second = b"ckptstore put-if-absent probe 1\n", b"ckptstore put-if-absent probe 2\n"
+        try:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=full, Body=first, IfNoneMatch="*")
+            except bce.ClientError as e:
+                code, status = _code(e)
+                if code in _PRECONDITION and self._is_ours(key, memoryview(first)):
+                    pass  # a retried first PUT: the earlier try landed
+                elif code in _TRANSIENT or (status >= 500 and status != 501) or status == 429:
+                    raise self._error(e, "conditional PUT of", key) from e
+                elif code in ("AccessDenied", "403") or code in _BAD_CREDENTIALS or code == "NoSuchBucket":
+                    raise self._error(e, "conditional PUT of", key) from e
+                else:
+                    return f"a conditional PUT of a new key was answered {code} (HTTP {status})"
+            except bce.BotoCoreError as e:
+                raise self._error(e, "conditional PUT of", key) from e
+            for attempt in range(6):
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=full, Body=second, IfNoneMatch="*")
+                except bce.ClientError as e:
+                    code, _status = _code(e)
+                    if code in _PRECONDITION:
+                        break
+                    if code in _CONFLICT and attempt < 5:
+                        time.sleep(0.05 * 2**attempt)
+                        continue
+                    raise self._error(e, "conditional PUT of", key) from e
+                except bce.BotoCoreError as e:
+                    raise self._error(e, "conditional PUT of", key) from e
+                return f"a second conditional PUT of the probe key {self._where(key)} succeeded (expected 412)"
+            if self.get(key) != first:
+                return f"the probe key {self._where(key)} was overwritten although the second PUT got 412"
+            return None
+        finally:
+            try:
+                self.delete(key)
+            except Exception:  # noqa: BLE001 - a leftover probe is garbage for gc (probes/, after the grace period)
+                pass
+
+    def _put_if_absent(self, key: str, full: str, data, mv: memoryview) -> None:
         for attempt in range(6):
             try:
                 _faults.point("s3.put_if_absent")

@@ -26,8 +26,23 @@ import xml.etree.ElementTree as ET
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
-# case id (file::class::name) -> why ckptstore deliberately behaves differently (docs/TESTING.md)
-EXPECTED_DIFFERENCES: dict[str, str] = {}
+# "Class::test" (matched at the end of the case id pytest's junit report gives: its classname carries
+# the module's dotted path, which depends on where the files were copied) -> why ckptstore
+# deliberately behaves differently (docs/TESTING.md, "PyTorch's own DCP tests")
+EXPECTED_DIFFERENCES: dict[str, str] = {
+    # e2e/test_e2e_save_and_load.py: saves model and optimizer, loads the model alone
+    "TestE2ESaveAndLoad::test_partial_load": (
+        "ckptstore refuses to leave checkpoint keys unread unless allow_partial_load=True "
+        "(StateDictKeysError; README 'Use it'), where DCP's reader drops them silently"),
+}
+
+
+def expected_difference(cid: str) -> str | None:
+    """Why case ``cid`` (``module.path.Class::test``) deliberately fails with ckptstore, or None."""
+    for key, why in EXPECTED_DIFFERENCES.items():
+        if cid == key or cid.endswith("." + key):
+            return why
+    return None
 
 
 def run(files: list[str], shim: bool, extra: list[str]) -> dict[str, str]:
@@ -82,9 +97,9 @@ def main() -> int:
         b, o = base.get(cid, "-"), ours.get(cid, "-")
         note = ""
         if b == "passed" and not o.startswith("passed"):
-            note = EXPECTED_DIFFERENCES.get(cid, "")
-            note = f"  [deliberate: {note}]" if note else "  [REGRESSION]"
-            ok = ok and bool(EXPECTED_DIFFERENCES.get(cid))
+            why = expected_difference(cid)
+            note = f"  [deliberate: {why}]" if why else "  [REGRESSION]"
+            ok = ok and why is not None
         print(f"{cid}\n    baseline: {b}\n    ckptstore: {o}{note}")
     ran = [c for c in ours if ours[c] != "skipped"]
     passed = [c for c in ran if ours[c] == "passed"]

@@ -1,0 +1,91 @@
+"""The ckptstore side of the torchtitan integration; imports nothing of torchtitan.
+
+:func:`open_manager` makes the :class:`ckptstore.CheckpointManager` that does every save, load,
+discovery and prune of a torchtitan job, from the options of torchtitan's checkpoint config;
+:func:`adapt` turns torchtitan's (flattened) state dict into one that manager saves and loads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from ..errors import CkptStoreError
+
+#: torchtitan's version names: ``step-N`` (``CheckpointManager._create_checkpoint_id``)
+PREFIX = "step-"
+DURABILITY = ("local", "replicated", "remote")
+
+
+class _Stateful:
+    """A ``state_dict()``/``load_state_dict()`` object shown to the manager as just that: torchtitan's
+    ``OptimizersContainer`` is a ``torch.optim.Optimizer``, which the manager would save through
+    ``get_optimizer_state_dict`` with one module (torchtitan flattens the model instead)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> dict:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.obj.load_state_dict(sd)
+
+
+def adapt(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torchtitan's state dict (model tensors flattened at the top, ``optimizer``, ``lr_scheduler``,
+    ``dataloader``, ``train_state`` as ``Stateful`` objects) as the manager's ``state``: tensors and
+    plain values as they are (loaded in place), stateful objects behind :class:`_Stateful`; keys,
+    and so the stored layout, unchanged."""
+    out: dict[str, Any] = {}
+    for k, v in state_dict.items():
+        out[k] = _Stateful(v) if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") else v
+    return out
+
+
+def step_of(version: str) -> int:
+    m = re.fullmatch(re.escape(PREFIX) + r"(\d+)", version)
+    if m is None:
+        raise CkptStoreError(f"{version!r} is not a torchtitan checkpoint name ({PREFIX}N)")
+    return int(m.group(1))
+
+
+def is_version(checkpoint_id: str) -> bool:
+    """``checkpoint_id`` names a version of the store (``step-N``), not a directory (an
+    ``initial_load_path``, an HF folder: absolute paths or URIs)."""
+    return isinstance(checkpoint_id, str) and re.fullmatch(re.escape(PREFIX) + r"\d+", checkpoint_id) is not None
+
+
+def open_manager(folder: str, *, async_mode: str, keep_latest_k: int, remote: str | None, key_file: str | None,
+                 durability: str, endpoint_url: str | None):
+    """The :class:`ckptstore.CheckpointManager` of a torchtitan job (collective: every rank calls it).
+
+    ``folder``: torchtitan's ``dump_folder``/``checkpoint.folder``, the local root (a directory;
+    S3 goes in ``remote``). ``async_mode``: ``"disabled"`` and ``"async"`` save on the manager's
+    worker thread, ``"async_with_pinned_mem"`` in DCP's checkpoint subprocess (PROCESS).
+    ``keep_latest_k`` > 0: retention ``KeepLast(k)`` in every tier, applied after each commit.
+    ``key_file``: the master key (else ``CKPTSTORE_KEY`` / ``CKPTSTORE_KEY_FILE``)."""
+    from .. import CheckpointManager
+    from ..retention import KeepLast, RetentionPolicy
+
+    if "://" in folder:
+        raise CkptStoreError(
+            f"checkpoint.folder {folder!r} is a URI; with ckptstore it is the local root (a directory), "
+            "and S3 is given as remote (override kwarg {\"remote\": \"s3://bucket/prefix\"})")
+    if durability not in DURABILITY:
+        raise CkptStoreError(f"durability must be one of {DURABILITY}, got {durability!r}")
+    key = None
+    if key_file:
+        from ..codec.crypto import load_key_file
+
+        key = load_key_file(os.path.expanduser(key_file))
+    retention = RetentionPolicy(rules=(KeepLast(keep_latest_k),)) if keep_latest_k > 0 else None
+    extra = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    return CheckpointManager(
+        folder, None, remote=remote, key=key, interval_steps=1, retention=retention, durability=durability,
+        executor="process" if async_mode == "async_with_pinned_mem" else "thread", save_rng=False,
+        prefix=PREFIX, **extra,
+    )
