@@ -15,35 +15,21 @@ its main thread) dies, and stopped at interpreter exit. :class:`MotoServer` has 
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 
-from .seaweed import HOST, REGION, _die_with_parent, _free_ports, _libc
+from ._server import HOST, LoopbackServer
+from .seaweed import _free_ports
 
 __all__ = ["MotoServer", "MotoError", "find_moto", "ACCESS_KEY", "SECRET_KEY"]
 
 ACCESS_KEY = "ckptstore-moto"
 SECRET_KEY = "ckptstore-moto-secret-key"
-
-_started: "set[MotoServer]" = set()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for m in list(_started):
-        try:
-            m.kill()
-        except Exception:
-            pass
 
 
 class MotoError(RuntimeError):
@@ -65,79 +51,36 @@ def find_moto() -> list[str]:
     return [sys.executable, "-m", "moto.server"]
 
 
-class MotoServer:
+class MotoServer(LoopbackServer):
     """One ``moto_server`` process on loopback; ``buckets`` are created at every start."""
 
+    access_key, secret_key = ACCESS_KEY, SECRET_KEY
+    stop_timeout = 10.0
+
     def __init__(self, *, buckets: tuple[str, ...] = (), startup_timeout: float = 60.0, log_path: str | None = None):
+        super().__init__()
         self.cmd = find_moto()
         self.buckets = tuple(buckets)
         self.startup_timeout = startup_timeout
         self._dir = tempfile.mkdtemp(prefix="ckptstore-moto-")
         self.log_path = log_path or os.path.join(self._dir, "moto.log")
         self.port: int | None = None
-        self.proc: subprocess.Popen | None = None
-        self._log = None
 
     @property
     def endpoint(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": REGION,
-            "AWS_REGION": REGION,
-        }
-
     def client(self, *, readonly: bool = False):
         if readonly:
             raise MotoError("moto does not check credentials: there is no read-only identity")
-        import boto3
-        from botocore.config import Config
-
-        return boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
-            region_name=REGION, config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 4},
-                                              connect_timeout=5, read_timeout=30),
-        )
-
-    def create_bucket(self, name: str) -> str:
-        c = self.client()
-        try:
-            c.create_bucket(Bucket=name)
-        except (c.exceptions.BucketAlreadyOwnedByYou, c.exceptions.BucketAlreadyExists):
-            pass
-        finally:
-            c.close()
-        return name
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return super().client()
 
     def start(self) -> "MotoServer":
         if self.running:
             return self
         if self.port is None:
             self.port = _free_ports(1)[0]
-        self._log = open(self.log_path, "ab")
-        on_main = threading.current_thread() is threading.main_thread()
-        self.proc = subprocess.Popen(
-            [*self.cmd, "-H", HOST, "-p", str(self.port)], stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent if on_main and _libc is not None else None,
-        )
-        _started.add(self)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.kill()
-            raise
-        for b in self.buckets:
-            self.create_bucket(b)
+        self._spawn([*self.cmd, "-H", HOST, "-p", str(self.port)])
         return self
 
     def _wait_ready(self) -> None:
@@ -157,51 +100,6 @@ class MotoServer:
         raise MotoError(f"moto at {self.endpoint} did not answer within {self.startup_timeout:.0f}s ({last}); "
                         f"log {self.log_path}:\n{self.log_tail()}")
 
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def _signal(self, sig: int) -> None:
-        if self.running:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None:
-            return
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.proc.wait()
-        self._closed()
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        self._signal(signal.SIGKILL)
-        self.proc.wait()
-        self._closed()
-
-    def _closed(self) -> None:
-        self.proc = None
-        _started.discard(self)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> "MotoServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()

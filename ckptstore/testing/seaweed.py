@@ -33,23 +33,21 @@ The ``weed`` binary is looked up in ``$CKPTSTORE_WEED``, next to the running Pyt
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import ctypes
 import json
 import os
 import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
+
+from ._server import HOST, REGION, LoopbackServer
 
 __all__ = [
     "SeaweedServer",
@@ -68,8 +66,6 @@ ACCESS_KEY = "ckptstore-test"
 SECRET_KEY = "ckptstore-test-secret-key"
 READONLY_ACCESS_KEY = "ckptstore-readonly"
 READONLY_SECRET_KEY = "ckptstore-readonly-secret-key"
-REGION = "us-east-1"
-HOST = "127.0.0.1"
 _PROBE_BUCKET = "ckptstore-seaweed-probe"
 
 _PORTS = (
@@ -84,28 +80,6 @@ _PORTS = (
     "admin.port",
     "admin.port.grpc",
 )
-
-
-_started: "set[SeaweedServer]" = set()
-
-
-@atexit.register
-def _stop_all() -> None:  # never leave a server behind when the interpreter exits
-    for sw in list(_started):
-        try:
-            sw.kill()
-        except Exception:
-            pass
-
-
-try:
-    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-except OSError:  # pragma: no cover
-    _libc = None
-
-
-def _die_with_parent():  # runs in the child between fork and exec
-    _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class SeaweedError(RuntimeError):
@@ -163,10 +137,12 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-class SeaweedServer:
+class SeaweedServer(LoopbackServer):
     """One ``weed mini`` process. ``dir`` defaults to a fresh temporary directory (removed by
     :meth:`close` / the context manager; a given ``dir`` is kept). ``log_path`` (default
     ``<dir>/weed.log``) receives the server's output; ``buckets`` are created at every start."""
+
+    access_key, secret_key = ACCESS_KEY, SECRET_KEY
 
     def __init__(
         self,
@@ -177,6 +153,7 @@ class SeaweedServer:
         buckets: tuple[str, ...] = (),
         log_path: str | os.PathLike | None = None,
     ):
+        super().__init__()
         self.weed = weed or find_weed()
         self._own_dir = dir is None
         if dir is None:
@@ -189,8 +166,6 @@ class SeaweedServer:
         self.startup_timeout = startup_timeout
         self.buckets = tuple(buckets)
         self.ports: dict[str, int] = {}
-        self.proc: subprocess.Popen | None = None
-        self._log = None
 
     # --- addresses and credentials ---
 
@@ -199,54 +174,13 @@ class SeaweedServer:
         """``http://127.0.0.1:PORT`` of the S3 gateway."""
         return f"http://{HOST}:{self.ports['s3.port']}"
 
-    @property
-    def env(self) -> dict[str, str]:
-        """Environment that points the standard boto3 chain at this server."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": REGION,
-            "AWS_REGION": REGION,
-        }
-
     def client(self, *, readonly: bool = False):
         """A boto3 S3 client for this server (full access, or the read-only identity)."""
-        import boto3
-        from botocore.config import Config
-
-        return boto3.session.Session().client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=READONLY_ACCESS_KEY if readonly else ACCESS_KEY,
-            aws_secret_access_key=READONLY_SECRET_KEY if readonly else SECRET_KEY,
-            region_name=REGION,
-            config=Config(
-                s3={"addressing_style": "path"},
-                retries={"mode": "standard", "max_attempts": 4},
-                connect_timeout=5,
-                read_timeout=30,
-            ),
-        )
-
-    def create_bucket(self, name: str) -> str:
-        """Create ``name`` (an existing bucket is fine); returns it."""
-        c = self.client()
-        try:
-            c.create_bucket(Bucket=name)
-        except c.exceptions.BucketAlreadyOwnedByYou:
-            pass
-        except c.exceptions.BucketAlreadyExists:
-            pass
-        finally:
-            c.close()
-        return name
+        if readonly:
+            return self._client(READONLY_ACCESS_KEY, READONLY_SECRET_KEY)
+        return super().client()
 
     # --- lifecycle ---
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def _write_config(self) -> None:
         cfg = {
@@ -295,38 +229,10 @@ class SeaweedServer:
             self.ports = dict(zip(_PORTS, _free_ports(len(_PORTS))))
         os.makedirs(self.data_dir, exist_ok=True)
         self._write_config()
-        self._log = open(self.log_path, "ab")
-        banner = f"\n=== start {time.strftime('%H:%M:%S')}: {' '.join(self.command())}\n"
-        self._log.write(banner.encode())
-        self._log.flush()
-        # PR_SET_PDEATHSIG fires when the *thread* that started it ends, so only from main
-        on_main = threading.current_thread() is threading.main_thread()
-        self.proc = subprocess.Popen(
-            self.command(),
-            cwd=self.dir,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a Ctrl-C in the terminal goes to us, not to weed
-            preexec_fn=_die_with_parent if on_main and _libc is not None else None,
-        )
-        _started.add(self)
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.kill()
-            raise
-        for b in self.buckets:
-            self.create_bucket(b)
+        with open(self.log_path, "ab") as f:
+            f.write(f"\n=== start {time.strftime('%H:%M:%S')}: {' '.join(self.command())}\n".encode())
+        self._spawn(self.command(), cwd=self.dir)
         return self
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Until a signed ListBuckets succeeds; :class:`SeaweedError` with the log tail if not."""
@@ -367,6 +273,9 @@ class SeaweedServer:
             if client is not None:
                 client.close()
 
+    def _wait_ready(self) -> None:
+        self.wait_ready()
+
     def _probe(self, client) -> None:
         """Ready means: ListBuckets works, the probe object of an earlier run (if any) reads back
         (old volumes are registered again after a restart), and a new object writes and reads."""
@@ -382,56 +291,16 @@ class SeaweedServer:
         if client.get_object(Bucket=_PROBE_BUCKET, Key="probe")["Body"].read() != token:
             raise SeaweedError("probe object read back wrong")
 
-    def _signal(self, sig: int) -> None:
-        if self.running:
-            try:
-                os.killpg(self.proc.pid, sig)  # weed runs in its own session/group
-            except ProcessLookupError:
-                pass
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
-        if self.proc is None:
-            return
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.proc.wait()
-        self._closed_proc()
-
-    def kill(self) -> None:
-        """SIGKILL now (a crash: nothing is flushed); :meth:`start` brings it back."""
-        if self.proc is None:
-            return
-        self._signal(signal.SIGKILL)
-        self.proc.wait()
-        self._closed_proc()
-
     def restart(self, *, hard: bool = False) -> "SeaweedServer":
         """Stop (SIGKILL if ``hard``) and start again on the same directory and ports."""
         self.kill() if hard else self.stop()
         return self.start()
-
-    def _closed_proc(self) -> None:
-        self.proc = None
-        _started.discard(self)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     def close(self) -> None:
         """Stop, and remove the directory if this object created it."""
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> "SeaweedServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 @contextlib.contextmanager
