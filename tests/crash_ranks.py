@@ -1,4 +1,4 @@
-"""Rank bodies and state builders for the crash, race and full-disk tests (issue 6).
+"""Rank bodies and state builders for the crash, race and full-disk tests.
 
 Module-level so that spawned ranks (``ckptstore.testing.dist``) can import them.
 

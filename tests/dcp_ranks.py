@@ -171,7 +171,7 @@ def s3_load(rank, world, root, remote, version, seed, key=None):
     )
 
 
-# ---- equal values, different pickles (issue 12 item 5) ---------------------------------------
+# ---- equal values, different pickles ---------------------------------------
 TAGS = {f"tag-{i:02d}" for i in range(12)}
 
 

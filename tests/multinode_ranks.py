@@ -1,4 +1,4 @@
-"""Per-rank body of the two-node ``torchrun`` tests (tests/test_multinode.py, issue 10).
+"""Per-rank body of the two-node ``torchrun`` tests (tests/test_multinode.py).
 
 Run by ``python -m torch.distributed.run ... tests/multinode_ranks.py PHASE [options]`` on every
 rank. The rank's local root comes from the environment (``CKPT_ROOT``): every rank of one node agent
@@ -15,7 +15,7 @@ Phases:
             newest version every rank can load), into a blank state of this world size (a
             resharded load when it differs from ``--save-world``); compares bytes with what was
             saved and reports ``reader.stats``.
-``resave``  (issue 10 item 7) for each durability: a fresh root ``<CKPT_ROOT>/<durability>`` and the
+``resave``  for each durability: a fresh root ``<CKPT_ROOT>/<durability>`` and the
             same ``--remote``; saving ``--versions`` (names that exist remotely) must raise, then
             the name must load from that root with the original data (``--expect-salt``).
 

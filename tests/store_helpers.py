@@ -109,7 +109,7 @@ def obj_path(root, version, name) -> str:
 
 
 
-# -- versions split over two node-local roots (issue 10; docs/FORMAT.md "Placement") ---------------------------
+# -- versions split over two node-local roots (docs/FORMAT.md "Placement") ---------------------------
 def split_rank_state(rank: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed * 100 + rank)
     return {f"r{rank}": torch.randn(8192, generator=g), "shared": torch.arange(seed, seed + 50)}

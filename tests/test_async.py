@@ -1,4 +1,4 @@
-"""Issue 11: async saves as training uses them — overlapping saves through one writer, and the
+"""Async saves as training uses them — overlapping saves through one writer, and the
 PROCESS executor with a remote tier (uploads never lost, failures never silent)."""
 
 from __future__ import annotations

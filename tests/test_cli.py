@@ -87,7 +87,7 @@ def store(three, tmp_path):
     return str(root)
 
 
-# -- issue 13.4: explicit wiring; a broken command module fails loudly ---------------------------------------
+# -- explicit wiring; a broken command module fails loudly ---------------------------------------
 def test_help_lists_every_command():
     r = cli("--help")
     assert r.exit_code == 0
@@ -128,7 +128,7 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     assert p.returncode == 0 and p.stdout.startswith("ckptstore, version")
 
 
-# -- issue 12.6: no store is an error; an empty store is fine; '' is "no local tier" --------------------------
+# -- no store is an error; an empty store is fine; '' is "no local tier" --------------------------
 @pytest.mark.parametrize("cmd", [["list"], ["show", "{root}", "v1"], ["gc", "--dry-run"], ["scrub"]])
 def test_missing_root_is_an_error(tmp_path, cmd):
     root = str(tmp_path / "typo")
@@ -202,7 +202,7 @@ def test_empty_root_with_remote_is_s3_only(store, tmp_path, s3_url):
     assert r.exit_code == 0 and "local" not in r.stdout
 
 
-# -- issue 12.10: messages ----------------------------------------------------------------------------------------
+# -- messages ----------------------------------------------------------------------------------------
 def test_scrub_lines_do_not_repeat_the_path(store):
     name = damage(store, "v2")
     first = cli("scrub", store, "--repair")
@@ -242,7 +242,7 @@ def test_damaged_version_error_advises_repair_only_with_another_tier(store):
 
 
 def test_a_damaged_newest_version_can_be_dropped(store):
-    """Issue 12.10: the newest version, damaged with no other tier, could be neither repaired nor removed."""
+    """The newest version, damaged with no other tier, could be neither repaired nor removed."""
     damage(store, "v3")
     assert cli("scrub", store, "--repair").exit_code == 10
     assert cli("gc", store, "--keep-last", "1", "--grace", "0").exit_code == 0
@@ -270,7 +270,7 @@ def test_drop_refuses_a_pinned_version_without_force(store):
     assert [v["version"] for v in cli_json("list", store)[1]["versions"]] == ["v1", "v3"]
 
 
-# -- issue 12.11: pins, durations, the gc plan ------------------------------------------------------------
+# -- pins, durations, the gc plan ------------------------------------------------------------
 def test_pin_note_is_shown_everywhere(store):
     assert cli("pin", store, "v1", "--note", "best run").exit_code == 0
     assert "pinned:         yes (best run)" in cli("show", store, "v1").stdout
@@ -315,7 +315,7 @@ def test_gc_plan_keeps_survivors_apart_and_counts_version_copies(store):
     assert lines[-1].startswith("1 version copy un-committed (1 in the local tier), ")
 
 
-# -- issue 12.12: keys, wrapping, demo help ---------------------------------------------------------------------
+# -- keys, wrapping, demo help ---------------------------------------------------------------------
 def test_keygen_writes_a_0600_key_file_and_never_overwrites(tmp_path):
     from ckptstore.codec.crypto import load_key_file
 
@@ -375,7 +375,7 @@ def test_demo_help_has_text_for_every_option():
     assert bare == []
 
 
-# -- issue 12.9: the demo extra; py.typed ---------------------------------------------------------------------
+# -- the demo extra; py.typed ---------------------------------------------------------------------
 def test_demo_without_torchdata_says_how_to_install(tmp_path):
     out = tmp_path / "out"
     p = python(blocked({"torchdata"}, """
@@ -408,7 +408,7 @@ def test_package_ships_py_typed():
     assert "py.typed" in py["tool"]["setuptools"]["package-data"]["ckptstore"]
 
 
-# -- issue 12.15: set-up scripts and packaging metadata --------------------------------------------------------
+# -- set-up scripts and packaging metadata --------------------------------------------------------
 def test_setup_scripts_choose_torch_one_way():
     for name in ("setup.sh", "demo.sh"):
         path = os.path.join(REPO, "scripts", name)

@@ -1,4 +1,4 @@
-"""Issue 6: corruption sweep — every load and every scrub detects every mutation of stored bytes.
+"""Corruption sweep — every load and every scrub detects every mutation of stored bytes.
 
 For a version saved by 2 real ranks, on each tier (local directory; S3 through SeaweedFS), plain
 and encrypted, stored bytes are mutated in place — one mutation at a time, the original bytes

@@ -1,4 +1,4 @@
-"""Issue 6: kill sweep — SIGKILL a real 2-rank save (or a gc / scrub run) at every named fault point.
+"""Kill sweep — SIGKILL a real 2-rank save (or a gc / scrub run) at every named fault point.
 
 For each fault point (``ckptstore/_faults.py``) a real multi-process save is killed there
 (``CKPTSTORE_FAULT=POINT[:N][@RANK]``; the other rank dies with it through the peer watchdog of

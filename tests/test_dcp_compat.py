@@ -1,4 +1,4 @@
-"""Issue 12 (drop-in DCP correctness) and issue 13 item 3: what code written against DCP expects.
+"""What code written against DCP expects.
 
 Each test is written from the user's side: the same call that works with DCP's FileSystemWriter/
 Reader works with ckptstore, or is refused with a typed error that says what to do.
@@ -26,7 +26,7 @@ from helpers import bits_equal, failures, load, load_error, save
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 13 item 3: typos in keyword arguments are refused, with the close match named
+# typos in keyword arguments are refused, with the close match named
 def test_unknown_keyword_arguments_are_refused(tmp_path):
     with pytest.raises(TypeError, match=r"'durabilty'.*did you mean 'durability'"):
         ckptstore.StorageWriter(str(tmp_path), durabilty="remote")
@@ -38,7 +38,7 @@ def test_unknown_keyword_arguments_are_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12 item 1: every class DCP puts in Metadata loads; anything else is refused at save
+# every class DCP puts in Metadata loads; anything else is refused at save
 class _LegacyPropertiesPlanner(DefaultSavePlanner):
     """Writes the sharded-tensor ``TensorProperties`` (and so ``MEM_FORMAT_ENCODING``) into the
     metadata, as DCP releases that took the class from ``torch.distributed._shard`` did."""
@@ -90,7 +90,7 @@ def test_metadata_with_a_foreign_class_is_refused_at_save(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12 item 2: storage_meta is recorded like FileSystemWriter records it
+# storage_meta is recorded like FileSystemWriter records it
 def test_storage_meta_is_recorded(tmp_path):
     root = str(tmp_path)
     w = ckptstore.StorageWriter(root)
@@ -102,7 +102,7 @@ def test_storage_meta_is_recorded(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12 item 3: DCP's wording for an existing checkpoint
+# DCP's wording for an existing checkpoint
 def test_version_exists_keeps_dcp_wording(tmp_path):
     root = str(tmp_path)
     save({"a": torch.ones(2)}, root, "v")
@@ -113,7 +113,7 @@ def test_version_exists_keeps_dcp_wording(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12 item 4: every tensor DCP can save, ckptstore saves (bit-exact)
+# every tensor DCP can save, ckptstore saves (bit-exact)
 def _awkward_tensors() -> dict:
     g = torch.Generator().manual_seed(7)
     c = torch.randn(8, 3, dtype=torch.complex64, generator=g)
@@ -143,7 +143,7 @@ def test_every_tensor_dcp_saves_round_trips(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12 item 5: equal values are never "divergent"
+# equal values are never "divergent"
 def test_equal_values_from_ranks_with_different_hash_seeds_save(tmp_path):
     envs = [{"PYTHONHASHSEED": "1"}, {"PYTHONHASHSEED": "2"}]
     outs = run_ranks(dcp_ranks.equal_sets_save, 2, str(tmp_path), env=envs)
@@ -157,7 +157,7 @@ def test_equal_values_from_ranks_with_different_hash_seeds_save(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12 item 13: optimizers through DCP's state_dict helpers
+# optimizers through DCP's state_dict helpers
 def _model_and_optim(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -206,7 +206,7 @@ def test_fresh_optimizer_round_trips_with_get_state_dict(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12 item 14: the typed error is the first thing a failed load reports
+# the typed error is the first thing a failed load reports
 def test_failed_load_logs_no_metadata_fallback(tmp_path):
     root = str(tmp_path)
     save({"a": torch.ones(2)}, root, "v1")
@@ -228,7 +228,7 @@ def test_failed_load_logs_no_metadata_fallback(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12 item 8: no silent fallback to another tier; opt-in read-repair of the local copy
+# no silent fallback to another tier; opt-in read-repair of the local copy
 @pytest.mark.s3
 def test_fallback_read_is_warned_counted_and_repairable(tmp_path, s3_url):
     root = str(tmp_path)

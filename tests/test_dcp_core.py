@@ -1,4 +1,4 @@
-"""Issue 2: the DCP StorageWriter/StorageReader on the local tier, as users drive them."""
+"""The DCP StorageWriter/StorageReader on the local tier, as users drive them."""
 
 from __future__ import annotations
 

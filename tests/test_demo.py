@@ -169,7 +169,7 @@ def test_two_nodes_a_node_killed_mid_save_resumes_bit_exact(tmp_path, request, t
     ``mgr.save(step 8)`` returned; both nodes are relaunched, each with its own local root (plus the
     shared SeaweedFS tier), and must resume from step 4 on every rank, bit for bit. Every node's
     ``ckptstore scrub`` exits 0. The local-only case needs node-local roots in the storage layer
-    (issue 10: each root lists the versions it holds a part of; the agreed version loads)."""
+    (each root lists the versions it holds a part of; the agreed version loads)."""
     _slow(request)
     extra = ["--seaweedfs"] if tier == "seaweedfs" else []
     p, s = _demo(tmp_path / "out", tmp_path / "s.json", "--nodes", "2", "--no-plot", *extra, timeout=600)

@@ -1,4 +1,4 @@
-"""Issue 6: a full local disk mid-save.
+"""A full local disk mid-save.
 
 With a real small file system (an 8 MiB tmpfs, mounted when the tests run as root — skipped
 otherwise) and with an errno-level wrapper (always): the free space is set, by a filler file or a

@@ -1,4 +1,4 @@
-"""Issue 6: hostile manifests, frames and metadata objects.
+"""Hostile manifests, frames and metadata objects.
 
 Someone with write access to a store (no key, or an unencrypted store) writes manifests, frames and
 DCP metadata objects of their choosing. Expected: typed errors (subclasses of

@@ -1,4 +1,4 @@
-"""Issue 11: ckptstore.CheckpointManager — the training-loop API (real gloo ranks)."""
+"""``ckptstore.CheckpointManager`` — the training-loop API (real gloo ranks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14 item 6: the DCP metadata object in format 2 (pickled skeleton + packed columns), format 1
+"""The DCP metadata object in format 2 (pickled skeleton + packed columns), format 1
 still read, and the allow-list guarding everything unpickled (docs/FORMAT.md, "DCP metadata object")."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_format2_written_and_read_back_identically(saved):
 
 
 def test_format1_metadata_still_loads(saved):
-    """A version whose metadata object is a plain pickle of DCP Metadata (ckptstore before issue 14)."""
+    """A version whose metadata object is a plain pickle of DCP Metadata (older ckptstore releases)."""
     root, sd, _md = saved
     r = ckptstore.StorageReader(root)
     r.reset("v1")

@@ -1,4 +1,4 @@
-"""Issue 10: node-local roots, proven with two real ``torchrun`` node agents on one host.
+"""Node-local roots, proven with two real ``torchrun`` node agents on one host.
 
 Each "node" is one ``python -m torch.distributed.run --nnodes=N --node-rank=i`` agent (c10d
 rendezvous on loopback); its ranks get their own local root through ``CKPT_ROOT`` (every rank passes
@@ -280,7 +280,7 @@ def inspect_node(i: int, root: str, remote: str | None = None) -> NodeReport:
 
 
 def local_only_part(rec: dict) -> bool:
-    """``list --json`` says this node holds only a part of the version (issue 10 item 2): a tier
+    """``list --json`` says this node holds only a part of the version: a tier
     named like ``local(part 2/4)``, or a field whose name has "part" and that says not whole (a
     ``Part.to_json()`` dict with ``whole: false``, or a non-empty label)."""
     if any("part" in str(t) for t in rec.get("tiers", [])):

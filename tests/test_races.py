@@ -1,4 +1,4 @@
-"""Issue 6: races — concurrent saves of one version, gc/scrub during a save, listing during commits.
+"""Races — concurrent saves of one version, gc/scrub during a save, listing during commits.
 
 * Two processes save the same version at once (local tier: one root; S3: two nodes with their own
   local roots and one bucket prefix). A barrier in each process holds its manifest put-if-absent

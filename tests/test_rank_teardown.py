@@ -1,4 +1,4 @@
-"""Issue 13 item 10: no hidden thread outlives a save or a load, and ranks tear down cleanly.
+"""No hidden thread outlives a save or a load, and ranks tear down cleanly.
 
 A 3-rank load of a 2-rank save, with ``dist.destroy_process_group()`` right after ``dcp.load``,
 once ended with rank 0 killed by SIGABRT on a busy 2-core machine. The suspects were thread pools

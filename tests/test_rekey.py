@@ -1,4 +1,4 @@
-"""Issue 6: ``ckptstore rekey`` — rotate the master key without re-encrypting data."""
+"""``ckptstore rekey`` — rotate the master key without re-encrypting data."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 3: staging to S3, remote commit and restore — against a real SeaweedFS server."""
+"""Staging to S3, remote commit and restore — against a real SeaweedFS server."""
 
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def test_interrupted_remote_commit_is_finished_by_the_next_save(tmp_path, s3_url
     assert all(run_ranks(dcp_ranks.s3_load, 1, root, s3_url, "v1", 1))
 
 
-# Issue 14 item 5: streamed upload
+# streamed upload
 class _GatedPlanner(__import__("torch.distributed.checkpoint.default_planner", fromlist=["x"]).DefaultSavePlanner):
     """Calls ``hook(fqn)`` before handing DCP each item's data (while the rank object is being written)."""
 

@@ -1,8 +1,8 @@
-"""scrub, list, show and gc on node-local roots (issue 10, items 2, 5 and 6): versions saved by two
+"""scrub, list, show and gc on node-local roots: versions saved by two
 real gloo ranks, then split over two roots as a two-node save leaves them (rank 0's part on root A,
 rank 1's on root B, the metadata object and the manifest — placement ``[[0], [1]]`` — on both).
 
-Also the parallel verifier (issue 14, item 4) against the sequential frame walk, on windows much
+Also the parallel verifier against the sequential frame walk, on windows much
 smaller than a frame run so that frames straddle every read.
 """
 

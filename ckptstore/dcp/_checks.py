@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import CkptStoreError, UnsupportedStateError
 
 
-# -- issue 13 item 3: unknown keyword arguments ------------------------------------------------------
+# -- unknown keyword arguments ------------------------------------------------------
 def reject_unknown_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
     """Raise ``TypeError`` naming the first unknown keyword argument and its closest known one."""
     if not kwargs:
@@ -32,7 +32,7 @@ def reject_unknown_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
     raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}{hint}")
 
 
-# -- issue 12 item 1: never commit metadata the reader refuses ---------------------------------------
+# -- never commit metadata the reader refuses ---------------------------------------
 def check_metadata_loads(blob: bytes, version: str) -> None:
     """Unpickle the pickled part of ``blob`` (the DCP metadata object's contents about to be
     committed, ``_metadata.pack``) with the reader's allow-list; raise
@@ -57,7 +57,7 @@ def check_metadata_loads(blob: bytes, version: str) -> None:
         ) from None
 
 
-# -- issue 12 item 5: replicated items compare by value, not by pickled bytes ------------------------
+# -- replicated items compare by value, not by pickled bytes ------------------------
 class _CanonicalPickler(pickle.Pickler):
     """Pickles equal builtin containers to equal bytes: sets and dicts in a canonical order.
 
@@ -98,7 +98,7 @@ def value_digest(planner: Any, item: Any, data: Any) -> bytes | memoryview:
     return data.getbuffer()
 
 
-# -- issue 12 item 14: no "Global metadata is not found" before ckptstore's own error -----------------
+# -- no "Global metadata is not found" before ckptstore's own error -----------------
 class _OwnErrorFilter(logging.Filter):
     """Drops DCP's "Global metadata is not found. Falling back to rank local metadata." warning
     (and its traceback) when the cause is a ckptstore error: the reader defers that error to

@@ -1,6 +1,6 @@
 """The contents of a version's DCP metadata object (docs/FORMAT.md, "DCP metadata object").
 
-Format 2 (written since issue 14): the line ``CKPTSTORE-DCPMETA 2\\n`` followed by one pickle
+Format 2 (the current one): the line ``CKPTSTORE-DCPMETA 2\\n`` followed by one pickle
 (protocol 5, read with the reader's allow-list unpickler) of a dict of plain values::
 
     {"format": 2,
@@ -16,7 +16,7 @@ The per-item locations (``MetadataIndex → ItemLocation(FrameRef, ...)``) and t
 object each, so writing and reading them costs a few vectorised passes, not hundreds of thousands
 of pickled objects. :func:`unpack` rebuilds the same ``Metadata`` that format 1 held.
 
-Format 1 (ckptstore before issue 14): a pickle of DCP ``Metadata`` whose ``storage_data`` maps
+Format 1 (older ckptstore releases): a pickle of DCP ``Metadata`` whose ``storage_data`` maps
 ``MetadataIndex`` to ``ItemLocation``; still read.
 """
 
