@@ -58,8 +58,13 @@ def job(rank, world, base, saves, remote=None, mgr=None, version=None, attempts=
     saved: list = []
     mgr = dict(mgr or {})
     per_node = mgr.pop("per_node", 1)
+    if mgr.pop("frozen", False):  # a frozen block that never changes (what incremental saves reference)
+        state["frozen"] = {"base": torch.randn(1 << 16, generator=torch.Generator().manual_seed(7))}  # 256 KiB
     m = CheckpointManager(root_of(base, rank, per_node), state, remote=remote_tier(remote, attempts), interval_steps=1,
                           per_rank_keys=("data",), **mgr)
+    frozen = state.get("frozen", {}).get("base")
+    if frozen is not None and os.path.exists(_ref(base, 1, rank)):  # a later run: only a restore brings it back
+        frozen.zero_()
     try:
         if version is None:
             start = m.resume()
@@ -74,6 +79,8 @@ def job(rank, world, base, saves, remote=None, mgr=None, version=None, attempts=
             ref = torch.load(_ref(base, start - 1, rank), weights_only=False)
             got = snapshot(state)
             out["same"] = {k: same(got[k], ref[k]) for k in ref}
+            if frozen is not None:
+                out["same"]["frozen"] = torch.equal(frozen, torch.randn(1 << 16, generator=torch.Generator().manual_seed(7)))
         for step in range(start, start + saves):
             train_step(state, world)
             torch.save(snapshot(state), _ref(base, step, rank))

@@ -108,6 +108,36 @@ def rr_check(outs, start):
         assert all(o["same"].values()), o["same"]
 
 
+def test_incremental_versions_survive_one_node_replacement_after_another(tmp_path):
+    """Incremental saves (docs/FORMAT.md "References") with F = 1: a frozen block is stored once, by
+    step-1, and every later version references it; KeepLast(2) un-commits step-1 but keeps what is
+    referenced. Node 0 replaced: the job restores step-4 from node 1's replicas, referenced objects
+    included, and the heal gives node 0 back the referenced objects too; one more save; then node 1
+    replaced: the job restores step-5 from node 0 alone (before: "no version is loadable", the heal
+    had copied only the version's own objects)."""
+    from ckptstore.retention import KeepLast, RetentionPolicy
+
+    base = tmp_path
+    opts = {**NODES4, "incremental": True, "frozen": True, "retention": RetentionPolicy([KeepLast(2)])}
+    job(base, 4, 4, {**opts, "durability": "replicated"})
+    m = catalogue.read_manifest(LocalTier(node(base, 1)), "step-4").manifest
+    assert {r.version for r in m.refs} >= {"step-1"}, m.refs  # the frozen block of step-1
+    assert [r.version for r in ckptstore.Store(node(base, 0)).versions()] == ["step-3", "step-4"]
+
+    shutil.rmtree(node(base, 0))
+    outs = job(base, 4, 1, opts)
+    rr_check(outs, 5)
+    assert all(o["restore"]["reads"]["remote_reads"] == 0 for o in outs)
+    assert outs[0]["restore"]["reads"]["peer_bytes"] > 0
+
+    shutil.rmtree(node(base, 1))
+    outs = job(base, 4, 0, opts)
+    rr_check(outs, 6)
+    for i in (0, 1):
+        assert cli("scrub", node(base, i)).exit_code == 0
+        assert records_hold(node(base, i)) == []
+
+
 @pytest.mark.s3
 def test_a_replaced_node_restores_with_zero_s3_gets(tmp_path, s3_url, seaweed):
     """The same with S3 behind a request-counting proxy: the restore of the replaced node makes no GET."""

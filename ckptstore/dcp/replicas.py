@@ -61,6 +61,9 @@ class Held:
     size: int
     digest: str
     frames: int
+    #: the version directory the object lives in when it is not the job's version: an object of an
+    #: earlier version that the job's version references (docs/FORMAT.md, "References")
+    version: str | None = None
 
 
 class ReplicaError(CkptStoreError):
@@ -197,8 +200,8 @@ class Replicator:
             for o, h, is_replica in recvs:
                 try:
                     self._receive(version, o, h, base)
-                    if is_replica:
-                        received.append(h.name)
+                    if is_replica and h.version is None:  # a referenced object is recorded by nobody: its
+                        received.append(h.name)  # origin's records go with the origin (docs/FORMAT.md "Replicas")
                 except (CkptStoreError, OSError) as e:
                     ok = False
                     self.errors.append(f"{version}: {h.name} from rank {o}: {e}")
@@ -219,7 +222,7 @@ class Replicator:
     def _send_all(self, version: str, sends: list, base: int) -> None:
         for to, h in sends:
             _faults.point("replica.send")
-            key = layout.object_key(version, h.name)
+            key = layout.object_key(h.version or version, h.name)
             path = self.tier.local_path(key)
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -259,7 +262,7 @@ class Replicator:
             chunks.append(buf)
             off += n
         _faults.point("replica.receive")
-        key = layout.object_key(version, h.name)
+        key = layout.object_key(h.version or version, h.name)
 
         def fill(tmp: str) -> None:
             with open(tmp, "wb") as f:
@@ -294,9 +297,10 @@ class Replicator:
 
 def heal_plan(view, manifest, factor: int) -> list:
     """``[(holder rank, receiver rank, Held, is_replica)]``: the objects each rank's root should hold
-    of ``view``'s version — its own shard and the replicas assigned to it by the saved placement —
-    but does not, each from the first rank whose root holds it. The same on every rank (a pure
-    function of the view and the manifest). Only for a job of the version's own shape."""
+    of ``view``'s version — its own shard and the replicas assigned to it by the saved placement,
+    and the same for the objects of earlier versions that the version references — but does not,
+    each from the first rank whose root holds it. The same on every rank (a pure function of the
+    view and the manifest). Only for a job of the version's own shape."""
     from ..manifest.placement import groups
 
     if len(view.reports) != manifest.world_size:
@@ -305,6 +309,12 @@ def heal_plan(view, manifest, factor: int) -> list:
     by_rank = {o.rank: o for o in manifest.objects}
     want: list = [(o.rank, o, False) for o in manifest.objects if o.rank is not None]
     want += [(t, by_rank[o], True) for o, t in replica_assignment(gs, factor, set(by_rank))]
+    refs: dict = {}
+    for r in manifest.refs:
+        if r.rank is not None:
+            want.append((r.rank, r, False))
+            refs.setdefault(r.rank, []).append(r)
+    want += [(t, r, True) for o, t in replica_assignment(gs, factor, set(refs)) for r in refs[o]]
     out = []
     for receiver, o, is_replica in want:
         i = next((k for k, rep in enumerate(view.reports) if rep["rank"] == receiver), None)
@@ -313,7 +323,8 @@ def heal_plan(view, manifest, factor: int) -> list:
         holder = view._first_holder.get(o.name)
         if holder is None:
             continue  # on no root of the job (the remote tier may hold it)
-        out.append((view.global_rank(holder), receiver, Held(o.name, o.size, o.digest, o.frames), is_replica))
+        origin = getattr(o, "version", None)  # a RefEntry: the referenced object's own version
+        out.append((view.global_rank(holder), receiver, Held(o.name, o.size, o.digest, o.frames, origin), is_replica))
     return out
 
 
