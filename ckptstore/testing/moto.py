@@ -62,7 +62,7 @@ class MotoServer(LoopbackServer):
         self.cmd = find_moto()
         self.buckets = tuple(buckets)
         self.startup_timeout = startup_timeout
-        self._dir = tempfile.mkdtemp(prefix="ckptstore-moto-")
+        self._dir = None if log_path else tempfile.mkdtemp(prefix="ckptstore-moto-")  # moto keeps no files
         self.log_path = log_path or os.path.join(self._dir, "moto.log")
         self.port: int | None = None
 
@@ -102,4 +102,5 @@ class MotoServer(LoopbackServer):
 
     def close(self) -> None:
         self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
