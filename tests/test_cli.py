@@ -444,7 +444,14 @@ def test_a_directory_that_is_not_a_store_says_so_and_points_at_the_store(tmp_pat
     (run / "train.log").write_text("log\n")
     r = cli("list", run)
     assert r.exit_code == 9 and "not empty but holds no versions/" in r.stderr
-    assert os.path.relpath(run / "store") in r.stderr
+    assert repr(str(run / "store")) in r.stderr  # named as ROOT was given (here absolute), wherever we run
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        r = cli("list", "crash")  # a relative ROOT: a relative hint, from the same directory
+        assert r.exit_code == 9 and repr(os.path.join("crash", "store")) in r.stderr, r.stderr
+    finally:
+        os.chdir(old)
     r = cli("list", run / "store" / "versions")
     assert r.exit_code == 9 and f"the versions/ directory of the store {str(run / 'store')!r}" in r.stderr
     for cmd in (["scrub"], ["gc", "--dry-run"]):

@@ -224,7 +224,8 @@ def _store_nearby(root: str) -> str:
     here = os.path.abspath(root)
     parent = os.path.dirname(here)
     if os.path.basename(here) == _VERSIONS and _is_store(parent):
-        return f"; it is the {_VERSIONS}/ directory of the store {parent!r}: pass that as ROOT"
+        shown_parent = os.path.dirname(os.path.normpath(root)) or "."  # in the form ROOT was given
+        return f"; it is the {_VERSIONS}/ directory of the store {shown_parent!r}: pass that as ROOT"
     found = []
     try:
         for d in sorted(os.listdir(here)):
@@ -240,7 +241,8 @@ def _store_nearby(root: str) -> str:
         return ""
     if not found:
         return ""
-    shown = ", ".join(repr(os.path.relpath(f)) for f in found[:5])
+    # named as ROOT was given (absolute stays absolute), not relative to the working directory
+    shown = ", ".join(repr(os.path.join(root, os.path.relpath(f, here))) for f in found[:5])
     return f"; the store below it is {shown}" if len(found) == 1 else f"; stores below it: {shown}"
 
 
