@@ -17,6 +17,8 @@ this is the regime in which ckptstore's compressed, streamed upload is meant to 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
 import time
 
@@ -57,6 +59,29 @@ async def _serve(listen_port: int, host: str, port: int, rate: float, down: bool
     print(server.sockets[0].getsockname()[1], flush=True)
     async with server:
         await server.serve_forever()
+
+
+class LinkProxy:
+    """This script in a subprocess, forwarding to ``endpoint`` (``http://host:port``) with one
+    direction limited to ``rate`` bytes/s (``"up"``: client to server, ``"down"``: the replies);
+    ``endpoint`` is the proxy's own. Used by ``s3_bench.py`` (up) and ``replica_bench.py`` (down)."""
+
+    def __init__(self, endpoint: str, rate: float, direction: str = "up") -> None:
+        host, port = endpoint.split("://", 1)[1].rstrip("/").rsplit(":", 1)
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "0", host, port, str(rate), direction],
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().strip()
+        if not line.isdigit():
+            self.close()
+            raise RuntimeError(f"link_proxy.py did not start (said {line!r})")
+        self.endpoint = f"http://127.0.0.1:{line}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except Exception:  # noqa: BLE001 - a stuck proxy is killed
+            self.proc.kill()
 
 
 def main() -> int:

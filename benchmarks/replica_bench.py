@@ -56,6 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench_lib, and this module for the spawned ranks
 os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
 
+from link_proxy import LinkProxy  # noqa: E402
 import bench_lib as B  # noqa: E402  (drops CKPTSTORE_KEY*, sets torch threads, draws the master key)
 
 MiB = B.MiB
@@ -233,29 +234,6 @@ def steps_rank(rank: int, world: int, work: str, mib: int, per_node: int, reps: 
     return out
 
 
-class _Proxy:
-    """``benchmarks/link_proxy.py`` in a subprocess: downloads from ``endpoint`` limited to ``rate`` bytes/s."""
-
-    def __init__(self, endpoint: str, rate: float) -> None:
-        import subprocess
-
-        host, port = endpoint.split("://", 1)[1].rstrip("/").rsplit(":", 1)
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "link_proxy.py"), "0", host, port, str(rate), "down"],
-                                     stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline().strip()
-        if not line.isdigit():
-            self.close()
-            raise RuntimeError(f"link_proxy.py did not start (said {line!r})")
-        self.endpoint = f"http://127.0.0.1:{line}"
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except Exception:  # noqa: BLE001 - a stuck proxy is killed
-            self.proc.kill()
-
-
 # -- summary -------------------------------------------------------------------------------------
 def _med(xs):
     return statistics.median(xs) if xs else float("nan")
@@ -355,7 +333,7 @@ def main() -> int:
                 bucket = sw.create_bucket("replicabench")
                 os.environ.update(sw.env)
                 urls = {"a": f"s3://{bucket}/a", "b": f"s3://{bucket}/b"}
-                proxy = _Proxy(sw.endpoint, args.link_rate) if args.link_rate else None
+                proxy = LinkProxy(sw.endpoint, args.link_rate, "down") if args.link_rate else None
                 try:
                     outs = run_ranks(me.restore_rank, args.ranks, os.path.join(work, "restore"), urls, mib, args.per_node,
                                      load_reps, sw.data_dir, proxy and proxy.endpoint, timeout=1800)

@@ -26,35 +26,12 @@ import shutil
 import statistics
 import time
 
+from link_proxy import LinkProxy
+
 
 #: the modelled link for row 7d, bytes/s from the client to S3 (~0.8 Gb/s: one rank's share of a
 #: node's NIC). Below ckptstore's encode rate (~0.4 GB/s of state here), so the link is the bottleneck.
 LINK_RATE = float(os.environ.get("CKPTBENCH_LINK_RATE", 100e6))  # CKPTBENCH_LINK_RATE=50e6 for a slower link
-
-
-class _Proxy:
-    """``benchmarks/link_proxy.py`` in a subprocess, forwarding to ``endpoint`` at ``rate`` bytes/s."""
-
-    def __init__(self, endpoint: str, rate: float) -> None:
-        import subprocess
-        import sys
-
-        host, port = endpoint.split("://", 1)[1].rstrip("/").rsplit(":", 1)
-        here = os.path.dirname(os.path.abspath(__file__))
-        self.proc = subprocess.Popen([sys.executable, os.path.join(here, "link_proxy.py"), "0", host, port, str(rate)],
-                                     stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline().strip()
-        if not line.isdigit():
-            self.close()
-            raise RuntimeError(f"link_proxy.py did not start (said {line!r})")
-        self.endpoint = f"http://127.0.0.1:{line}"
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except Exception:  # noqa: BLE001 - a stuck proxy is killed
-            self.proc.kill()
 
 
 def _why_not() -> str | None:
@@ -147,7 +124,7 @@ def run_section(run, B) -> dict:
                 f"{k} durable {res[k]['durable_s'][-1]:.2f} s load {n / res[k]['load_s'][-1] / B.GB:.2f} GB/s" for k in res), flush=True)
         # 7d: the same saves through a link of LINK_RATE bytes/s (benchmarks/link_proxy.py)
         link = {"ckpt": [], "s3tc": []}
-        proxy = _Proxy(sw.endpoint, LINK_RATE)
+        proxy = LinkProxy(sw.endpoint, LINK_RATE)
         try:
             for rep in range(1 if run.quick else 2):
                 order = ["ckpt", "s3tc"]
