@@ -313,7 +313,6 @@ class CheckpointManager:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._worker: threading.Thread | None = None
         self._proc_future = None  # PROCESS: the one save in flight
-        self._proc_info: SaveInfo | None = None
         self._errors: list[str] = []
         self._lock = threading.Lock()
         self._infos: list[SaveInfo] = []
@@ -803,7 +802,7 @@ class CheckpointManager:
             )
             extra["stage_s"] = time.monotonic() - t_stage
             info.blocked_s = time.monotonic() - t0
-            self._proc_future, self._proc_info = fut, info
+            self._proc_future = fut
             fut.add_done_callback(lambda f, info=info, t0=t0: self._process_done(f, info, t0))
         else:
             t_stage = time.monotonic()

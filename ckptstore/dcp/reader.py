@@ -770,7 +770,6 @@ class _PeerTier:
     name = "peer"
 
     def __init__(self, version: str, got: dict, rank: int, root: str | None = None) -> None:
-        self._vdir = layout.version_dir(version) + "/"
         self._got = got
         self.rank = rank
         self.url = f"the root of rank {rank} ({root or '?'})"
