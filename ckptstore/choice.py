@@ -108,13 +108,21 @@ class View:
 
     def __post_init__(self) -> None:
         # derived once: peer plans ask for every read item of every rank
+        bad_at: dict[int, set] = {}  # global rank -> its objects that failed verification
+        for g, o in self.bad:
+            bad_at.setdefault(g, set()).add(o)
+        by_origin: dict[tuple, list] = {}  # (origin version, origin attempt) -> referenced objects
+        for name, v, a in self.refs:
+            by_origin.setdefault((v, a), []).append(name)
         self._present = []
         for i, r in enumerate(self.reports):
             held = set() if i in self.marked else set(r["parts"].get(self.version, {}).get(self.attempt, []))
-            for name, v, a in self.refs:
-                if name in r["parts"].get(v, {}).get(a, ()):
-                    held.add(name)
-            self._present.append(held - {o for g, o in self.bad if g == r["rank"]})
+            for (v, a), names in by_origin.items():
+                part = r["parts"].get(v, {}).get(a)
+                if part:
+                    part = set(part)
+                    held.update(n for n in names if n in part)
+            self._present.append(held - bad_at.get(r["rank"], set()))
         self._first_holder: dict[str, int] = {}
         for j in reversed(range(len(self.reports))):
             for name in self._present[j]:
@@ -157,6 +165,21 @@ def _copies(reports: list, remote: Mapping) -> dict[str, list[dict]]:
     return out
 
 
+def _resolved(reports: list, remote: Mapping, scope: str | None) -> tuple[dict[str, dict], list[str]]:
+    """Rules 1 and 2: each name in ``scope`` with the facts of the copy that is the version (plus
+    ``copies``: every copy of the name), and the names newest first (docs/FORMAT.md, "Order")."""
+    pattern = re.compile(scope) if scope else None
+    facts: dict[str, dict] = {}
+    for v, cs in _copies(reports, remote).items():
+        if pattern is not None and not pattern.fullmatch(v):
+            continue
+        a = resolve(cs)
+        facts[v] = {**next(c for c in cs if c["attempt"] == a), "copies": cs}
+    order = sorted(facts, key=lambda v: order_key(facts[v].get("step"), facts[v].get("seq"), facts[v].get("created") or "", v),
+                   reverse=True)
+    return facts, order
+
+
 def restore_count(log: list, version: str, attempt: str, newest: tuple | None) -> int:
     """Restores in a row (the last entries of the restore log) that loaded ``(version, attempt)``
     while the newest version in scope was ``newest``: the job died after each and saved nothing newer."""
@@ -167,6 +190,156 @@ def restore_count(log: list, version: str, attempt: str, newest: tuple | None) -
         else:
             break
     return n
+
+
+def _attempts(f: dict) -> list[str]:
+    """Every attempt committed under the name of the version ``f`` (a later save supersedes them)."""
+    return sorted({c["attempt"] for c in f["copies"]})
+
+
+class _Choice:
+    """The reports of one :func:`decide`, resolved once: each version's facts, the order, the newest;
+    then the rules applied to one version at a time (each version's :class:`View` is built at most once)."""
+
+    def __init__(self, reports: list, *, exclude, scope, bad, notes) -> None:
+        self.reports = reports
+        self.exclude = dict(exclude or {})
+        self.notes = notes or {}
+        self.bad = frozenset(bad)
+        self.bad_objects = {o for _g, o in self.bad}
+        self.remote = reports[0].get("remote") or {}
+        self.remote_error = reports[0].get("remote_error")
+        self.restores = reports[0].get("restores") or []
+        self.facts, self.order = _resolved(reports, self.remote, scope)
+        self.newest = (self.order[0], self.facts[self.order[0]]["attempt"]) if self.order else None
+
+    def view(self, v: str) -> View:
+        """The :class:`View` of version ``v`` (its ``skipped`` and ``newer`` are the caller's to set)."""
+        f = self.facts[v]
+        a = f["attempt"]
+        same = [c for c in f["copies"] if c["attempt"] == a]
+        marked = frozenset(c["index"] for c in same if c["damaged"] and c["index"] is not None)
+        rem = next((c for c in same if c["remote"]), None)
+        holders = [c["index"] for c in same if c["index"] is not None and c["index"] not in marked]
+        stale = [(c["where"], c["attempt"]) for c in f["copies"] if c["attempt"] != a]
+        refs = tuple(tuple(x) for x in f.get("refs") or ())
+        return View(v, a, self.reports, rem is not None and not rem["damaged"], sorted(holders),
+                    list(f.get("objects") or []) + [x[0] for x in refs], refs=refs,
+                    stale=stale, remote_error=self.remote_error,
+                    restore_count=restore_count(self.restores, v, a, self.newest),
+                    newest=self.newest, step=f.get("step"), world_size=f.get("world_size"), created=f.get("created"),
+                    marked=marked, bad=self.bad)
+
+    def check(self, v: str) -> tuple[View | None, Skipped | None]:
+        """Rules 3, 4 and 6 for ``v``: its view, and why this job cannot load it (None: it can)."""
+        f = self.facts[v]
+        a = f["attempt"]
+        if (v, a) in self.exclude:
+            why = self.exclude[(v, a)]
+            reason, obj = (why, None) if isinstance(why, str) else (why[0], why[1])
+            return None, Skipped(v, a, UNVERIFIED, reason, obj)
+        vw = self.view(v)
+        lost = []
+        for name in vw.needed:
+            try:
+                vw.source(0, name)
+            except CkptStoreError:
+                lost.append(name)
+        if lost or not vw.needed:
+            return vw, self._unservable(v, lost)
+        return vw, None
+
+    def _unservable(self, v: str, lost: list) -> Skipped:
+        """Why version ``v`` is not loadable when no source serves ``lost`` (or it needs nothing): a
+        copy that failed verification (``notes``), a damage mark, or objects missing everywhere."""
+        f = self.facts[v]
+        a = f["attempt"]
+        gone_bad = [n for n in lost if n in self.bad_objects]
+        if gone_bad and (v, a) in self.notes:
+            why = self.notes[(v, a)]
+            reason, obj = (why, gone_bad[0]) if isinstance(why, str) else (why[0], why[1])
+            return Skipped(v, a, UNVERIFIED, f"{reason}; no other copy of {_shown(gone_bad)} verifies", obj)
+        marks = [c for c in f["copies"] if c["attempt"] == a and c["damaged"]]
+        if marks:
+            wh = ", ".join(c["where"] for c in marks)
+            return Skipped(v, a, DAMAGED, f"marked damaged by 'ckptstore scrub --repair' in {wh}, and no other copy "
+                                          f"holds {_shown(lost)}", lost[0] if lost else None, marks[0]["where"])
+        reason = f"objects {_shown(lost)} are on none of the roots of ranks {[r['rank'] for r in self.reports]}"
+        if (f.get("groups") or 1) > 1 and len(self.reports) == 1:
+            reason += (f" (the version is split over {f['groups']} roots: load it in a job whose ranks see those roots, "
+                       "every node's ranks passing their node's root)")
+        if self.remote_error:
+            reason += f" and the remote tier could not be read ({self.remote_error})"
+        elif self.remote:
+            reason += " and the version is not committed in the remote tier"
+        return Skipped(v, a, MISSING, reason, lost[0] if lost else None)
+
+    def explicit(self, version: str, where: str) -> View:
+        """An explicit ``version``: its view, or the reason it cannot be loaded raised; skips nothing."""
+        if version not in self.facts:
+            raise self._not_committed(version, where)
+        vw, why = self.check(version)
+        if why is not None:
+            raise _explicit_error(version, why)
+        vw.newer = {n: _attempts(self.facts[n]) for n in self.order[: self.order.index(version)]}
+        return vw
+
+    def _not_committed(self, version: str, where: str) -> CkptStoreError:
+        invalid = [rep["invalid"][version] for rep in self.reports if version in (rep.get("invalid") or {})]
+        if invalid:
+            return ManifestError(f"version {version!r} has an invalid manifest: {invalid[0]}; run 'ckptstore scrub'")
+        if self.remote_error:
+            return TransientStorageError(f"version {version!r} is not committed on any root of this job, and the remote "
+                                         f"tier could not be read ({self.remote_error}); try again when it answers")
+        return VersionNotFoundError(f"version {version!r} is not committed on any root of this job nor in {where}; "
+                                    "run 'ckptstore list' on the nodes to see what is")
+
+    def walk(self, *, world_size: int | None, reshard: bool, fall_back_after: int | None) -> tuple[View | None, list]:
+        """Rules 3-7 for each version, newest first: the view of the first loadable one (None: none
+        is), and every version passed over before it with its reason."""
+        skipped: list[Skipped] = []
+        newer: dict[str, list] = {}  # every version ordered before the current one was skipped
+        for v in self.order:
+            f = self.facts[v]
+            vw, why = self.check(v)
+            if why is None and not reshard and world_size is not None and f.get("world_size") not in (None, world_size):
+                why = Skipped(v, f["attempt"], SHAPE, f"saved by {f.get('world_size')} ranks, this job has {world_size} "
+                                                      "(pass reshard=True to load it resharded)")
+            if why is None and fall_back_after and vw.restore_count >= fall_back_after:
+                why = Skipped(v, f["attempt"], RESTARTS, f"restored {vw.restore_count} times in a row and the job ended "
+                              f"each time before committing anything newer (fall_back_after={fall_back_after})")
+            if why is None:
+                vw.skipped, vw.newer = skipped, newer
+                return vw, skipped
+            skipped.append(why)
+            newer[v] = _attempts(f)
+        return None, skipped
+
+    def nothing_loadable(self, skipped: list, where: str, empty_ok: bool) -> None:
+        """After a walk that found nothing: raise why (or return None for ``empty_ok`` when nothing
+        at all is committed and every tier answered)."""
+        if skipped:
+            lines = "; ".join(f"{s.version}: {s.reason}" for s in skipped[:8]) + (" ..." if len(skipped) > 8 else "")
+            raise VersionNotFoundError(f"no version is loadable by every rank of this job ({len(skipped)} committed, all "
+                                       f"skipped): {lines}")
+        if self.remote_error:
+            raise TransientStorageError(f"no committed version on any root of this job, and the remote tier could not be "
+                                        f"read ({self.remote_error}); try again when it answers")
+        if empty_ok:
+            return None
+        raise VersionNotFoundError(f"no committed version on any root of this job nor in {where}; nothing to load "
+                                   "(save one first, or check root/remote)")
+
+
+def _explicit_error(version: str, why: Skipped) -> CkptStoreError:
+    """The error an explicit ``version`` raises when it cannot be loaded (``why``)."""
+    if why.kind == DAMAGED:
+        return DamagedVersionError(f"version {version!r} is {why.reason}; load another version or run "
+                                   "'ckptstore scrub --repair' on that node")
+    if why.kind == MISSING:
+        return IntegrityError(f"version {version!r} cannot be loaded by this job: {why.reason}. Start the job on "
+                              "the nodes that hold them, restore those roots, or load another version", object=why.object)
+    return IntegrityError(f"version {version!r}: {why.reason}", object=why.object)
 
 
 def decide(
@@ -200,124 +373,13 @@ def decide(
     ``{(name, attempt): reason or (reason, object)}`` — why copies of that version are in ``bad``
     (reported as ``unverified`` when no other copy is left).
     """
-    exclude = dict(exclude or {})
-    remote = reports[0].get("remote") or {}
-    remote_error = reports[0].get("remote_error")
-    pattern = re.compile(scope) if scope else None
-    copies = {v: cs for v, cs in _copies(reports, remote).items() if pattern is None or pattern.fullmatch(v)}
-
-    facts: dict[str, dict] = {}  # name -> the resolved copy's facts (+ "attempt", "copies")
-    for v, cs in copies.items():
-        a = resolve(cs)
-        best = next(c for c in cs if c["attempt"] == a)
-        facts[v] = {**best, "copies": cs}
-    order = sorted(facts, key=lambda v: order_key(facts[v].get("step"), facts[v].get("seq"), facts[v].get("created") or "", v),
-                   reverse=True)
-    newest = (order[0], facts[order[0]]["attempt"]) if order else None
-
-    def view_of(v: str, skipped: list) -> View:
-        f = facts[v]
-        a = f["attempt"]
-        same = [c for c in f["copies"] if c["attempt"] == a]
-        marked = frozenset(c["index"] for c in same if c["damaged"] and c["index"] is not None)
-        rem = next((c for c in same if c["remote"]), None)
-        holders = [c["index"] for c in same if c["index"] is not None and c["index"] not in marked]
-        stale = [(c["where"], c["attempt"]) for c in f["copies"] if c["attempt"] != a]
-        newer = {}
-        for n in order[: order.index(v)]:
-            newer[n] = sorted({c["attempt"] for c in facts[n]["copies"]})
-        count = restore_count(reports[0].get("restores") or [], v, a, newest)
-        refs = tuple(tuple(x) for x in f.get("refs") or ())
-        return View(v, a, reports, rem is not None and not rem["damaged"], sorted(holders),
-                    list(f.get("objects") or []) + [x[0] for x in refs], refs=refs,
-                    skipped=skipped, stale=stale, remote_error=remote_error, restore_count=count, newer=newer,
-                    newest=newest, step=f.get("step"), world_size=f.get("world_size"), created=f.get("created"),
-                    marked=marked, bad=frozenset(bad))
-
-    def problem(v: str) -> Skipped | None:
-        """Why ``v`` cannot be loaded by this job (None: it can)."""
-        f = facts[v]
-        a = f["attempt"]
-        if (v, a) in exclude:
-            why = exclude[(v, a)]
-            reason, obj = (why, None) if isinstance(why, str) else (why[0], why[1])
-            return Skipped(v, a, UNVERIFIED, reason, obj)
-        vw = view_of(v, [])
-        marks = [c for c in f["copies"] if c["attempt"] == a and c["damaged"]]
-        lost = []
-        for name in vw.needed:
-            try:
-                vw.source(0, name)
-            except CkptStoreError:
-                lost.append(name)
-        if lost or not vw.needed:
-            gone_bad = [n for n in lost if any(o == n for _g, o in bad)]
-            if gone_bad and (v, a) in (notes or {}):
-                why = notes[(v, a)]
-                reason, obj = (why, gone_bad[0]) if isinstance(why, str) else (why[0], why[1])
-                return Skipped(v, a, UNVERIFIED, f"{reason}; no other copy of {_shown(gone_bad)} verifies", obj)
-            if marks:
-                wh = ", ".join(c["where"] for c in marks)
-                return Skipped(v, a, DAMAGED, f"marked damaged by 'ckptstore scrub --repair' in {wh}, and no other copy "
-                                              f"holds {_shown(lost)}", lost[0] if lost else None, marks[0]["where"])
-            reason = f"objects {_shown(lost)} are on none of the roots of ranks {[r['rank'] for r in reports]}"
-            if (f.get("groups") or 1) > 1 and len(reports) == 1:
-                reason += (f" (the version is split over {f['groups']} roots: load it in a job whose ranks see those roots, "
-                           "every node's ranks passing their node's root)")
-            if remote_error:
-                reason += f" and the remote tier could not be read ({remote_error})"
-            elif remote:
-                reason += " and the version is not committed in the remote tier"
-            return Skipped(v, a, MISSING, reason, lost[0] if lost else None)
-        return None
-
+    choice = _Choice(reports, exclude=exclude, scope=scope, bad=bad, notes=notes)
     if version is not None:
-        if version not in facts:
-            invalid = [rep["invalid"][version] for rep in reports if version in (rep.get("invalid") or {})]
-            if invalid:
-                raise ManifestError(f"version {version!r} has an invalid manifest: {invalid[0]}; run 'ckptstore scrub'")
-            if remote_error:
-                raise TransientStorageError(f"version {version!r} is not committed on any root of this job, and the remote "
-                                            f"tier could not be read ({remote_error}); try again when it answers")
-            raise VersionNotFoundError(f"version {version!r} is not committed on any root of this job nor in {where}; "
-                                       "run 'ckptstore list' on the nodes to see what is")
-        why = problem(version)
-        if why is not None:
-            if why.kind == DAMAGED:
-                raise DamagedVersionError(f"version {version!r} is {why.reason}; load another version or run "
-                                          "'ckptstore scrub --repair' on that node")
-            if why.kind == MISSING:
-                raise IntegrityError(f"version {version!r} cannot be loaded by this job: {why.reason}. Start the job on "
-                                     "the nodes that hold them, restore those roots, or load another version", object=why.object)
-            raise IntegrityError(f"version {version!r}: {why.reason}", object=why.object)
-        return view_of(version, [])
-
-    skipped: list[Skipped] = []
-    for v in order:
-        f = facts[v]
-        why = problem(v)
-        if why is None and not reshard and world_size is not None and f.get("world_size") not in (None, world_size):
-            why = Skipped(v, f["attempt"], SHAPE, f"saved by {f.get('world_size')} ranks, this job has {world_size} "
-                                                  "(pass reshard=True to load it resharded)")
-        if why is None and fall_back_after:
-            n = restore_count(reports[0].get("restores") or [], v, f["attempt"], newest)
-            if n >= fall_back_after:
-                why = Skipped(v, f["attempt"], RESTARTS, f"restored {n} times in a row and the job ended each time before "
-                                                         f"committing anything newer (fall_back_after={fall_back_after})")
-        if why is None:
-            return view_of(v, skipped)
-        skipped.append(why)
-    if skipped:
-        lines = "; ".join(f"{s.version}: {s.reason}" for s in skipped[:8]) + (" ..." if len(skipped) > 8 else "")
-        raise VersionNotFoundError(f"no version is loadable by every rank of this job ({len(skipped)} committed, all "
-                                   f"skipped): {lines}")
-    if remote_error:
-        raise TransientStorageError(f"no committed version on any root of this job, and the remote tier could not be "
-                                    f"read ({remote_error}); try again when it answers")
-    if empty_ok:
-        return None
-    raise VersionNotFoundError(f"no committed version on any root of this job nor in {where}; nothing to load "
-                               "(save one first, or check root/remote)")
+        return choice.explicit(version, where)
+    view, skipped = choice.walk(world_size=world_size, reshard=reshard, fall_back_after=fall_back_after)
+    if view is not None:
+        return view
+    return choice.nothing_loadable(skipped, where, empty_ok)
 
 
 def _shown(names: list) -> str:

@@ -120,6 +120,126 @@ def _crashes(rank: int, cfg: dict[str, Any]) -> bool:
     return _node() == cfg["crash_rank"] // per_node
 
 
+def _data(cfg: dict[str, Any], rank: int, world: int):
+    """This rank's ``StatefulDataLoader`` over the corpus (its own generator, off the global RNG),
+    the dataset, and the corpus' description."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    corpus, corpus_info = load_corpus(cfg.get("corpus_dir"), cfg["corpus_max_bytes"])
+    ds = ByteWindows(corpus, cfg["context"])
+    sampler = GlobalBatchSampler(len(ds), cfg["global_batch"], rank, world, cfg["seed"])
+    loader = StatefulDataLoader(
+        ds,
+        batch_sampler=sampler,
+        num_workers=0,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(cfg["seed"]),  # keep the loader off the global RNG
+    )
+    return loader, ds, corpus_info
+
+
+def _model(cfg: dict[str, Any], world: int):
+    """The model, identically initialised on every rank, wrapped in FSDP2 or DDP; its parameter count."""
+    torch.manual_seed(cfg["seed"])  # identical init on every rank
+    model = ByteGPT(cfg["layers"], cfg["d_model"], cfg["heads"], cfg["context"], cfg["dropout"])
+    nparams = count_params(model)
+    if cfg["parallel"] == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    model.train()
+    return model, nparams
+
+
+def _manager(cfg: dict[str, Any], state: dict[str, Any], log: EventLog) -> ckptstore.CheckpointManager:
+    """The checkpoint manager of this rank: it owns a gloo group for DCP's collectives, so its saves
+    never interleave with the training loop's all_reduce on the default group."""
+    root = cfg["node_roots"][_node()] if cfg.get("node_roots") else cfg["store_root"]
+
+    def saved(info: ckptstore.SaveInfo) -> None:  # on the manager's thread, at commit (or failure)
+        log("save_done", step=info.step, version=info.version, ok=info.error is None, error=info.error,
+            local_commit_s=info.local_commit_s, remote_commit_s=info.remote_commit_s)
+
+    return ckptstore.CheckpointManager(
+        root, state, remote=cfg.get("remote"), interval_steps=cfg["save_every"], version_format=backend.VERSION_FORMAT,
+        on_save=saved,
+        # --resume-world-size: the restarted job loads the crashed job's versions resharded, on purpose
+        reshard=cfg.get("resume_world_size") not in (None, cfg["world_size"]),
+        # --replicas F: each node's part is also copied to F other nodes' roots; a save commits once
+        # its replicas are in place, so a node lost later costs no committed version
+        **({"replicas": cfg["replicas"], "durability": "replicated"} if cfg.get("replicas") else {}),
+    )
+
+
+def _resume(mgr: ckptstore.CheckpointManager, state: dict[str, Any], cfg: dict[str, Any], log: EventLog,
+            world: int):
+    """``mgr.resume()``: model, optimizer, scheduler, loader, this rank's RNG (same world size).
+    Returns the last step already trained and the restore (None: a fresh start)."""
+    t_load0 = time.time()
+    start = mgr.resume()
+    r = mgr.last_restore
+    if r is not None:
+        m = state["meta"]
+        if m["seed"] != cfg["seed"] or m["global_batch"] != cfg["global_batch"]:
+            raise SystemExit(f"checkpoint {r.version} was written with seed/global batch {m['seed']}/{m['global_batch']}")
+        log("resumed", version=r.version, step=r.step, world_size=world, saved_world_size=r.world_size,
+            rng_restored=r.rng_restored, reads=r.reads, t0=t_load0, t1=time.time())
+    return start - 1, r
+
+
+def _train_step(step: int, it, model, opt, sched, cfg: dict[str, Any], world: int, log: EventLog):
+    """One optimizer step on the next batch of ``it``; logs the step (losses exact, as ``float.hex``). Returns the
+    all-reduced summed token loss."""
+    G, T = cfg["global_batch"], cfg["context"]
+    t0 = time.time()
+    c0 = time.thread_time()
+    ids, x = next(it)
+    logits = model(x[:, :-1])
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+    # gradients are averaged over ranks: scale so the result is d(global mean loss) for any W
+    (loss_sum * (world / (G * T))).backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+    if hasattr(gnorm, "full_tensor"):
+        gnorm = gnorm.full_tensor()
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    gsum = loss_sum.detach().clone()
+    dist.all_reduce(gsum)
+    t1 = time.time()
+    log(
+        "step",
+        cpu=time.thread_time() - c0,  # this thread's CPU time: the step's cost on an idle machine
+        step=step,
+        loss=float(loss_sum.item()).hex(),  # this rank's summed token loss, exact
+        gloss=float(gsum.item()).hex(),  # all ranks' sum, exact
+        mean=gsum.item() / (G * T),
+        lr=sched.get_last_lr()[0],
+        gnorm=float(gnorm),
+        ids=ids,
+        t0=t0,
+        t1=t1,
+    )
+    return gsum
+
+
+def _crash(mgr: ckptstore.CheckpointManager, step: int, cfg: dict[str, Any], log: EventLog) -> None:
+    """Die while the save of ``step`` is in flight: SIGKILL this rank (in a multi-node run, its node
+    agent first: the whole node dies)."""
+    if cfg.get("nodes", 1) > 1:
+        log("crash", step=step, version=mgr.version_name(step), node=_node())
+        os.kill(os.getppid(), signal.SIGKILL)
+    else:
+        log("crash", step=step, version=mgr.version_name(step))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -137,123 +257,32 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     init_process_group(rank, world, attempt)
 
-    # ---- data --------------------------------------------------------------------------------
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    corpus, corpus_info = load_corpus(cfg.get("corpus_dir"), cfg["corpus_max_bytes"])
-    ds = ByteWindows(corpus, cfg["context"])
-    G = cfg["global_batch"]
-    sampler = GlobalBatchSampler(len(ds), G, rank, world, cfg["seed"])
-    loader = StatefulDataLoader(
-        ds,
-        batch_sampler=sampler,
-        num_workers=0,
-        collate_fn=collate,
-        generator=torch.Generator().manual_seed(cfg["seed"]),  # keep the loader off the global RNG
-    )
-
-    # ---- model, optimizer, scheduler ----------------------------------------------------------
-    torch.manual_seed(cfg["seed"])  # identical init on every rank
-    model = ByteGPT(cfg["layers"], cfg["d_model"], cfg["heads"], cfg["context"], cfg["dropout"])
-    nparams = count_params(model)
-    if cfg["parallel"] == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for blk in model.blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    model.train()
+    loader, ds, corpus_info = _data(cfg, rank, world)
+    model, nparams = _model(cfg, world)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg["warmup"], cfg["steps"], cfg["min_lr_ratio"]))
-
-    root = cfg["node_roots"][_node()] if cfg.get("node_roots") else cfg["store_root"]
-    remote = cfg.get("remote")
-
-    # ---- checkpointing: the manager owns a gloo group for DCP's collectives, so its saves never
-    # interleave with the training loop's all_reduce on the default group
-    def saved(info: ckptstore.SaveInfo) -> None:  # on the manager's thread, at commit (or failure)
-        log("save_done", step=info.step, version=info.version, ok=info.error is None, error=info.error,
-            local_commit_s=info.local_commit_s, remote_commit_s=info.remote_commit_s)
-
     state = {
         "model": model, "optim": opt, "sched": sched, "data": loader,
-        "meta": {"seed": cfg["seed"], "global_batch": G},  # checked on resume
+        "meta": {"seed": cfg["seed"], "global_batch": cfg["global_batch"]},  # checked on resume
     }
-    mgr = ckptstore.CheckpointManager(
-        root, state, remote=remote, interval_steps=cfg["save_every"], version_format=backend.VERSION_FORMAT, on_save=saved,
-        # --resume-world-size: the restarted job loads the crashed job's versions resharded, on purpose
-        reshard=cfg.get("resume_world_size") not in (None, cfg["world_size"]),
-        # --replicas F: each node's part is also copied to F other nodes' roots; a save commits once
-        # its replicas are in place, so a node lost later costs no committed version
-        **({"replicas": cfg["replicas"], "durability": "replicated"} if cfg.get("replicas") else {}),
-    )
+    mgr = _manager(cfg, state, log)
 
-    # ---- resume ------------------------------------------------------------------------------
     log("init_done", params=nparams, corpus=corpus_info, samples=len(ds))
-    t_load0 = time.time()
-    start = mgr.resume()  # model, optimizer, scheduler, loader, this rank's RNG (same world size)
-    r = mgr.last_restore
-    if r is not None:
-        m = state["meta"]
-        if m["seed"] != cfg["seed"] or m["global_batch"] != G:
-            raise SystemExit(f"checkpoint {r.version} was written with seed/global batch {m['seed']}/{m['global_batch']}")
-        log("resumed", version=r.version, step=r.step, world_size=world, saved_world_size=r.world_size,
-            rng_restored=r.rng_restored, reads=r.reads, t0=t_load0, t1=time.time())
-    start_step = start - 1
+    start_step, restored = _resume(mgr, state, cfg, log, world)
     it = iter(loader)
-    if r is None or not r.rng_restored:  # on another world size the per-rank RNG states stay behind
+    if restored is None or not restored.rng_restored:  # on another world size the per-rank RNG states stay behind
         seed_rng(cfg["seed"] * 1000 + 7919 * (start_step + 1) + rank)
-
-    # ---- train -------------------------------------------------------------------------------
-    T = cfg["context"]
-    crash_step = cfg.get("crash_step")
+    norm = cfg["global_batch"] * cfg["context"]
     for step in range(start_step + 1, cfg["steps"] + 1):
-        t0 = time.time()
-        c0 = time.thread_time()
-        ids, x = next(it)
-        logits = model(x[:, :-1])
-        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
-        # gradients are averaged over ranks: scale so the result is d(global mean loss) for any W
-        (loss_sum * (world / (G * T))).backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        if hasattr(gnorm, "full_tensor"):
-            gnorm = gnorm.full_tensor()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        gsum = loss_sum.detach().clone()
-        dist.all_reduce(gsum)
-        t1 = time.time()
-        log(
-            "step",
-            cpu=time.thread_time() - c0,  # this thread's CPU time: the step's cost on an idle machine
-            step=step,
-            loss=float(loss_sum.item()).hex(),  # this rank's summed token loss, exact
-            gloss=float(gsum.item()).hex(),  # all ranks' sum, exact
-            mean=gsum.item() / (G * T),
-            lr=sched.get_last_lr()[0],
-            gnorm=float(gnorm),
-            ids=ids,
-            t0=t0,
-            t1=t1,
-        )
+        gsum = _train_step(step, it, model, opt, sched, cfg, world, log)
         tw0 = time.time()
         # async: returns once the state is staged in host memory (waits only when the previous
         # save has not started yet); a no-op on steps that are not due
-        if mgr.save(step, force=step == cfg["steps"], metadata={"loss": gsum.item() / (G * T), "run": cfg.get("label", "")}):
+        if mgr.save(step, force=step == cfg["steps"], metadata={"loss": gsum.item() / norm, "run": cfg.get("label", "")}):
             ts1 = time.time()
             log("save", step=step, version=mgr.version_name(step), wait0=tw0, wait1=tw0, t0=tw0, t1=ts1)
-            if attempt == 0 and crash_step == step and _crashes(rank, cfg):
-                if cfg.get("nodes", 1) > 1:  # the whole node dies: its agent first, then its ranks
-                    log("crash", step=step, version=mgr.version_name(step), node=_node())
-                    os.kill(os.getppid(), signal.SIGKILL)
-                else:
-                    log("crash", step=step, version=mgr.version_name(step))
-                os.kill(os.getpid(), signal.SIGKILL)
+            if attempt == 0 and cfg.get("crash_step") == step and _crashes(rank, cfg):
+                _crash(mgr, step, cfg, log)
     t_fin0 = time.time()
     mgr.close()  # waits for the last save (and its upload); raises if one failed
     dist.barrier()

@@ -72,10 +72,116 @@ def _done() -> cf.Future:
     return f
 
 
+class _StoreCheckpointing:
+    """The methods of :func:`manager_class`'s subclass: torchtitan's hooks, overridden to save, load,
+    find and prune through one :class:`ckptstore.CheckpointManager` (``self._ckpt``). Placed before
+    torchtitan's class in the bases, so ``super()`` is torchtitan's ``CheckpointManager``."""
+
+    def __init__(self, config: Any, **kwargs: Any) -> None:
+        # torchtitan's constructor without the two things ckptstore replaces: its gloo group
+        # (made only for async modes) and its purge thread (made only for keep_latest_k > 0)
+        inner = dataclasses.replace(config, async_mode="disabled", keep_latest_k=0)
+        super().__init__(inner, **kwargs)
+        if not self.enable:
+            return
+        self.async_mode = type(self.async_mode)(config.async_mode)
+        self.keep_latest_k = config.keep_latest_k
+        self.stager = _NoStager()
+        self._find_cache: int | None = None
+        self._ckpt = _store.open_manager(
+            self.folder, async_mode=str(self.async_mode.value), keep_latest_k=config.keep_latest_k,
+            remote=config.remote, key_file=config.key_file, durability=config.durability,
+            endpoint_url=config.endpoint_url,
+        )
+        log.info("ckptstore: checkpoints of this job are versions step-N of the store %s%s", self.folder,
+                 f" (remote {config.remote})" if config.remote else "")
+
+    # -- saving ------------------------------------------------------------------------------
+    def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
+        if to_hf:  # an HF export: torchtitan's own writer, into a folder outside the store
+            path = checkpoint_id if not _store.is_version(checkpoint_id) else os.path.join(self.folder, "hf", checkpoint_id)
+            return super().dcp_save(state_dict, path, async_mode, enable_garbage_collection, to_hf=True)
+        self._ckpt.save(_store.step_of(checkpoint_id), _store.adapt(state_dict), force=True)
+        mode = getattr(async_mode, "value", async_mode)
+        if mode == "disabled":
+            self._ckpt.wait()
+            return None
+        # the manager staged the state before save() returned; the save itself is awaited by
+        # _wait_for_saving (torchtitan calls it before the next save and at the last step)
+        if mode == "async_with_pinned_mem":
+            from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+            return AsyncSaveResponse(staging_completion=_done(), upload_completion=_done())
+        return _done()
+
+    def _wait_for_saving(self) -> None:
+        self._ckpt.wait()
+        self.save_future = None
+
+    def _purge_stale_checkpoints(self) -> None:
+        pass  # retention runs in the store after each commit (KeepLast(keep_latest_k))
+
+    def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
+        if folder and os.path.abspath(folder) != os.path.abspath(self.folder):
+            return super()._create_checkpoint_id(step, folder)
+        return self._ckpt.version_name(step)
+
+    # -- loading -----------------------------------------------------------------------------
+    def _find_load_step(self, folder: str = "") -> int:
+        if folder and os.path.abspath(folder) != os.path.abspath(self.folder):
+            return super()._find_load_step(folder)
+        if self._find_cache is not None:  # _load asked the store a moment ago (a collective)
+            step, self._find_cache = self._find_cache, None
+            return step
+        version = self._ckpt.latest()
+        return -1 if version is None else _store.step_of(version)
+
+    def _load(self, step: int = -1) -> bool:
+        if step == -1:
+            version = self._ckpt.latest()  # a collective on the manager's group: every rank agrees
+            if version is None:  # nothing committed: torchtitan's initial_load_path / HF / fresh start
+                self._find_cache = -1
+                return super()._load(step)
+        else:
+            version = self._ckpt.version_name(step)
+        model_only = _store.step_of(version) == 0
+        states = self._states_to_load(model_only)
+        partial: bool | tuple = True if model_only else tuple(f"{k}." for k in self.exclude_from_loading)
+        log.info("ckptstore: loading %s%s from %s", version, " (model only)" if model_only else "", self.folder)
+        # step == -1 and a full load: the restore choice may fall back past a version that fails
+        # verification; a named step (or step-0's model-only load) loads exactly that version
+        named = version if (step != -1 or model_only) else None
+        restored = self._ckpt.restore(_store.adapt(states), version=named, allow_partial_load=partial)
+        if restored is None:
+            return False
+        self.states[MODEL].load_state_dict(states)
+        info = self._ckpt.last_restore
+        if info is not None and info.skipped:
+            log.warning("ckptstore: restored %s; skipped %s", info.version,
+                        "; ".join(f"{s.version} ({s.kind}: {s.reason})" for s in info.skipped))
+        return True
+
+    def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
+        if from_hf or not _store.is_version(checkpoint_id):  # initial_load_path, HF folders: torchtitan's
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        self._ckpt.restore(_store.adapt(state_dict), version=checkpoint_id, allow_partial_load=True)
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)
+
+    # -- closing -----------------------------------------------------------------------------
+    def _close(self) -> None:
+        ckpt = getattr(self, "_ckpt", None)
+        try:
+            if ckpt is not None:
+                ckpt.close()  # waits for every save and upload; destroys ckptstore's group
+        finally:
+            super()._close()
+
+
 def manager_class(base: type) -> type:
     """The ckptstore subclass of torchtitan's DCP ``CheckpointManager`` class ``base``."""
 
-    class CkptStoreCheckpointManager(base):
+    class CkptStoreCheckpointManager(_StoreCheckpointing, base):
         """torchtitan's checkpointer, saving, loading, finding and pruning through ckptstore
         (:mod:`ckptstore.integrations.torchtitan`). Config: torchtitan's, plus ``remote``
         (``"s3://bucket/prefix"``), ``key_file``, ``durability`` (``"local"``, ``"replicated"``,
@@ -100,105 +206,5 @@ def manager_class(base: type) -> type:
                 base.Config.__post_init__(self)
                 if self.durability not in _store.DURABILITY:
                     raise ValueError(f"checkpoint durability must be one of {_store.DURABILITY}, got {self.durability!r}")
-
-        def __init__(self, config: Any, **kwargs: Any) -> None:
-            # torchtitan's constructor without the two things ckptstore replaces: its gloo group
-            # (made only for async modes) and its purge thread (made only for keep_latest_k > 0)
-            inner = dataclasses.replace(config, async_mode="disabled", keep_latest_k=0)
-            super().__init__(inner, **kwargs)
-            if not self.enable:
-                return
-            self.async_mode = type(self.async_mode)(config.async_mode)
-            self.keep_latest_k = config.keep_latest_k
-            self.stager = _NoStager()
-            self._find_cache: int | None = None
-            self._ckpt = _store.open_manager(
-                self.folder, async_mode=str(self.async_mode.value), keep_latest_k=config.keep_latest_k,
-                remote=config.remote, key_file=config.key_file, durability=config.durability,
-                endpoint_url=config.endpoint_url,
-            )
-            log.info("ckptstore: checkpoints of this job are versions step-N of the store %s%s", self.folder,
-                     f" (remote {config.remote})" if config.remote else "")
-
-        # -- saving ------------------------------------------------------------------------------
-        def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
-            if to_hf:  # an HF export: torchtitan's own writer, into a folder outside the store
-                path = checkpoint_id if not _store.is_version(checkpoint_id) else os.path.join(self.folder, "hf", checkpoint_id)
-                return super().dcp_save(state_dict, path, async_mode, enable_garbage_collection, to_hf=True)
-            self._ckpt.save(_store.step_of(checkpoint_id), _store.adapt(state_dict), force=True)
-            mode = getattr(async_mode, "value", async_mode)
-            if mode == "disabled":
-                self._ckpt.wait()
-                return None
-            # the manager staged the state before save() returned; the save itself is awaited by
-            # _wait_for_saving (torchtitan calls it before the next save and at the last step)
-            if mode == "async_with_pinned_mem":
-                from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-
-                return AsyncSaveResponse(staging_completion=_done(), upload_completion=_done())
-            return _done()
-
-        def _wait_for_saving(self) -> None:
-            self._ckpt.wait()
-            self.save_future = None
-
-        def _purge_stale_checkpoints(self) -> None:
-            pass  # retention runs in the store after each commit (KeepLast(keep_latest_k))
-
-        def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
-            if folder and os.path.abspath(folder) != os.path.abspath(self.folder):
-                return super()._create_checkpoint_id(step, folder)
-            return self._ckpt.version_name(step)
-
-        # -- loading -----------------------------------------------------------------------------
-        def _find_load_step(self, folder: str = "") -> int:
-            if folder and os.path.abspath(folder) != os.path.abspath(self.folder):
-                return super()._find_load_step(folder)
-            if self._find_cache is not None:  # _load asked the store a moment ago (a collective)
-                step, self._find_cache = self._find_cache, None
-                return step
-            version = self._ckpt.latest()
-            return -1 if version is None else _store.step_of(version)
-
-        def _load(self, step: int = -1) -> bool:
-            if step == -1:
-                version = self._ckpt.latest()  # a collective on the manager's group: every rank agrees
-                if version is None:  # nothing committed: torchtitan's initial_load_path / HF / fresh start
-                    self._find_cache = -1
-                    return super()._load(step)
-            else:
-                version = self._ckpt.version_name(step)
-            model_only = _store.step_of(version) == 0
-            states = self._states_to_load(model_only)
-            partial: bool | tuple = True if model_only else tuple(f"{k}." for k in self.exclude_from_loading)
-            log.info("ckptstore: loading %s%s from %s", version, " (model only)" if model_only else "", self.folder)
-            # step == -1 and a full load: the restore choice may fall back past a version that fails
-            # verification; a named step (or step-0's model-only load) loads exactly that version
-            named = version if (step != -1 or model_only) else None
-            restored = self._ckpt.restore(_store.adapt(states), version=named, allow_partial_load=partial)
-            if restored is None:
-                return False
-            self.states[MODEL].load_state_dict(states)
-            info = self._ckpt.last_restore
-            if info is not None and info.skipped:
-                log.warning("ckptstore: restored %s; skipped %s", info.version,
-                            "; ".join(f"{s.version} ({s.kind}: {s.reason})" for s in info.skipped))
-            return True
-
-        def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
-            if from_hf or not _store.is_version(checkpoint_id):  # initial_load_path, HF folders: torchtitan's
-                return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-            self._ckpt.restore(_store.adapt(state_dict), version=checkpoint_id, allow_partial_load=True)
-            if MODEL in self.states:
-                self.states[MODEL].load_state_dict(state_dict)
-
-        # -- closing -----------------------------------------------------------------------------
-        def _close(self) -> None:
-            ckpt = getattr(self, "_ckpt", None)
-            try:
-                if ckpt is not None:
-                    ckpt.close()  # waits for every save and upload; destroys ckptstore's group
-            finally:
-                super()._close()
 
     return CkptStoreCheckpointManager
