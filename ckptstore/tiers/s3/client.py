@@ -230,43 +230,23 @@ class Connection:
     prefix (:meth:`key`, :meth:`where`), :meth:`error` (botocore's exceptions → ckptstore's), and
     the single-request operations every room of the tier uses (HEAD, GET, PUT, DELETE).
 
-    ``retry_mode`` / ``max_attempts``: botocore's retries (``max_attempts`` counts every try of a
-    request including the first, i.e. botocore's ``total_max_attempts``); raises ``ValueError``
-    for values botocore does not take. See :class:`~ckptstore.tiers.s3.S3Tier` for the others.
+    ``config``: the tier's parameters (:class:`~ckptstore.tiers.s3.S3Tier`); this reads
+    ``endpoint_url``, ``region_name``, ``profile_name``, ``retry_mode`` / ``max_attempts``
+    (botocore's retries: ``max_attempts`` counts every try of a request including the first, i.e.
+    botocore's ``total_max_attempts``; ``ValueError`` for values botocore does not take),
+    ``connect_timeout`` / ``read_timeout``, ``payload_signing`` and ``max_concurrency``.
     """
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str,
-        *,
-        endpoint_url: str | None,
-        region_name: str | None,
-        profile_name: str | None,
-        retry_mode: str,
-        max_attempts: int,
-        connect_timeout: float,
-        read_timeout: float,
-        payload_signing: bool,
-        max_concurrency: int,
-    ):
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        if retry_mode not in ("standard", "adaptive", "legacy"):
-            raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
+    def __init__(self, bucket: str, prefix: str, config: dict):
+        if config["max_attempts"] < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {config['max_attempts']}")
+        if config["retry_mode"] not in ("standard", "adaptive", "legacy"):
+            raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {config['retry_mode']!r}")
         self.bucket, self.prefix = bucket, prefix
         self.url = f"s3://{bucket}/{prefix}"
-        self.endpoint_url = endpoint_url
-        self.max_concurrency = max(1, int(max_concurrency))
-        self._config = dict(
-            region_name=region_name,
-            profile_name=profile_name,
-            retry_mode=retry_mode,
-            max_attempts=max_attempts,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            payload_signing=bool(payload_signing),
-        )
+        self.endpoint_url = config["endpoint_url"]
+        self.max_concurrency = max(1, int(config["max_concurrency"]))
+        self._config = config
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._client_obj = None

@@ -101,20 +101,6 @@ class S3Tier(Tier):
             raise ValueError(f"max_parts must be in [1, 10000], got {max_parts}")
         if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
             raise ValueError(f"part_size must be in [5 MiB, 5 GiB], got {part_size}")
-        self._conn = Connection(
-            self.bucket,
-            self.prefix,
-            endpoint_url=endpoint_url,
-            region_name=region_name,
-            profile_name=profile_name,
-            retry_mode=retry_mode,
-            max_attempts=max_attempts,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            payload_signing=payload_signing,
-            max_concurrency=max_concurrency,
-        )
-        self._uploads = MultipartUploads(self._conn, max_parts)
         self._kwargs = dict(
             endpoint_url=endpoint_url,
             region_name=region_name,
@@ -133,6 +119,8 @@ class S3Tier(Tier):
             payload_signing=bool(payload_signing),
             conditional_writes=conditional_writes,
         )
+        self._conn = Connection(self.bucket, self.prefix, self._kwargs)
+        self._uploads = MultipartUploads(self._conn, max_parts)
         self.conditional_writes = conditional_writes
         self.list_page_size = list_page_size
         self.endpoint_url = endpoint_url
