@@ -16,7 +16,8 @@ key) and the manifest's HMAC verifies (kind ``manifest``) — :func:`codec_for`;
 (read with :meth:`ckptstore.StorageReader.read_metadata` and the same allow-list unpickler)
 references only objects the manifest lists and frames that exist in them, exactly (kind
 ``metadata``) — :func:`check_metadata`. They need the key of an encrypted version; without it the
-deep part of that version is reported as *not checked*.
+deep part of that version is reported as *not checked*. Every data key a scrub unwraps is
+unwrapped here (:func:`codec_for`, :func:`ref_codec` for referenced objects).
 
 **In parallel**: a :class:`Verifier` of ``jobs`` worker threads (default :func:`default_jobs`)
 hashes — and with ``deep`` decodes — the frames while each object's walker parses the headers in
@@ -319,6 +320,15 @@ def codec_for(vc: VersionCheck, te, master, key_problem) -> FrameCodec | None:
     except ManifestError as e:
         vc.issues.append(Issue("manifest", str(e)))
     return FrameCodec(m.version, m.attempt, FrameCipher(data_key))
+
+
+def ref_codec(ref, master) -> FrameCodec:
+    """The frame codec of a referenced object (docs/FORMAT.md, "References"): the attempt and the
+    data key (unwrapped with ``master``) of the version that wrote it, for a deep check."""
+    cipher = None
+    if ref.wrapped_key is not None:
+        cipher = FrameCipher(unwrap_key(master, ref.wrapped_key, ref.version, ref.attempt, ref.key_id))
+    return FrameCodec(ref.version, ref.attempt, cipher)
 
 
 def check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, master) -> None:

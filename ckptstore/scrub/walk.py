@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..codec.crypto import FrameCipher, resolve_key, unwrap_key
+from ..codec.crypto import resolve_key
 from ..codec.frame import FrameCodec
 from ..errors import CkptStoreError, version_not_found
 from ..manifest import catalogue, layout, placement
 from ..tiers.base import tiers_of
 from .repair import repair_objects, settle_mark
 from .report import Issue, ScrubReport, VersionCheck
-from .verify import Verifier, check_metadata, check_object, codec_for
+from .verify import Verifier, check_metadata, check_object, codec_for, ref_codec
 
 
 def scrub(
@@ -170,12 +170,7 @@ def _check_version(tier, name, version, te, part, deep, master, key_problem, on_
     futs = [verifier.walkers.submit(check_object, tier, name, version, entry, codec, on_bytes, verifier)
             for entry in part.objects]
     for ref in refs:  # an earlier version's object this one references, whose origin is gone here
-        rc = None
-        if vc.deep:
-            cipher = None
-            if ref.wrapped_key is not None:
-                cipher = FrameCipher(unwrap_key(master, ref.wrapped_key, ref.version, ref.attempt, ref.key_id))
-            rc = FrameCodec(ref.version, ref.attempt, cipher)
+        rc = ref_codec(ref, master) if vc.deep else None
         futs.append(verifier.walkers.submit(check_object, tier, name, ref.version, ref.entry, rc, on_bytes, verifier))
     vc.objects.extend(f.result() for f in futs)
     for o in vc.objects:
