@@ -59,7 +59,7 @@ def _group(thread: str, stack: str) -> str:
         return "decoder threads"
     if "writer.py" in stack or "FrameCodec.encode" in stack:
         return "encoder threads"
-    if "upload.py" in stack or "tiers/s3.py" in stack:
+    if "upload.py" in stack or "tiers/s3/" in stack:
         return "upload threads"
     return "other threads"
 

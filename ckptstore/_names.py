@@ -19,6 +19,9 @@ _SAFE = "-._"  # plus ASCII letters and digits, which quote() never encodes
 _COMPONENT = re.compile(r"^[A-Za-z0-9._%-]{1,255}$")
 _ATTEMPT = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _OBJECT_FILE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+#: the directory of a version's attempts: object names are ``attempts/<attempt>/<file>``
+#: (docs/FORMAT.md, "Layout by example"); :mod:`ckptstore.manifest.layout` builds its keys with it
+ATTEMPTS = "attempts"
 
 
 def check_version(name: object) -> str:
@@ -75,7 +78,7 @@ def check_object_name(name: object) -> str:
     if not isinstance(name, str):
         raise InvalidNameError(f"object name must be a string, got {type(name).__name__}")
     parts = name.split("/")
-    if len(parts) != 3 or parts[0] != _layout().ATTEMPTS:
+    if len(parts) != 3 or parts[0] != ATTEMPTS:
         raise InvalidNameError(f"object name {name!r} is outside the layout 'attempts/<attempt>/<file>'")
     check_attempt(parts[1])
     if not _OBJECT_FILE.match(parts[2]) or parts[2] in (".", ".."):
@@ -91,9 +94,3 @@ def check_key(key: object) -> str:
         if part in ("", ".", "..") or not _COMPONENT.match(part):
             raise InvalidNameError(f"invalid object key {key!r} (component {part!r})")
     return key
-
-
-def _layout():
-    from .manifest import layout  # lazily: layout itself imports this module
-
-    return layout

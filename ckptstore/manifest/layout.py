@@ -12,7 +12,10 @@
     probes/put-if-absent.<nonce>                           conditional-write probe (S3; deleted at once)
     restores.jsonl                                         restore log of the jobs whose rank 0 used this root
 
-Every key and name of that layout is built or recognised here and nowhere else.
+Every key and name of that layout is built or recognised here and nowhere else. The grammar of
+its components (encoded version names, attempt ids, object names ``attempts/<attempt>/<file>``
+and their ``ATTEMPTS`` directory) belongs to :mod:`ckptstore._names`, which this module builds on
+and which imports nothing from here.
 """
 
 from __future__ import annotations
@@ -21,13 +24,12 @@ import datetime as _dt
 import os
 import secrets
 
-from .._names import decode_version, encode_version
+from .._names import ATTEMPTS, decode_version, encode_version
 
 VERSIONS = "versions"
 MANIFEST = "manifest.json"
 PINNED = "pinned"
 DAMAGED = "damaged.json"
-ATTEMPTS = "attempts"
 METADATA_OBJECT = "metadata.ckd"
 #: prefix of the rank upload markers ``uploaded.rNNNNN.json`` (remote tier)
 MARKER_PREFIX = "uploaded."
