@@ -38,11 +38,10 @@ import signal as _signal
 import time
 from typing import Any, Callable
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ._manager import registry
-from ._manager.info import RestoreInfo, SaveInfo
+from ._manager.info import RestoreInfo, SaveInfo  # noqa: F401 - public here
 from ._manager.job import Job, world_size
 from ._manager.preempt import Preemption
 from ._manager.restore import Restorer, Source
@@ -53,8 +52,6 @@ from ._state_keys import canonical_fqn  # noqa: F401 - public here
 from .dcp import StorageWriter
 from .errors import CkptStoreError
 from .events import process_start_time
-
-__all__ = ["CheckpointManager", "SaveInfo", "RestoreInfo", "canonical_fqn"]
 
 log = logging.getLogger("ckptstore")
 
@@ -114,10 +111,11 @@ class CheckpointManager:
             skip it and restore the one before (default None: never; the count is always in
             ``last_restore.restore_count`` and warned about from 2 on).
         save_on_signal: signals that ask for a last save and a clean exit
-            (:mod:`ckptstore._manager.preempt`). Default ``"auto"``: SIGTERM, when the manager is created in the main
-            thread and SIGTERM has its default disposition (a handler of the program's own is left
-            alone); a tuple of signals: those, replacing their handlers; ``()`` or None: off. The
-            previous handlers come back at :meth:`close`. Every rank must pass the same setting.
+            (:mod:`ckptstore._manager.preempt`). Default ``"auto"``: SIGTERM, when the manager is
+            created in the main thread and SIGTERM has its default disposition (a handler of the
+            program's own is left alone); a tuple of signals: those, replacing their handlers; ``()``
+            or None: off. The previous handlers come back at :meth:`close`. Every rank must pass the
+            same setting.
         grace_s: seconds from the signal until the process must be gone (Kubernetes'
             ``terminationGracePeriodSeconds``, 30 by default, and ``torchrun``'s shutdown timeout).
             The last save and its waits end ``2 * r`` before that and the watchdog ends the process
@@ -138,8 +136,8 @@ class CheckpointManager:
     Creating a manager on the same ``root`` and version names as another manager of this process
     that still has saves or uploads in flight closes that one first (waits for them, warns with
     ``RuntimeWarning``). Once a save failed because the job lost ranks, every ``save``, ``wait``,
-    ``latest`` and ``restore`` raises :class:`~ckptstore.errors.JobBrokenError` (:mod:`ckptstore._manager.job`,
-    "Only the whole job commits").
+    ``latest`` and ``restore`` raises :class:`~ckptstore.errors.JobBrokenError`
+    (:mod:`ckptstore._manager.job`, "Only the whole job commits").
     """
 
     # attributes kept by the rooms (set on the manager, they change the room's)
@@ -203,8 +201,9 @@ class CheckpointManager:
         self.last_restore: RestoreInfo | None = None
         self._open_rooms(key=key, retention=retention, durability=durability, kind=kind, max_pending=max_pending,
                          save_rng=save_rng, per_rank_keys=per_rank_keys, writer_options=writer_options)
-        self._events = EventSink(rank=self.rank, world=self._job.world, root=self.root, remote=remote, writer=self._writer,
-                                 event_log=event_log, on_event=on_event, metrics_file=metrics_file, progress_s=progress_s)
+        self._events = EventSink(rank=self.rank, world=self._job.world, root=self.root, remote=remote,
+                                 writer=self._writer, event_log=event_log, on_event=on_event,
+                                 metrics_file=metrics_file, progress_s=progress_s)
         self._preempt = Preemption(save_on_signal=save_on_signal, grace_s=grace_s, rank=self.rank,
                                    multi_rank=self._job.dist and self._job.world > 1, emit=self._events.emit)
         if self._preempt.wanted:
@@ -362,7 +361,7 @@ class CheckpointManager:
         last = self._preempt.save_last(step, version, pre, start, lambda: self._committed_locally(version),
                                        self.remote is not None)
         self._events.progress(step, t0, version if last.info is not None else None)
-        raise self._preempt.exit(step, version, pre, last, in_flight)
+        raise self._preempt.stop_loop(step, version, pre, last, in_flight)
 
     def _save_here(self, step: int, state, metadata, t0: float, deadline: float | None) -> SaveInfo:
         """PROCESS executor, the last save before exiting: once the save in flight has finished (its

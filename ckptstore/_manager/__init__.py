@@ -17,5 +17,7 @@ work to handlers and policies, and torchtitan's ``BaseCheckpointManager`` to ``_
 - :mod:`.sink` — :class:`~.sink.EventSink`: event log lines, metrics, ``on_event``;
 - :mod:`.registry` — the open managers of the process ("one manager per root").
 
-No module here imports another's objects except through the arguments the manager passes.
+Each takes what it works on (the writer, the job, callbacks) from the manager's arguments; inside
+the package only :mod:`.save_queue` imports :mod:`.job`, :mod:`.restore` imports :mod:`.info` and
+:mod:`.preempt` imports :mod:`.signals`, and nothing here imports :mod:`ckptstore.manager`.
 """

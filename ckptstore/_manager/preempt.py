@@ -62,6 +62,34 @@ class LastSave:
     remote_at: float | None = None
     info: Any = None  # the SaveInfo, once the save was started
 
+    def await_commit(self, deadline: float | None, remote_here: bool) -> None:
+        """Wait for the commit of :attr:`info` until ``deadline`` (monotonic): the remote one when
+        this rank makes it (``remote_here``: a remote tier, and the coordinator), else the local one."""
+        info = self.info
+        while True:
+            if info.local_commit_s is not None and self.local_at is None:
+                self.local_at = time.time()
+            if info.remote_commit_s is not None and self.remote_at is None:
+                self.remote_at = time.time()
+            if info.error is not None or info.remote_commit_s is not None:
+                break
+            if info.local_commit_s is not None and not remote_here:
+                break  # only the coordinator makes (and sees) the remote commit
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+
+    def judge(self, grace_s: float | None, remote_here: bool) -> None:
+        """Set :attr:`saved`, :attr:`durability` and :attr:`reason` from what the wait saw."""
+        info = self.info
+        self.saved = self.local_at is not None
+        self.durability = "remote" if info.remote_commit_s is not None else ("local" if self.saved else None)
+        if not self.saved:
+            self.reason = info.error or f"the save did not commit within the grace period ({grace_s:g} s)"
+        elif remote_here and self.durability == "local":
+            self.reason = ("committed locally only: the upload did not finish within the grace period; the next "
+                           "run's first save uploads it" if info.error is None else f"committed locally only: {info.error}")
+
 
 class Preemption:
     """One manager's preemption on rank ``rank``: the signals it listens for (``save_on_signal``),
@@ -304,44 +332,20 @@ class Preemption:
             if self.rank == 0:
                 log.warning("ckptstore: %s received: saving step %d (%s) before exiting (grace period %s)", name, step,
                             version, "none" if self.grace_s is None else f"{self.grace_s:g} s")
+            remote_here = remote and self.rank == 0
             try:
                 out.info = start(deadline)
-                self._await_commit(out, deadline, remote)
+                out.await_commit(deadline, remote_here)
                 if out.info.local_commit_s is None and committed_locally():
                     out.local_at = time.time()  # PROCESS: the subprocess committed it, the remote commit is pending
-                self._judge(out, remote)
+                out.judge(self.grace_s, remote_here)
             except Preempted:
                 raise
             except BaseException as e:  # noqa: BLE001 - reported in Preempted; the process is ending anyway
                 out.reason = f"{type(e).__name__}: {e}"
         return out
 
-    def _await_commit(self, out: LastSave, deadline: float | None, remote: bool) -> None:
-        info = out.info
-        while True:
-            if info.local_commit_s is not None and out.local_at is None:
-                out.local_at = time.time()
-            if info.remote_commit_s is not None and out.remote_at is None:
-                out.remote_at = time.time()
-            if info.error is not None or info.remote_commit_s is not None:
-                break
-            if info.local_commit_s is not None and (not remote or self.rank != 0):
-                break  # only the coordinator makes (and sees) the remote commit
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
-
-    def _judge(self, out: LastSave, remote: bool) -> None:
-        info = out.info
-        out.saved = out.local_at is not None
-        out.durability = "remote" if info.remote_commit_s is not None else ("local" if out.saved else None)
-        if not out.saved:
-            out.reason = info.error or f"the save did not commit within the grace period ({self.grace_s:g} s)"
-        elif remote and self.rank == 0 and out.durability == "local":
-            out.reason = ("committed locally only: the upload did not finish within the grace period; the next "
-                          "run's first save uploads it" if info.error is None else f"committed locally only: {info.error}")
-
-    def exit(self, step: int, version: str, pre: tuple, last: LastSave, in_flight: bool) -> Preempted:
+    def stop_loop(self, step: int, version: str, pre: tuple, last: LastSave, in_flight: bool) -> Preempted:
         """The :class:`Preempted` that ends the loop after :meth:`save_last` (recorded, logged and
         kept: a later ``save()`` raises it again)."""
         signum = pre[0]

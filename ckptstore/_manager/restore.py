@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch.distributed.checkpoint as dcp
 
 from .._state_keys import _SpellingLoadPlanner
-from ..dcp import StorageReader
+from ..dcp.reader import StorageReader
 from .info import RestoreInfo
 
 log = logging.getLogger("ckptstore")
