@@ -1,0 +1,235 @@
+"""The saves of a :class:`ckptstore.CheckpointManager` after staging: run in order, errors kept.
+
+- **One save at a time, bounded queue.** ``save()`` blocks training only to copy the state into
+  host buffers (staging), then queues the save. With the THREAD executor (default) saves run in
+  order on one worker thread; at most ``max_pending`` staged saves wait behind the running one.
+  **Policy when the queue is full: ``save()`` waits for the oldest save to start** (it never skips
+  a due save); the wait counts as blocked time. With the PROCESS executor at most one save is in
+  flight (torch's checkpoint subprocess is shared and can hang with two): ``save()`` first waits
+  for the previous save.
+- **Errors are never lost.** A save that fails raises from the next ``save()``, ``wait()`` or
+  ``close()``; ``close()`` also raises ``UploadError`` for versions not uploaded. A save that fails
+  in a collective breaks the job (:mod:`.job`): queued saves then fail without running.
+
+The policy when the queue is full is :meth:`SaveQueue.submit`'s alone (a caller that must never
+block a training step would pass a policy there, not around it).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from ..errors import CkptStoreError, JobBrokenError
+from .job import group_failure
+
+log = logging.getLogger("ckptstore")
+
+
+class SaveQueue:
+    """The saves of one manager through ``writer`` (with a ``remote`` tier or not) on ``job``'s
+    group: ``executor`` ``"thread"`` (a worker thread behind a queue of ``max_pending``) or
+    ``"process"`` (DCP's checkpoint subprocess, one save in flight). ``report(info)`` is called once
+    per save when it has committed (locally, and remotely when the writer has a remote commit for
+    it) or failed (``info.error``).
+
+    :attr:`infos` lists every save's :class:`~.info.SaveInfo`, oldest first (guarded by ``lock``)."""
+
+    def __init__(self, *, writer, job, remote: bool, executor: str, max_pending: int, report: Callable) -> None:
+        self.executor = executor
+        self._writer, self._job, self._remote, self._report = writer, job, remote, report
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._worker: threading.Thread | None = None
+        self._proc_future = None  # PROCESS: the one save in flight
+        self._errors: list[str] = []
+        self.lock = threading.Lock()
+        self.infos: list = []
+
+    # -- starting saves ----------------------------------------------------------------------------
+    def submit(self, info, sd: dict, t0: float, extra: dict, deadline: float | None = None) -> None:
+        """Stage ``sd`` and queue (THREAD) or hand to DCP's checkpoint subprocess (PROCESS) the save
+        ``info`` (``save()`` called at monotonic ``t0``); with ``deadline`` (monotonic), waits for
+        earlier saves only until then (:class:`CkptStoreError` past it). Sets ``info.blocked_s`` and
+        ``extra["stage_s"]``."""
+        if self.executor == "process":
+            if not self.wait_process(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise CkptStoreError("the save in flight did not finish within the grace period")
+            self.raise_errors()
+            t_stage = time.monotonic()
+            fut = dcp.async_save(
+                sd, checkpoint_id=info.version, storage_writer=self._writer, process_group=self._job.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            )
+            extra["stage_s"] = time.monotonic() - t_stage
+            info.blocked_s = time.monotonic() - t0
+            self._proc_future = fut
+            fut.add_done_callback(lambda f, info=info, t0=t0: self._process_done(f, info, t0))
+        else:
+            t_stage = time.monotonic()
+            staged = self._writer.stage(sd)
+            extra["stage_s"] = time.monotonic() - t_stage
+            self._ensure_worker()
+            try:  # blocks while max_pending saves wait (policy: wait)
+                self._queue.put((info, staged, t0), timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
+            except queue.Full:
+                raise CkptStoreError("the saves in flight did not start within the grace period") from None
+            info.blocked_s = time.monotonic() - t0
+        with self.lock:
+            self.infos.append(info)
+
+    def run_here(self, info, sd: dict, t0: float) -> None:
+        """Save ``sd`` as ``info`` in this thread (``dcp.save``), after the saves in flight; a failure
+        is recorded in ``info`` and kept to be raised, as for a queued save."""
+        with self.lock:
+            self.infos.append(info)
+        try:
+            dcp.save(sd, checkpoint_id=info.version, storage_writer=self._writer, process_group=self._job.pg)
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            info.blocked_s = time.monotonic() - t0
+            self._failed(info, e)
+            return
+        info.blocked_s = info.local_commit_s = time.monotonic() - t0
+        self._track_remote(info, t0)
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._run, name="ckptstore-manager", daemon=True)
+            self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                info, staged, t0 = job
+                try:
+                    self._job.check()  # the group may have broken since save() queued it: never run it
+                    dcp.save(staged, checkpoint_id=info.version, storage_writer=self._writer, process_group=self._job.pg)
+                    del staged
+                    info.local_commit_s = time.monotonic() - t0
+                    self._track_remote(info, t0)
+                except BaseException as e:  # CheckpointException is a BaseException
+                    staged = job = None  # noqa: F841 - the host copy goes back to the stager now
+                    self._failed(info, e)
+            finally:
+                self._queue.task_done()
+
+    # -- finished saves ----------------------------------------------------------------------------
+    def _track_remote(self, info, t0: float) -> None:
+        fut = self._writer.remote_commit_future(info.version)
+        if fut is None:
+            self._report(info)
+            return
+
+        def done(f):
+            if f.exception() is None:
+                info.remote_commit_s = time.monotonic() - t0
+            else:
+                info.error = f"remote commit failed: {f.exception()}"  # close() raises UploadError for it
+            self._report(info)
+
+        fut.add_done_callback(done)
+
+    def _process_done(self, f, info, t0: float) -> None:
+        self._writer._options_for.pop(info.version, None)  # the subprocess used its pickled copy
+        e = f.exception()
+        if e is not None:
+            self._failed(info, e)
+            return
+        info.local_commit_s = time.monotonic() - t0
+        if self._remote and self._job.rank == 0:
+            info.remote_commit_s = info.local_commit_s  # the subprocess commits remotely before answering
+        self._report(info)
+
+    def _failed(self, info, e: BaseException) -> None:
+        if group_failure(e):
+            self._job.lose(f"the save of step {info.step} ({info.version}) failed in a collective: {type(e).__name__}: {e}")
+        info.error = f"{type(e).__name__}: {e}"
+        with self.lock:
+            self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
+        log.error("ckptstore: save of %s failed: %s", info.version, e)
+        self._report(info)
+
+    def take_errors(self) -> list[str]:
+        """The failed saves not raised yet (and forget them)."""
+        with self.lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def raise_errors(self) -> None:
+        """Raise what failed since the last call: :class:`JobBrokenError` once the job is broken,
+        else :class:`CkptStoreError` naming every failed save."""
+        errors = self.take_errors()
+        broken = self._job.broken
+        if broken is not None:
+            raise JobBrokenError(self._job.broken_message(broken) + "".join(f"; {e}" for e in errors))
+        if errors:
+            raise CkptStoreError("; ".join(errors))
+
+    # -- waiting -----------------------------------------------------------------------------------
+    def wait_process(self, timeout: float | None = None) -> bool:
+        """Wait for the PROCESS save in flight (at most ``timeout`` seconds); False if still running."""
+        f = self._proc_future
+        if f is not None:
+            try:
+                f.result(timeout=timeout)
+            except BaseException:  # noqa: BLE001 - recorded by _process_done
+                if not f.done():
+                    return False
+            self._proc_future = None
+        return True
+
+    def wait(self) -> None:
+        """Block until every queued save has committed (locally); raise the error of a failed one
+        (:class:`JobBrokenError`, at once, once the job is broken)."""
+        if self._job.broken is not None:
+            self.raise_errors()
+        if self.executor == "process":
+            self.wait_process()
+        elif self._worker is not None:
+            self._queue.join()
+        self.raise_errors()
+
+    def in_flight(self) -> bool:
+        """A save queued or running, or an upload / remote commit not finished."""
+        f = self._proc_future
+        if f is not None and not f.done():
+            return True
+        if self._queue.unfinished_tasks:
+            return True
+        up = self._writer._uploader
+        return up is not None and bool(up.in_flight())
+
+    def stop(self) -> None:
+        """End the worker thread once the saves queued before have run."""
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+
+    def drain(self, left: Callable[[], float | None]) -> list[str]:
+        """Wait for the saves in flight at most ``left()`` seconds (None: no bound), end the worker;
+        return what did not finish and the errors not raised yet (close after a preemption signal)."""
+        problems = []
+        if self.executor == "process":
+            if not self.wait_process(left()):
+                problems.append("the save in flight did not finish")
+        elif self._worker is not None:
+            t = left()
+            end = None if t is None else time.monotonic() + t
+            with self._queue.all_tasks_done:
+                while self._queue.unfinished_tasks and (end is None or time.monotonic() < end):
+                    self._queue.all_tasks_done.wait(None if end is None else max(0.01, end - time.monotonic()))
+            if self._queue.unfinished_tasks:
+                problems.append("a save in flight did not finish (it never commits: nothing is half-visible)")
+            else:
+                self._queue.put(None)
+                self._worker.join(left())
+        problems.extend(self.take_errors())
+        return problems
