@@ -25,6 +25,7 @@ import dataclasses
 import threading
 from typing import Any
 
+from ..codec import xxh128
 from ..errors import CkptStoreError
 from ..manifest import catalogue, layout
 from ..manifest.schema import Manifest, RefEntry
@@ -122,5 +123,43 @@ class Incremental:
             return None, None
         return loc, ref
 
+    def for_save(self, tier, key_id: str | None) -> "SaveRefs":
+        """The references of one save of this rank (``tier``: its root; ``key_id``: the save's master
+        key id, None: unencrypted)."""
+        return SaveRefs(self, tier, key_id)
 
-__all__ = ["Baseline", "Incremental", "item_key", "refs_of"]
+
+class SaveRefs:
+    """One rank's references in one save, called by the encode stage for each write item
+    (:meth:`match`) and once the rank's object is written (:meth:`remember`)."""
+
+    def __init__(self, inc: Incremental, tier, key_id: str | None) -> None:
+        self._inc = inc
+        self._tier = tier
+        self._key_id = key_id
+        self._digests: dict = {}
+        self._present: dict = {}  # {origin object name: still in this rank's root}
+        self.used: dict = {}  # {object name: RefEntry} of the earlier objects referenced
+
+    def match(self, index, mv, dtype: Any, shape: Any):
+        """The baseline's ``ItemLocation`` of the write item ``index`` when its bytes ``mv`` (and
+        dtype, shape, size) equal the baseline's, else None (the item is written)."""
+        key = item_key(index)
+        self._digests[key] = h = xxh128(mv)
+        loc, ref = self._inc.lookup(self._tier, key, h, dtype, shape, len(mv), self._present, self._key_id)
+        if loc is not None:
+            self.used[ref.name] = ref
+        return loc
+
+    def refs(self) -> tuple:
+        """The ``RefEntry``s of the earlier objects this save's items reference, by name."""
+        return tuple(sorted(self.used.values(), key=lambda r: r.name))
+
+    def remember(self, version: str, attempt: str, indexes: list, locs: list) -> None:
+        """The save's items (``MetadataIndex`` ``indexes`` → ``ItemLocation`` ``locs``, written or
+        referenced) become a candidate baseline (:meth:`Incremental.candidate`)."""
+        self._inc.candidate(version, attempt, {item_key(i): (self._digests[item_key(i)], loc)
+                                               for i, loc in zip(indexes, locs)})
+
+
+__all__ = ["Baseline", "Incremental", "SaveRefs", "item_key", "refs_of"]
