@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
 import time
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -30,6 +28,7 @@ from ._frames import tensor_bytes, write_small_object
 from ._metadata import ItemTables
 from ._metadata import pack as pack_metadata
 from ._reports import UploadFailure, collect, digest_result
+from ._stage import OwnLock
 from ._types import RootReport
 
 log = logging.getLogger("ckptstore")
@@ -58,13 +57,17 @@ def _check_same_values(digests: dict[str, dict[int, int]]) -> None:
             )
 
 
-class Committer:
+class Committer(OwnLock):
     """Commits versions in this rank's root (the coordinator's, or a follower's copy through
     :meth:`after_commit`). ``cfg``: the writer's settings; ``tier``/``remote``: this root and the
     remote tier (None); ``keys``: ``_keys.DataKeys``; ``guard``: ``_liveness.Guard``;
-    ``publisher``: ``_roots.Publisher``; ``in_flight()``: versions still uploading (retention keeps them)."""
+    ``publisher``: ``_roots.Publisher``; ``in_flight()``: versions still uploading (retention keeps them);
+    ``software``: the manifest's ``writer`` (``"ckptstore X torch Y"``)."""
 
-    def __init__(self, cfg, tier, remote, keys, guard, publisher, in_flight) -> None:
+    _fresh = {"_pruned": list}
+
+    def __init__(self, cfg, tier, remote, keys, guard, publisher, in_flight, software: str) -> None:
+        super().__init__()
         self.cfg = cfg
         self.tier = tier
         self.remote = remote
@@ -72,18 +75,8 @@ class Committer:
         self.guard = guard
         self.publisher = publisher
         self.in_flight = in_flight
+        self.software = software
         self._pruned: list[dict] = []
-        self._lock = threading.Lock()
-
-    def __getstate__(self):
-        s = self.__dict__.copy()
-        s.pop("_lock")
-        s["_pruned"] = []
-        return s
-
-    def __setstate__(self, s) -> None:
-        self.__dict__.update(s)
-        self._lock = threading.Lock()
 
     def commit(self, s, metadata: Metadata, results: list, timed) -> tuple[Manifest, bytes, list]:
         """Commit the save ``s`` (a ``_plan.Save``) locally from DCP's ``metadata`` and every rank's
@@ -150,7 +143,7 @@ class Committer:
             user=s.user_metadata,
             encryption=None if wrapped is None else {"alg": "AES-256-GCM", "key_id": kid, "wrapped_key": wrapped},
             codecs=[c for c in codecs if c],
-            writer=f"ckptstore {_version()} torch {torch.__version__}",
+            writer=self.software,
             placement=placement,
             seq=s.seq,
             replicas=cfg.replicas or None,
@@ -185,12 +178,6 @@ def divergence_checked(allow_divergent: bool) -> bool:
     itself) that did not pass ``allow_divergent_replicas``."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return not allow_divergent and world > 1
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 __all__ = ["Committer", "divergence_checked", "value_digests"]

@@ -12,25 +12,28 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import threading
 
 from ..errors import CkptStoreError
 from ..manifest import layout
 from ..manifest.order import order_key
 from ..manifest.schema import Manifest, ObjectEntry
 from ._reports import UploadFailure
+from ._stage import OwnLock
 from ._types import ObjectReport, PlanData
 
 log = logging.getLogger("ckptstore")
 
 
-class RemoteStage:
+class RemoteStage(OwnLock):
     """The writer's uploads (nothing without a remote tier). ``cfg``: the writer's settings
     (``durability``, ``threads``, ``upload_timeout``, ``retention``, ``overwrite``, ``remote_url``);
     ``tier``: this rank's root; ``remote``: the remote tier or None; ``guard``: ``_liveness.Guard``.
     The uploader (pool and client) is made at first use and never pickled."""
 
+    _fresh = {"_uploader": lambda: None, "_futs": dict}
+
     def __init__(self, cfg, tier, remote, guard) -> None:
+        super().__init__()
         self.cfg = cfg
         self.tier = tier
         self.remote = remote
@@ -38,18 +41,6 @@ class RemoteStage:
         self._uploader = None
         self._caught_up = False  # the restage comparison ran (see restage_plan)
         self._futs: dict[str, cf.Future] = {}
-        self._lock = threading.Lock()
-
-    def __getstate__(self):
-        s = self.__dict__.copy()
-        s.pop("_lock")
-        s["_uploader"] = None
-        s["_futs"] = {}
-        return s
-
-    def __setstate__(self, s) -> None:
-        self.__dict__.update(s)
-        self._lock = threading.Lock()
 
     @property
     def uploader(self):

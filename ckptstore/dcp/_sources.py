@@ -8,21 +8,22 @@ with ``read_repair`` the local copy is rewritten from the verified one.
 from __future__ import annotations
 
 import logging
-import threading
 
 from ..errors import CkptStoreError, IntegrityError, ObjectNotFoundError
 from ._peers import PeerTier
+from ._stage import OwnLock
 
 log = logging.getLogger("ckptstore")
 
 
-class Sources:
+class Sources(OwnLock):
     """The places of one load. ``store``: the reader's ``Store`` (``local``, ``remote``, ``tiers``);
     ``view``/``me``: the restore choice's ``View`` and this rank's index in it; ``opened``: the
     ``_verify.OpenVersion``; ``peer``: ``{(object, offset): bytes}`` received from other ranks (filled
     by the peer exchange); ``stats``: the reader's counters (``fallback_reads``, ``repaired``)."""
 
     def __init__(self, store, view, me: int, opened, peer: dict, stats: dict, read_repair: bool) -> None:
+        super().__init__()
         self.store = store
         self.view = view
         self.me = me
@@ -31,16 +32,6 @@ class Sources:
         self.stats = stats
         self.read_repair = read_repair
         self._repaired: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __getstate__(self):
-        s = self.__dict__.copy()
-        s.pop("_lock")
-        return s
-
-    def __setstate__(self, s) -> None:
-        self.__dict__.update(s)
-        self._lock = threading.Lock()
 
     def first(self, obj: str):
         """The tier this rank reads ``obj`` from first: its root, else another rank's root (bytes

@@ -7,8 +7,6 @@ DCP metadata's item locations against the manifest, before any of them is used.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -19,10 +17,11 @@ from ..codec.frame import FrameWalk
 from ..errors import CkptStoreError, IntegrityError, KeyMismatchError
 from ..manifest import layout
 from ..manifest.schema import ObjectEntry
+from ._stage import OwnLock
 from ._types import ItemLocation
 
 
-class OpenVersion:
+class OpenVersion(OwnLock):
     """The version of a parsed manifest (``parsed``), verified with ``keys`` (``_keys.DataKeys``):
     :class:`KeyMismatchError` when it is encrypted and no key is given, or it is not encrypted but a
     key is (unless ``allow_unencrypted``); :class:`IntegrityError` when its HMAC does not verify.
@@ -31,6 +30,7 @@ class OpenVersion:
     versions it references (docs/FORMAT.md, "References") — by name."""
 
     def __init__(self, parsed, keys, allow_unencrypted: bool) -> None:
+        super().__init__()
         m = parsed.manifest
         version = m.version
         cipher = None
@@ -57,16 +57,6 @@ class OpenVersion:
         self.refs = m.ref_by_name()
         self.objects.update({r.name: r.entry for r in m.refs})
         self._codecs = {m.attempt: self.codec}
-        self._lock = threading.Lock()
-
-    def __getstate__(self):
-        s = self.__dict__.copy()
-        s.pop("_lock")
-        return s
-
-    def __setstate__(self, s) -> None:
-        self.__dict__.update(s)
-        self._lock = threading.Lock()
 
     def key(self, obj: str) -> str:
         """The key of object ``obj``: in this version's directory, or in its origin version's for a

@@ -43,6 +43,7 @@ import time
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -159,6 +160,7 @@ class StorageWriter(_DCPStorageWriter):
     values; from ``stage()`` directly).
     """
 
+    # the settings above, kept in the WriterConfig every stage reads (``_config.Setting``)
     root = Setting()
     remote_url = Setting()
     endpoint_url = Setting()
@@ -239,7 +241,7 @@ class StorageWriter(_DCPStorageWriter):
         self._planner = Planner(cfg, self._tier, self._remote, self._keys, self._guard, self._up, self._probe)
         self._shards = ShardWriter(cfg, self._tier, self._keys, self._inc)
         self._committer = Committer(cfg, self._tier, self._remote, self._keys, self._guard, self._publisher,
-                                    self._up.in_flight)
+                                    self._up.in_flight, _software())
         self._replicas = ReplicaStage.create(cfg, self._tier, multi_rank())
         self._init_runtime()
 
@@ -534,6 +536,13 @@ class StorageWriter(_DCPStorageWriter):
 
 
 _shipped: "weakref.WeakSet[StorageWriter]" = weakref.WeakSet()
+
+
+def _software() -> str:
+    """What a manifest records as its ``writer``."""
+    from .. import __version__
+
+    return f"ckptstore {__version__} torch {torch.__version__}"
 
 
 @atexit.register
