@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from ..errors import DtypeMismatchError, IntegrityError
-from ._subclass import Assembly, has_memory, own_bytes
+from . import _subclass
 from ._types import ItemLocation
 
 _BATCH_BYTES = 32 << 20  # decoded bytes fetched per pipeline stage
@@ -93,13 +93,13 @@ def destinations(plan: LoadPlan, planner: LoadPlanner, storage_data, metadata, a
         if target.numel() and tuple(target.shape) != tuple(ri.lengths):
             raise IntegrityError(f"{ri.dest_index.fqn!r}: read item lengths {tuple(ri.lengths)} do not fit {tuple(target.shape)}")
         whole = _whole_destination(planner, ri, target, metadata)
-        if whole.numel() == 0 or has_memory(whole):
+        if whole.numel() == 0 or _subclass.has_memory(whole):
             out.append((ri, loc, target if views else None, None))
             continue
         k = (ri.dest_index.fqn, tuple(ri.dest_index.offset) if ri.dest_index.offset is not None else None)
         asm = assemblies.get(k)
         if asm is None:
-            asm = assemblies[k] = Assembly(ri.dest_index.fqn, whole, exact=not allow_cast)
+            asm = assemblies[k] = _subclass.Assembly(ri.dest_index.fqn, whole, exact=not allow_cast)
         asm.parts.append((ri, target))
         out.append((ri, loc, asm.part(ri), asm))
     return out
@@ -174,7 +174,7 @@ def deliver(ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner, targ
     if target.numel() == 0 or not frames:
         return
     whole = b0 == 0 and b1 == loc.nbytes and start == 0 and tuple(ri.lengths) == tuple(loc.shape)
-    dst = own_bytes(target) if whole and target.dtype == dtype else None
+    dst = _subclass.own_bytes(target) if whole and target.dtype == dtype else None
     if dst is not None:
         # fast path: the item is the whole stored chunk; copy frames straight into place
         pos = 0

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import CkptStoreError
-from ._subclass import has_memory
-from ._subclass import values as subclass_values
+from . import _subclass
 
 try:
     from torch.distributed.tensor import DTensor
@@ -149,8 +148,8 @@ class Stager:
         b = self._buf(path, t, buffers)
         if b.numel():
             ticket.ptrs.append(b.untyped_storage().data_ptr())
-        if t.numel() and not has_memory(t):  # a wrapper subclass: its values, through its copy_
-            subclass_values(t, ".".join(map(str, path)), out=b)
+        if t.numel() and not _subclass.has_memory(t):  # a wrapper subclass: its values, through its copy_
+            _subclass.values(t, ".".join(map(str, path)), out=b)
         elif t.device.type == "cuda":
             b.copy_(t.detach(), non_blocking=b.is_pinned())
             if b.is_pinned() and not streams:
