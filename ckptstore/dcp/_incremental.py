@@ -99,30 +99,6 @@ class Incremental:
             self.base = Baseline(m.version, m.attempt, dict(items), refs_of(m))
             self._pending = []
 
-    def lookup(self, tier, key: tuple, digest: int, dtype: Any, shape: Any, nbytes: int, present: dict,
-               key_id: str | None = None):
-        """The baseline's location of an identical item, or None. ``present``: a per-save cache of
-        ``{object name: bool}`` (the origin object is still in this rank's root); ``key_id``: the
-        master key id of this save (None: unencrypted) — frames encrypted otherwise are never
-        referenced."""
-        base = self.base
-        if base is None:
-            return None, None
-        hit = base.items.get(key)
-        if hit is None or hit[0] != digest:
-            return None, None
-        loc = hit[1]
-        if loc.dtype != dtype or loc.shape != shape or loc.nbytes != nbytes:
-            return None, None
-        ref = base.refs.get(loc.object)
-        if ref is None or ref.key_id != key_id:
-            return None, None
-        if loc.object not in present:
-            present[loc.object] = tier.exists(layout.object_key(ref.version, ref.name))
-        if not present[loc.object]:
-            return None, None
-        return loc, ref
-
     def for_save(self, tier, key_id: str | None) -> "SaveRefs":
         """The references of one save of this rank (``tier``: its root; ``key_id``: the save's master
         key id, None: unencrypted)."""
@@ -143,12 +119,29 @@ class SaveRefs:
 
     def match(self, index, mv, dtype: Any, shape: Any):
         """The baseline's ``ItemLocation`` of the write item ``index`` when its bytes ``mv`` (and
-        dtype, shape, size) equal the baseline's, else None (the item is written)."""
+        dtype, shape, size) equal the baseline's, else None (the item is written). Frames encrypted
+        under another master key than this save's, and origin objects no longer in this rank's root,
+        are never referenced."""
         key = item_key(index)
         self._digests[key] = h = xxh128(mv)
-        loc, ref = self._inc.lookup(self._tier, key, h, dtype, shape, len(mv), self._present, self._key_id)
-        if loc is not None:
-            self.used[ref.name] = ref
+        base = self._inc.base
+        if base is None:
+            return None
+        hit = base.items.get(key)
+        if hit is None or hit[0] != h:
+            return None
+        loc = hit[1]
+        if loc.dtype != dtype or loc.shape != shape or loc.nbytes != len(mv):
+            return None
+        ref = base.refs.get(loc.object)
+        if ref is None or ref.key_id != self._key_id:
+            return None
+        present = self._present
+        if loc.object not in present:
+            present[loc.object] = self._tier.exists(layout.object_key(ref.version, ref.name))
+        if not present[loc.object]:
+            return None
+        self.used[ref.name] = ref
         return loc
 
     def refs(self) -> tuple:

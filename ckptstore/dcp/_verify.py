@@ -114,7 +114,16 @@ class OpenVersion(OwnLock):
             if not isinstance(loc.frames, tuple) or not isinstance(loc.nbytes, int) or loc.nbytes < 0:
                 raise IntegrityError(f"item {fqn!r} has a malformed frame list")
             if loc.dtype is not None:
-                _check_tensor_location(fqn, loc)
+                if not isinstance(loc.dtype, str) or not isinstance(getattr(torch, loc.dtype, None), torch.dtype):
+                    raise IntegrityError(f"item {fqn!r} has unknown dtype {loc.dtype!r}")
+                shape = loc.shape
+                if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
+                    raise IntegrityError(f"item {fqn!r} has a malformed shape {shape!r}")
+                numel = 1
+                for n in shape:
+                    numel *= n
+                if numel * getattr(torch, loc.dtype).itemsize != loc.nbytes:
+                    raise IntegrityError(f"item {fqn!r}: shape {shape} of {loc.dtype} does not hold {loc.nbytes} bytes")
             elif loc.shape is not None:
                 raise IntegrityError(f"item {fqn!r}: a bytes item has a shape")
             ent = self.objects.get(loc.object)
@@ -127,19 +136,6 @@ class OpenVersion(OwnLock):
                 total += f.raw_len
             if total != loc.nbytes:
                 raise IntegrityError(f"item {idx.fqn!r}: frames hold {total} bytes, index says {loc.nbytes}")
-
-
-def _check_tensor_location(fqn: str, loc: ItemLocation) -> None:
-    if not isinstance(loc.dtype, str) or not isinstance(getattr(torch, loc.dtype, None), torch.dtype):
-        raise IntegrityError(f"item {fqn!r} has unknown dtype {loc.dtype!r}")
-    shape = loc.shape
-    if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
-        raise IntegrityError(f"item {fqn!r} has a malformed shape {shape!r}")
-    numel = 1
-    for n in shape:
-        numel *= n
-    if numel * getattr(torch, loc.dtype).itemsize != loc.nbytes:
-        raise IntegrityError(f"item {fqn!r}: shape {shape} of {loc.dtype} does not hold {loc.nbytes} bytes")
 
 
 __all__ = ["OpenVersion"]
