@@ -14,6 +14,7 @@ import pickle
 from typing import Any
 
 from ..errors import CkptStoreError, UnsupportedStateError
+from ._unpickle import RefusedClassError, _MetadataUnpickler
 
 
 # -- unknown keyword arguments ------------------------------------------------------
@@ -39,7 +40,6 @@ def check_metadata_loads(blob: bytes, version: str) -> None:
     :class:`UnsupportedStateError` naming the refused class otherwise. The packed location and
     chunk tables are plain integers that ``_metadata.pack`` itself wrote; not unpacked here."""
     from ._metadata import pickled_part
-    from .reader import RefusedClassError, _MetadataUnpickler
 
     try:
         _MetadataUnpickler(io.BytesIO(pickled_part(blob))).load()

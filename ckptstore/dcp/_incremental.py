@@ -25,6 +25,7 @@ import dataclasses
 import threading
 from typing import Any
 
+from ..codec import xxh128
 from ..errors import CkptStoreError
 from ..manifest import catalogue, layout
 from ..manifest.schema import Manifest, RefEntry
@@ -98,29 +99,60 @@ class Incremental:
             self.base = Baseline(m.version, m.attempt, dict(items), refs_of(m))
             self._pending = []
 
-    def lookup(self, tier, key: tuple, digest: int, dtype: Any, shape: Any, nbytes: int, present: dict,
-               key_id: str | None = None):
-        """The baseline's location of an identical item, or None. ``present``: a per-save cache of
-        ``{object name: bool}`` (the origin object is still in this rank's root); ``key_id``: the
-        master key id of this save (None: unencrypted) — frames encrypted otherwise are never
-        referenced."""
-        base = self.base
+    def for_save(self, tier, key_id: str | None) -> "SaveRefs":
+        """The references of one save of this rank (``tier``: its root; ``key_id``: the save's master
+        key id, None: unencrypted)."""
+        return SaveRefs(self, tier, key_id)
+
+
+class SaveRefs:
+    """One rank's references in one save, called by the encode stage for each write item
+    (:meth:`match`) and once the rank's object is written (:meth:`remember`)."""
+
+    def __init__(self, inc: Incremental, tier, key_id: str | None) -> None:
+        self._inc = inc
+        self._tier = tier
+        self._key_id = key_id
+        self._digests: dict = {}
+        self._present: dict = {}  # {origin object name: still in this rank's root}
+        self.used: dict = {}  # {object name: RefEntry} of the earlier objects referenced
+
+    def match(self, index, mv, dtype: Any, shape: Any):
+        """The baseline's ``ItemLocation`` of the write item ``index`` when its bytes ``mv`` (and
+        dtype, shape, size) equal the baseline's, else None (the item is written). Frames encrypted
+        under another master key than this save's, and origin objects no longer in this rank's root,
+        are never referenced."""
+        key = item_key(index)
+        self._digests[key] = h = xxh128(mv)
+        base = self._inc.base
         if base is None:
-            return None, None
+            return None
         hit = base.items.get(key)
-        if hit is None or hit[0] != digest:
-            return None, None
+        if hit is None or hit[0] != h:
+            return None
         loc = hit[1]
-        if loc.dtype != dtype or loc.shape != shape or loc.nbytes != nbytes:
-            return None, None
+        if loc.dtype != dtype or loc.shape != shape or loc.nbytes != len(mv):
+            return None
         ref = base.refs.get(loc.object)
-        if ref is None or ref.key_id != key_id:
-            return None, None
+        if ref is None or ref.key_id != self._key_id:
+            return None
+        present = self._present
         if loc.object not in present:
-            present[loc.object] = tier.exists(layout.object_key(ref.version, ref.name))
+            present[loc.object] = self._tier.exists(layout.object_key(ref.version, ref.name))
         if not present[loc.object]:
-            return None, None
-        return loc, ref
+            return None
+        self.used[ref.name] = ref
+        return loc
+
+    def refs(self) -> tuple:
+        """The ``RefEntry``s of the earlier objects this save's items reference, by name."""
+        return tuple(sorted(self.used.values(), key=lambda r: r.name))
+
+    def remember(self, version: str, attempt: str, indexes: list, locs: list) -> None:
+        """The save's items (``MetadataIndex`` ``indexes`` → ``ItemLocation`` ``locs``, written or
+        referenced) become a candidate baseline (:meth:`Incremental.candidate`)."""
+        self._inc.candidate(version, attempt, {item_key(i): (self._digests[item_key(i)], loc)
+                                               for i, loc in zip(indexes, locs)})
 
 
-__all__ = ["Baseline", "Incremental", "item_key", "refs_of"]
+__all__ = ["Baseline", "Incremental", "SaveRefs", "item_key", "refs_of"]

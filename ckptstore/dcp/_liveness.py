@@ -22,6 +22,8 @@ import os
 import sys
 import threading
 
+from ..errors import JobBrokenError
+
 log = logging.getLogger("ckptstore")
 
 POLL_S = 0.2  # seconds between two checks of the watcher
@@ -100,3 +102,60 @@ def _watch(ident: Identity, parent_is_it: bool) -> None:
         log.error(msg)  # logging's last-resort handler prints it when none is configured
     finally:
         os._exit(1)
+
+
+class Guard:
+    """Only the whole job commits (docs/FORMAT.md, Save rules 6-7), for one writer and its stages.
+
+    ``cfg``: the writer's settings (their ``world_size``). A writer pickled for DCP's checkpoint
+    subprocess (``AsyncCheckpointerType.PROCESS``) carries a copy of its guard that knows its trainer
+    (recorded at pickling, in the trainer) and runs ``in_subprocess``."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.in_subprocess = False  # this copy runs in DCP's checkpoint subprocess
+        self.trainer: Identity | None = None  # (pid, start time) of the process that pickled this copy
+        self.trainer_is_parent = False
+
+    def __getstate__(self):
+        s = self.__dict__.copy()
+        if not self.in_subprocess:  # the copy commits only while this process lives (Save rule 7)
+            s["trainer"] = identity()
+        s["in_subprocess"] = True
+        return s
+
+    def attach(self, own_group: bool) -> None:
+        """In DCP's checkpoint subprocess, once unpickled: exit when the trainer is gone (:func:`watch`);
+        with ``own_group``, leave the trainer's process group (torchrun signals a worker's whole group
+        with ``os.killpg``, and a save in flight must be able to finish after a preemption signal)."""
+        if self.trainer is None:
+            return
+        self.trainer_is_parent = os.getppid() == self.trainer[0]
+        watch(self.trainer)  # exits this process once the trainer is gone
+        try:
+            if own_group and os.getpgid(0) == os.getpgid(self.trainer[0]):
+                os.setpgid(0, 0)
+        except OSError as e:  # a session leader cannot (the signal then reaches it too); a trainer gone
+            log.debug("ckptstore: checkpoint subprocess stays in its trainer's process group: %s", e)
+
+    def check_trainer(self, what: str) -> None:
+        """Raise :class:`JobBrokenError` when this copy runs in DCP's checkpoint subprocess and its
+        trainer is gone (docs/FORMAT.md, Save rule 7); called right before ``what`` commits."""
+        if self.trainer is None or alive(self.trainer, parent_is_it=self.trainer_is_parent):
+            return
+        raise JobBrokenError(
+            f"DCP's checkpoint subprocess (pid {os.getpid()}) outlived its trainer (pid {self.trainer[0]}): "
+            f"refusing {what}; nothing is committed. Restart the job; it resumes from the newest committed version"
+        )
+
+    def check_world(self, n: int, what: str) -> None:
+        """Raise :class:`JobBrokenError` unless ``n`` ranks is the job's ``world_size`` (Save rule 6)."""
+        world = self.cfg.world_size
+        if world is None or n == world:
+            return
+        raise JobBrokenError(
+            f"{what} has {n} rank(s) but this writer was set up for a job of {world} "
+            f"(StorageWriter(world_size={world})): only the whole job commits, a rank that outlived its "
+            "peers never commits alone; nothing was committed. Restart the whole job (or pass world_size= for a "
+            "save by fewer ranks on purpose)"
+        )

@@ -295,6 +295,87 @@ class Replicator:
         self.tier.put(key, json.dumps({"objects": sorted(have | set(names))}, sort_keys=True).encode())
 
 
+class ReplicaStage:
+    """The replicate stage of a writer: its :class:`Replicator` (None: ``replicas=0``, or a job of one
+    rank), as ``write_data``, ``close`` and ``heal`` drive it. ``cfg``: the writer's settings
+    (``replicas``, ``durability``, ``upload_timeout``); ``tier``: this rank's root."""
+
+    def __init__(self, cfg, tier, replicator: "Replicator | None" = None) -> None:
+        self.cfg = cfg
+        self.tier = tier
+        self.replicator = replicator
+
+    @classmethod
+    def create(cls, cfg, tier, multi_rank: bool) -> "ReplicaStage":
+        """Call on the caller's thread, on every rank (the gloo group is made here: never a collective
+        from DCP's background thread)."""
+        rep = None
+        if cfg.replicas and multi_rank:
+            from .. import _groups
+
+            rep = Replicator(tier, _groups.new_gloo_group(), cfg.replicas)
+        return cls(cfg, tier, rep)
+
+    def save(self, version: str, pd, rep) -> "cf.Future | None":
+        """Submit this rank's part of the version's replica exchange — ``rep``: the ``ObjectReport``
+        of its object, None when it has none or its write failed (every rank joins, docs/FORMAT.md
+        "Replicas") — or None without replicas."""
+        if self.replicator is None:
+            return None
+        from ._roots import root_group
+
+        held = None if rep is None else Held(rep.name, rep.size, rep.digest, rep.frames)
+        try:
+            group = root_group(self.tier, pd.rank, pd.probes)
+        except CkptStoreError:
+            group = (pd.rank,)
+        return self.replicator.save(version, pd.attempt, pd.rank, group, held)
+
+    def settle(self, version: str, fut) -> None:
+        """Wait for the exchange ``fut`` inside the save when its durability says so
+        (``"replicated"`` or ``"remote"``); :class:`ReplicaError` unless every replica is in place."""
+        if fut is None or self.cfg.durability not in ("replicated", "remote"):
+            return
+        timeout = self.cfg.upload_timeout
+        try:
+            ok = fut.result(timeout)
+        except cf.TimeoutError:
+            raise ReplicaError(f"version {version!r}: replicas not in place within {timeout:.0f} s; "
+                               "nothing was committed") from None
+        except ReplicaError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed exchange
+            raise ReplicaError(f"version {version!r}: the replica exchange failed ({type(e).__name__}: {e}); "
+                               "nothing was committed") from e
+        if not ok:
+            raise ReplicaError(f"version {version!r}: a replica could not be made on some rank (see its log); "
+                               f"durability={self.cfg.durability!r} commits only once every replica is in place")
+
+    def close(self, timeout: float) -> None:
+        """Wait for the copies a ``durability="local"`` save left running, then close the replicator."""
+        if self.replicator is None:
+            return
+        try:
+            self.replicator.wait(timeout)
+        except cf.TimeoutError:
+            raise ReplicaError(f"replica copies did not finish within {timeout:.0f} s (a peer gone?); the "
+                               "committed versions stand, their missing replicas are made at the next restore") from None
+        finally:
+            self.replicator.close(timeout)
+
+    def heal(self, view, manifest: bytes | None, metadata: bytes | None):
+        """See ``StorageWriter.heal``."""
+        from ..manifest.schema import parse
+
+        if self.replicator is None or self.replicator.closed or manifest is None:
+            return None
+        m = parse(manifest, expect_version=view.version).manifest
+        copies = heal_plan(view, m, m.replicas or self.cfg.replicas)
+        if not copies:
+            return None
+        return self.replicator.heal(view.version, view.attempt, copies, manifest, metadata)
+
+
 def heal_plan(view, manifest, factor: int) -> list:
     """``[(holder rank, receiver rank, Held, is_replica)]``: the objects each rank's root should hold
     of ``view``'s version — its own shard and the replicas assigned to it by the saved placement,
@@ -328,4 +409,4 @@ def heal_plan(view, manifest, factor: int) -> list:
     return out
 
 
-__all__ = ["CHUNK", "Held", "ReplicaError", "Replicator", "heal_plan"]
+__all__ = ["CHUNK", "Held", "ReplicaError", "ReplicaStage", "Replicator", "heal_plan"]

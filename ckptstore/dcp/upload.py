@@ -68,7 +68,7 @@ class UploadError(StorageError):
 class PartStream:
     """The streamed upload of one rank object while it is written locally (see the module docstring).
 
-    Driven by ``writer._ObjectSink`` on the writing thread: :meth:`feed` for every byte string
+    Driven by ``_frames.ObjectSink`` on the writing thread: :meth:`feed` for every byte string
     appended to the local object (returns True when a part is complete), then — after the local
     writer's ``flush()`` — :meth:`send`. :meth:`written` after the local commit, :meth:`abort`
     after a failed or aborted local write. :meth:`finish` runs on the uploader's pool.

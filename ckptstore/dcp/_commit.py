@@ -1,0 +1,183 @@
+"""The commit stage of a save (phase 2, the coordinator's ``finish``; docs/FORMAT.md, "Commit, read
+and deletion ordering"): sort the ranks' reports, check them (the whole job, equal values of
+DCP-replicated items, a trainer still alive), write DCP's ``Metadata`` as a framed object, seal the
+manifest and commit it put-if-absent in this root — the version exists from then on — then hand the
+manifest to the other roots that hold objects of it (docs/FORMAT.md, "Placement") and apply
+retention. The rank side of the equal-values check (:func:`value_digests`) lives here too.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from .. import _faults
+from ..codec import FrameCodec, xxh3
+from ..codec.crypto import FrameCipher
+from ..errors import StateDictKeysError
+from ..manifest import layout
+from ..manifest.commit import commit_manifest
+from ..manifest.schema import Manifest, ObjectEntry, utcnow
+from . import _roots
+from ._checks import check_metadata_loads, value_digest
+from ._frames import tensor_bytes, write_small_object
+from ._metadata import ItemTables
+from ._metadata import pack as pack_metadata
+from ._reports import UploadFailure, collect, digest_result
+from ._stage import OwnLock
+from ._types import RootReport
+
+log = logging.getLogger("ckptstore")
+
+
+def value_digests(items: list, planner, rank: int) -> list:
+    """Rank side of the equal-values check: a digest of the value of each of this rank's write
+    ``items`` (a tensor's bytes; a bytes item's value, ``_checks.value_digest``) for the coordinator
+    to compare across ranks (:meth:`Committer.commit`)."""
+    out = []
+    for item in items:
+        data = planner.resolve_data(item)
+        mv = value_digest(planner, item, data) if isinstance(data, io.BytesIO) else tensor_bytes(data, item.index.fqn)
+        out.append(digest_result(item.index.fqn, rank, xxh3(mv)))
+    return out
+
+
+def _check_same_values(digests: dict[str, dict[int, int]]) -> None:
+    for fqn, by_rank in digests.items():
+        if len(set(by_rank.values())) > 1:
+            raise StateDictKeysError(
+                f"state dict key {fqn!r} holds different values on ranks {sorted(by_rank)} "
+                "(a plain tensor or object, not a DTensor, is saved once for all ranks, so the other "
+                "ranks' values would be lost). Save per-rank state under per-rank keys, e.g. "
+                f"f'{fqn}.rank{{rank}}', or pass allow_divergent_replicas=True to keep only one copy"
+            )
+
+
+class Committer(OwnLock):
+    """Commits versions in this rank's root (the coordinator's, or a follower's copy through
+    :meth:`after_commit`). ``cfg``: the writer's settings; ``tier``/``remote``: this root and the
+    remote tier (None); ``keys``: ``_keys.DataKeys``; ``guard``: ``_liveness.Guard``;
+    ``publisher``: ``_roots.Publisher``; ``in_flight()``: versions still uploading (retention keeps them);
+    ``software``: the manifest's ``writer`` (``"ckptstore X torch Y"``)."""
+
+    _fresh = {"_pruned": list}
+
+    def __init__(self, cfg, tier, remote, keys, guard, publisher, in_flight, software: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tier = tier
+        self.remote = remote
+        self.keys = keys
+        self.guard = guard
+        self.publisher = publisher
+        self.in_flight = in_flight
+        self.software = software
+        self._pruned: list[dict] = []
+
+    def commit(self, s, metadata: Metadata, results: list, timed) -> tuple[Manifest, bytes, list]:
+        """Commit the save ``s`` (a ``_plan.Save``) locally from DCP's ``metadata`` and every rank's
+        write ``results``; returns the manifest, its bytes and the ranks' upload failures.
+        ``timed(version, **seconds)`` records ``commit_s`` and ``replicate_s``."""
+        t0 = time.monotonic()
+        reports, digests, tables, extras = collect(results)
+        upload_failures = [x for x in extras if isinstance(x, UploadFailure)]
+        roots = [x for x in extras if isinstance(x, RootReport)]
+        split = _roots.placement([r.group for r in roots])
+        try:
+            self.guard.check_world(len(results), f"the commit of {s.version!r}")
+            _check_same_values(digests)
+            m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split)
+            self.guard.check_trainer(f"the local commit of {s.version!r}")
+            commit_manifest(
+                self.tier, s.version, body, overwrite=self.cfg.overwrite or s.existing is not None,
+                fault="commit.manifest",
+                hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
+            )
+        except BaseException:
+            if split:
+                self.publisher.publish(s.attempt, b"", None)  # the other roots stop waiting
+            raise
+        _faults.point("commit.after_manifest")
+        timed(s.version, commit_s=time.monotonic() - t0)
+        if split:  # every other root that holds objects gets the manifest (docs/FORMAT.md, "Placement")
+            t1 = time.monotonic()
+            self.publisher.publish(s.attempt, body, self.tier.get(layout.object_key(s.version, m.metadata_object.name)))
+            timed(s.version, replicate_s=time.monotonic() - t1)
+        return m, body, upload_failures
+
+    def seal(self, s, metadata: Metadata, tables: list, reports: list, world_size: int,
+             placement: list | None = None) -> tuple[Manifest, bytes]:
+        """Phase 2 up to the commit: write the DCP metadata object (``metadata`` with the ranks' item
+        ``tables``), build and seal the manifest."""
+        cfg = self.cfg
+        wrapped, kid = s.wrapped
+        data_key = cipher = None
+        if wrapped is not None:
+            data_key = self.keys.unwrap(wrapped, s.version, s.attempt, kid)
+            cipher = FrameCipher(data_key)
+        codec = FrameCodec(s.version, s.attempt, cipher, compress=cfg.compression, level=cfg.level)
+        metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
+        # the item locations stay packed: dcp.save returns (and DCP broadcasts) them as ItemTables
+        metadata.storage_data = ItemTables(tables)
+        blob = pack_metadata(metadata, tables)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
+        check_metadata_loads(blob, s.version)  # never commit what the reader refuses
+        meta_entry, meta_codecs = write_small_object(self.tier, codec, s.version, layout.metadata_name(s.attempt), blob,
+                                                     cfg.frame_size)
+        reports.sort(key=lambda r: r.rank)
+        objects = [ObjectEntry(r.name, r.size, r.digest, r.frames, r.rank, r.nbytes) for r in reports]
+        codecs = sorted({c for r in reports for c in r.codecs} | set(meta_codecs))
+        m = Manifest(
+            version=s.version,
+            attempt=s.attempt,
+            created=utcnow(),
+            world_size=world_size,
+            objects=objects,
+            metadata_object=meta_entry,
+            nbytes=sum(r.nbytes + r.ref_nbytes for r in reports),
+            stored_bytes=sum(o.size for o in objects) + meta_entry.size,
+            step=s.step,
+            user=s.user_metadata,
+            encryption=None if wrapped is None else {"alg": "AES-256-GCM", "key_id": kid, "wrapped_key": wrapped},
+            codecs=[c for c in codecs if c],
+            writer=self.software,
+            placement=placement,
+            seq=s.seq,
+            replicas=cfg.replicas or None,
+            refs=sorted({ref.name: ref for r in reports for ref in r.refs}.values(), key=lambda r: r.name),
+            supersedes=[{"attempt": a, "reason": s.supersede.get(a, "overwritten (overwrite=True)")} for a in s.replaced] or None,
+        )
+        return m, m.to_bytes(data_key)
+
+    def after_commit(self, m: Manifest) -> None:
+        """Retention in this root after ``m`` was committed (or copied) here."""
+        from ..gc import apply_after_commit
+
+        t0 = time.monotonic()
+        decisions = apply_after_commit(self.tier, self.cfg.retention, m, tier_name="local", others={"remote": self.remote},
+                                       in_flight=self.in_flight())
+        deleted = [d.version for d in decisions if not d.keep]
+        if deleted:
+            with self._lock:
+                self._pruned.append({"tier": "local", "after": m.version, "deleted": deleted,
+                                     "seconds": time.monotonic() - t0, "outcome": "ok"})
+                del self._pruned[:-16]
+
+    def pruned(self) -> list[dict]:
+        """What :meth:`after_commit` deleted since the last call (``StorageWriter.pruned``)."""
+        with self._lock:
+            out, self._pruned = self._pruned, []
+        return out
+
+
+def divergence_checked(allow_divergent: bool) -> bool:
+    """Whether ranks report value digests: a job of more than one rank (one rank cannot diverge from
+    itself) that did not pass ``allow_divergent_replicas``."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return not allow_divergent and world > 1
+
+
+__all__ = ["Committer", "divergence_checked", "value_digests"]

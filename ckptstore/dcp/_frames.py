@@ -1,0 +1,248 @@
+"""The encode/write stage of a save: a rank's write items → frames → one object (docs/FORMAT.md,
+"Frame byte layout"), as :class:`ShardWriter` runs it in ``write_data`` (phase 1).
+
+The frame loop (:func:`write_frames`) is the hot path of a save: frames are encoded
+(byte-group/zstd, AES-GCM, XXH3) in a thread pool, at most a window ahead, and appended in order to
+an :class:`ObjectSink`, which tracks size, digest and codec chains, feeds the streamed upload and
+commits (fsync) or aborts the object. The coordinator writes the DCP metadata object through the
+same loop (:func:`write_small_object`).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import io
+from typing import Any
+
+import torch
+
+from .. import _faults
+from ..codec import FrameCodec, FrameRef
+from ..codec.bytegroup import PlanCell
+from ..codec.frame import FIXED_LEN, xxh3_stream
+from ..errors import KeyMismatchError
+from ..manifest import layout
+from ..manifest.schema import ObjectEntry
+from . import _subclass
+from ._reports import items_result, object_result
+from ._types import ItemLocation, ObjectReport, PlanData
+
+DEFAULT_FRAME_SIZE = 2 << 20  # bytes; a multiple of every element size (≤ 16). 2 MiB: AES-GCM and
+# zstd run fastest on buffers that stay below the allocator's mmap threshold; 48 B of header per frame.
+_FLOAT_WIDTH = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float64: 8}
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def tensor_bytes(t: torch.Tensor, key: str = "?") -> memoryview:
+    """The bytes of ``t`` in C order as a flat memoryview (copies only if non-contiguous/non-CPU, or a
+    tensor subclass without memory of its own: its values through its ``copy_``, docs/FORMAT.md "Index").
+
+    Raises :class:`UnsupportedStateError` naming ``key`` when such a subclass cannot give its values."""
+    t = t.detach()
+    if t.numel() and not _subclass.has_memory(t):  # a wrapper subclass (quantized / Float8 weights)
+        t = _subclass.values(t, key)
+    t = t.resolve_conj().resolve_neg()  # lazy conjugate/negative views: materialise
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous() or t.storage_offset() < 0:
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    mv = _subclass.own_bytes(t)
+    if mv is None:  # a class whose reshape/view copy: the values, as a plain tensor
+        mv = _subclass.own_bytes(_subclass.values(t, key))
+    return memoryview(mv)
+
+
+def split(mv: memoryview, frame_size: int, width: int, refs: list):
+    """(chunk, element width, refs list, plan cell) for each frame of ``mv``; one empty frame when
+    empty. The frames of one item share a ``bytegroup.PlanCell``: its encoding is decided once."""
+    n = len(mv)
+    cell = PlanCell() if width and n > frame_size else None
+    for start in range(0, n, frame_size) if n else [0]:
+        yield mv[start : start + frame_size], width, refs, cell
+
+
+class ObjectSink:
+    """One object being written: appends encoded frames, tracks size, digest and codec chains;
+    commits on a clean exit from ``with``, aborts on any exception.
+
+    With ``stream`` (an ``upload.PartStream``), every part's worth of appended bytes is handed to
+    the remote upload as soon as it is in the local file; a failed or aborted write aborts it."""
+
+    def __init__(self, tier, key: str, fault: str, stream=None) -> None:
+        try:
+            self._w = tier.open_writer(key)
+        except BaseException:
+            if stream is not None:
+                stream.abort()
+            raise
+        self._fault = fault
+        self._stream = stream
+        self._digest = xxh3_stream()
+        self.offset = 0
+        self.frames = 0
+        self.codecs: set[str] = set()
+
+    def append(self, head: bytes, payload, h: int, raw_len: int, index: int) -> FrameRef:
+        _faults.point(self._fault)
+        self._w.write(head)
+        self._w.write(payload)
+        self._digest.update(head)
+        ref = FrameRef(self.offset, len(head) + len(payload), raw_len, h, index)
+        self.codecs.add(chain_of(head))
+        self.offset += ref.length
+        self.frames += 1
+        st = self._stream
+        if st is not None:
+            cut = st.feed(head)
+            if st.feed(payload) or cut:
+                self._w.flush()  # the upload threads read the part back from the local file
+                st.send()
+        return ref
+
+    def hexdigest(self) -> str:
+        return f"{self._digest.intdigest():016x}"
+
+    def __enter__(self) -> "ObjectSink":
+        return self
+
+    def __exit__(self, et, e, tb) -> None:
+        st = self._stream
+        if et is None:
+            try:
+                self._w.commit()
+            except BaseException:
+                if st is not None:
+                    st.abort()
+                raise
+            if st is not None:
+                st.written(self.offset)
+        else:
+            self._w.abort()
+            if st is not None:
+                st.abort()
+
+
+def write_frames(sink: ObjectSink, codec: FrameCodec, name: str, chunks, pool=None, window: int = 0) -> None:
+    """The one frame-writing loop: encode each (chunk, width, refs, cell) — in ``pool``, at most ``window``
+    frames ahead — and append the frames to ``sink`` in order, recording a FrameRef in ``refs``."""
+    pending: collections.deque = collections.deque()
+
+    def drain(limit: int) -> None:
+        while len(pending) > limit:
+            refs, index, raw_len, job = pending.popleft()
+            head, payload, h = job.result() if pool is not None else job
+            refs.append(sink.append(head, payload, h, raw_len, index))
+
+    try:
+        for index, (chunk, width, refs, cell) in enumerate(chunks):
+            if pool is not None:
+                job = pool.submit(codec.encode, name, index, chunk, width, cell)
+            else:
+                job = codec.encode(name, index, chunk, width, cell)
+            pending.append((refs, index, len(chunk), job))
+            drain(window if pool is not None else 0)
+        drain(0)
+    finally:
+        for _refs, _i, _n, job in pending:  # an error: do not leave encodes running
+            if pool is not None:
+                job.cancel()
+
+
+def chain_of(head: bytes) -> str:
+    n = int.from_bytes(head[6:8], "little")
+    return head[FIXED_LEN : FIXED_LEN + n].decode("ascii")
+
+
+def write_small_object(tier, codec: FrameCodec, version: str, name: str, blob: bytes,
+                       frame_size: int) -> tuple[ObjectEntry, tuple]:
+    """Write ``blob`` as the object ``name`` of ``version`` (one thread); its manifest entry and codec chains."""
+    refs: list = []
+    with ObjectSink(tier, layout.object_key(version, name), "write.metadata") as sink:
+        write_frames(sink, codec, name, split(memoryview(blob), frame_size, 0, refs))
+    return ObjectEntry(name, sink.offset, sink.hexdigest(), sink.frames, None, len(blob)), tuple(sink.codecs)
+
+
+class ShardWriter:
+    """Phase 1 of one rank (``write_data``): every plan item's frames, in order, into the rank's one
+    object ``attempts/<attempt>/rNNNNN.ckd`` — except, with ``incremental``, the items identical to the
+    baseline's, whose earlier frames the references collaborator (``_incremental.SaveRefs``) names.
+
+    ``cfg``: the writer's settings (``threads``, ``frame_size``, ``compression``, ``level``,
+    ``incremental``); ``tier``: this rank's root; ``keys``: ``_keys.DataKeys``; ``inc``: the rank's
+    ``_incremental.Incremental`` baseline."""
+
+    def __init__(self, cfg, tier, keys, inc) -> None:
+        self.cfg = cfg
+        self.tier = tier
+        self.keys = keys
+        self.inc = inc
+
+    @staticmethod
+    def name(pd: PlanData) -> str:
+        """The name of the rank's object in this save."""
+        return layout.shard_name(pd.attempt, pd.rank)
+
+    def codec(self, version: str, rank: int, pd: PlanData) -> FrameCodec:
+        """The frame codec of this save (with a key: its data key, unwrapped)."""
+        cipher = None
+        if pd.wrapped_key is not None:
+            if self.keys.master is None:
+                raise KeyMismatchError(f"rank {rank} has no master key but the coordinator encrypts; give every rank the same key")
+            cipher = self.keys.cipher(pd.wrapped_key, version, pd.attempt, pd.key_id)
+        return FrameCodec(version, pd.attempt, cipher, compress=self.cfg.compression, level=self.cfg.level)
+
+    def write(self, version: str, rank: int, plan, planner, pd: PlanData, staged: list,
+              stream=None) -> tuple[list, ObjectReport]:
+        """Write the rank's object (``stream``: its streamed upload, or None); returns the write
+        results (the packed item table and the object's report) and the report. ``staged`` receives
+        the storage address of the first staged tensor (which host copy to free)."""
+        cfg = self.cfg
+        name = self.name(pd)
+        refs = self.inc.for_save(self.tier, pd.key_id) if cfg.incremental else None
+        per_item: list[tuple[Any, Any, int, str | None, tuple | None]] = []  # (item, refs list or location, ...)
+        frame_size = cfg.frame_size
+
+        def chunks():
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if isinstance(data, io.BytesIO):
+                    mv, dtype, shape, width = data.getbuffer(), None, None, 0
+                else:
+                    if not staged and data.numel() and _subclass.has_memory(data):
+                        staged.append(data.untyped_storage().data_ptr())
+                    dtype, shape = _dtype_name(data.dtype), tuple(data.shape)
+                    width = _FLOAT_WIDTH.get(data.dtype, 0)
+                    mv = tensor_bytes(data, item.index.fqn)
+                if refs is not None:
+                    loc = refs.match(item.index, mv, dtype, shape)
+                    if loc is not None:  # identical to the baseline: reference its frames
+                        per_item.append((item, loc, len(mv), dtype, shape))
+                        continue
+                frames: list = []
+                per_item.append((item, frames, len(mv), dtype, shape))
+                yield from split(mv, frame_size, width, frames)
+
+        sink = ObjectSink(self.tier, layout.object_key(version, name), "write.frame", stream=stream)
+        with cf.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
+            write_frames(sink, self.codec(version, rank, pd), name, chunks(), pool, window=max(2, 2 * cfg.threads))
+            _faults.point("write.commit")
+        locs = [f if isinstance(f, ItemLocation) else ItemLocation(name, tuple(f), n, dtype, shape)
+                for _item, f, n, dtype, shape in per_item]
+        total_raw = sum(n for _, _, n, _, _ in per_item)
+        ref_raw = sum(n for _i, f, n, _d, _s in per_item if isinstance(f, ItemLocation))
+        indexes = [item.index for item, *_ in per_item]
+        rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw - ref_raw,
+                           tuple(sorted(sink.codecs)), refs.refs() if refs is not None else (), ref_raw)
+        if refs is not None:
+            refs.remember(version, pd.attempt, indexes, locs)
+        return [items_result(pd.rank, total_raw, indexes, locs), object_result(rep, total_raw)], rep
+
+
+__all__ = ["DEFAULT_FRAME_SIZE", "ObjectSink", "ShardWriter", "split", "tensor_bytes", "write_frames",
+           "write_small_object"]

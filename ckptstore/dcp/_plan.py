@@ -1,0 +1,180 @@
+"""The plan stage of a save: the per-save state (:class:`Save`) and what ``set_up_storage_writer``,
+``prepare_local_plan`` and ``prepare_global_plan`` decide (:class:`Planner`): one name, one version
+across tiers (docs/FORMAT.md, "Superseding"), the attempt and its data key, the commit sequence
+(docs/FORMAT.md, "Order"), the root probes (docs/FORMAT.md, "Placement") and what to stage again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from ..errors import (CkptStoreError, InvalidNameError, ManifestError, TransientStorageError, UnsupportedFormatError,
+                      VersionExistsError, VersionNotFoundError)
+from ..manifest import layout
+from ..manifest.order import next_seq
+from ._config import multi_rank
+from ._types import LocalPlanData, PlanData
+
+log = logging.getLogger("ckptstore")
+
+#: seconds the coordinator skips the remote existence check after the remote tier did not answer
+_REMOTE_DOWN_S = 60.0
+
+
+@dataclasses.dataclass(eq=False)
+class Save:
+    """Everything one DCP call sequence (reset → … → finish) needs; never shared between saves."""
+
+    version: str | None
+    step: int | None
+    user_metadata: dict
+    save_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    rank: int = 0
+    is_coordinator: bool = True
+    use_collectives: bool = True
+    started: bool = False  # set_up_storage_writer ran: the next DCP sequence needs a new Save
+    local_items: list = dataclasses.field(default_factory=list)
+    attempt: str | None = None
+    wrapped: tuple = (None, None)  # (wrapped data key, key id) drawn by the coordinator
+    #: ``{attempt: reason}`` of existing copies of this name the save may replace (docs/FORMAT.md, "Superseding")
+    supersede: dict = dataclasses.field(default_factory=dict)
+    existing: str | None = None  # the attempt of this name committed in this rank's root, if any
+    existing_remote: str | None = None  # ... in the remote tier (coordinator)
+    seq: int | None = None  # commit sequence (coordinator)
+    restage: tuple = ()  # versions staged again with this save (see _remote.RemoteStage.restage_plan)
+    replaced: tuple = ()  # attempts this commit replaces, every rank's root and the remote tier (coordinator)
+
+
+class Planner:
+    """Set-up checks and plans of the writer's saves. ``cfg``: the writer's settings; ``tier`` /
+    ``remote``: this rank's root and the remote tier (None); ``keys``: ``_keys.DataKeys``;
+    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``; ``probe``: this process's
+    root probe nonce."""
+
+    def __init__(self, cfg, tier, remote, keys, guard, uploads, probe: int) -> None:
+        self.cfg = cfg
+        self.tier = tier
+        self.remote = remote
+        self.keys = keys
+        self.guard = guard
+        self.uploads = uploads
+        self.probe = probe
+        self._remote_down_until = 0.0  # monotonic time before which set-up does not wait for the remote tier
+
+    def begin(self, s: Save, is_coordinator: bool, kwargs: dict) -> None:
+        """``set_up_storage_writer``'s arguments into ``s``; refuse a save that cannot commit."""
+        s.started = True
+        s.is_coordinator = is_coordinator
+        s.use_collectives = kwargs.get("use_collectives", True)
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        s.rank = int(rank)
+        if s.version is None:
+            raise CkptStoreError(
+                "no version name: pass checkpoint_id= to dcp.save/async_save or version= to StorageWriter"
+            )
+        world = self.cfg.world_size
+        if world is not None and world > 1 and not (dist.is_available() and dist.is_initialized()):
+            # DCP saves "in a single process" when torch.distributed is not initialised (any more)
+            self.guard.check_world(1, f"the save of {s.version!r} (torch.distributed is not initialised)")
+        if not s.use_collectives and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise CkptStoreError(
+                "ckptstore commits one manifest per version and needs rank coordination; "
+                "call dcp.save/async_save with use_collectives=True (the default)"
+            )
+
+    def check_existing(self, s: Save) -> None:
+        """One name, one version, across tiers: every rank checks its own root (so every root of the
+        job is checked) and the coordinator the remote tier, before anything is committed anywhere.
+        A copy is replaced only with ``overwrite=True`` or when its attempt is one the save was told
+        to supersede; otherwise :class:`VersionExistsError`. The attempts found are recorded in the
+        new manifest's ``supersedes`` (docs/FORMAT.md, "Superseding")."""
+        s.existing = existing_attempt(self.tier, s.version)
+        where = None
+        sync = self.uploads.sync
+        if s.existing is not None and not self._may_replace(s, s.existing):
+            where = f"the local tier {self.cfg.root}"
+        elif s.is_coordinator and self.remote is not None and (sync or time.monotonic() >= self._remote_down_until):
+            try:
+                s.existing_remote = existing_attempt(self.remote, s.version)
+            except TransientStorageError as e:
+                if sync:
+                    raise
+                # durability="local": commit locally now; the remote commit is put-if-absent and
+                # refuses the name there if it exists (docs/FORMAT.md, Save rule 8). For a minute
+                # the next saves do not wait for the remote tier's retries again.
+                self._remote_down_until = time.monotonic() + _REMOTE_DOWN_S
+                log.warning("ckptstore: could not check the remote tier for an existing %r (%s); saving locally, "
+                            "the upload follows when the remote tier answers", s.version, e)
+            if s.existing_remote is not None and not self._may_replace(s, s.existing_remote):
+                where = f"the remote tier {self.cfg.remote_url}"
+        if where is not None:
+            raise VersionExistsError(
+                f"Checkpoint already exists: version {s.version!r} in {where}; choose a new checkpoint_id "
+                "or pass overwrite=True to replace it"
+            )
+
+    def _may_replace(self, s: Save, attempt: str) -> bool:
+        return self.cfg.overwrite or attempt in s.supersede
+
+    def local_plan(self, s: Save, plan: SavePlan) -> SavePlan:
+        """``prepare_local_plan``: this rank, its probe, its root's commit sequence and existing copy."""
+        s.local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
+        from ..manifest import catalogue
+
+        return dataclasses.replace(plan, storage_data=LocalPlanData(
+            rank=s.rank, probe=self.probe if multi_rank() else None,
+            # one rank per node reads its root's newest manifests for the commit sequence (docs/FORMAT.md, "Order")
+            seq=catalogue.max_seq(self.tier) if os.environ.get("LOCAL_RANK", "0") == "0" else None,
+            existing=s.existing))
+
+    def global_plan(self, s: Save, plans: list[SavePlan]) -> list[SavePlan]:
+        """``prepare_global_plan`` (coordinator): the attempt, its data key, every rank's plan data."""
+        self.guard.check_world(len(plans), f"the plan of {s.version!r}")
+        attempt = layout.new_attempt()
+        wrapped, kid = self.keys.draw(s.version, attempt)
+        ranks = [p.storage_data.rank if isinstance(p.storage_data, LocalPlanData) else i for i, p in enumerate(plans)]
+        probes = tuple(
+            (r, p.storage_data.probe) for r, p in zip(ranks, plans)
+            if isinstance(p.storage_data, LocalPlanData) and p.storage_data.probe is not None
+        )
+        restage = self.uploads.restage_plan(s.version, len(plans))
+        out = [
+            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank,
+                                                         restage))
+            for r, p in zip(ranks, plans)
+        ]
+        s.attempt = attempt
+        s.wrapped = (wrapped, kid)
+        local = [p.storage_data for p in plans if isinstance(p.storage_data, LocalPlanData)]
+        s.seq = next_seq([d.seq for d in local])
+        s.replaced = tuple(sorted({d.existing for d in local if d.existing is not None}
+                                  | ({s.existing_remote} if s.existing_remote is not None else set())))
+        return out
+
+
+def existing_attempt(tier, version: str) -> str | None:
+    """The attempt of ``version`` committed in ``tier`` (None: not committed there). A manifest
+    that does not parse counts as a copy of an unknown attempt: never replaced unless overwrite."""
+    from ..manifest import catalogue
+
+    key = layout.manifest_key(version)
+    if not tier.exists(key):
+        return None
+    try:
+        return catalogue.read_manifest(tier, version).manifest.attempt
+    except VersionNotFoundError:
+        return None
+    except (ManifestError, UnsupportedFormatError, InvalidNameError):
+        return "(invalid manifest)"
+
+
+__all__ = ["Planner", "Save", "existing_attempt"]
