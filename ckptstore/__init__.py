@@ -1,6 +1,6 @@
 """ckptstore: a crash-consistent, checksummed, encrypted storage backend for PyTorch DCP."""
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402,F401
 
 from .errors import (  # noqa: E402
     CkptStoreError,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
+from .._version import __version__
 from ..demo.cli import demo
 from . import cmd_advise, cmd_drop, cmd_gc, cmd_goodput, cmd_keygen, cmd_list, cmd_pin, cmd_rekey, cmd_scrub, cmd_show
 from ._common import CONTEXT_SETTINGS, Group

@@ -540,7 +540,7 @@ _shipped: "weakref.WeakSet[StorageWriter]" = weakref.WeakSet()
 
 def _software() -> str:
     """What a manifest records as its ``writer``."""
-    from .. import __version__
+    from .._version import __version__
 
     return f"ckptstore {__version__} torch {torch.__version__}"
 
