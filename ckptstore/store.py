@@ -61,7 +61,7 @@ class Store:
         Each record has ``version``, ``created`` (UTC), ``step``, ``world_size``, ``nbytes``
         (logical bytes), ``stored_bytes``, ``tiers`` (subset of {"local","remote"}), ``pinned``,
         ``damaged``, ``local_part`` (the part this local root holds of a version split over several
-        roots, else None).
+        roots, else None), ``nonfinite`` (NaN/Inf values its tensors hold; None: not counted).
         """
         scans = self._scan()
         recs = [self._with_part(r, scans) for r in catalogue.merge(scans)]

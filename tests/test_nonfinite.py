@@ -256,6 +256,7 @@ def test_resume_skips_a_nonfinite_version_with_the_reason_and_loads_it_by_name(t
     rec = ckptstore.Store(root).get("step-3")
     assert rec.nonfinite == 0 and "nonfinite" in rec.supersedes[0][1]
     events = [json.loads(x) for x in open(os.path.join(root, "events.jsonl"))]
+    assert [e["nonfinite"] for e in events if e["kind"] == "save"] == [0, 0, 1, 0]
     restores = [e for e in events if e["kind"] == "restore"]
     assert [e.get("rollback", False) for e in restores] == [False, False, False, True]
     assert restores[0]["skipped"][0]["kind"] == NONFINITE
