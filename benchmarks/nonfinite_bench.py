@@ -123,8 +123,8 @@ def main() -> None:
     print(f"a state with NaN in every tensor (exact count in every frame), ckpt-on: ratio {bad_ratio:.3f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "raw": raw, "count_alone_s": alone, "nan_state_ratio": bad_ratio, "nan_state_raw": bad,
-                       "bytes": nbytes, "reps": args.reps, "threads": bench_lib.THREADS, "load": load}, f, indent=1)
+            json.dump({"rows": rows, "raw": raw, "count_alone_s": alone, "nan_state_ratio": bad_ratio,
+                       "nan_state_raw": bad, "bytes": nbytes, "reps": args.reps, "threads": bench_lib.THREADS, "load": load}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ NONFINITE = "nonfinite"
 @dataclasses.dataclass(frozen=True)
 class Skipped:
     """A version the restore passed over: ``kind`` (``damaged``, ``missing``, ``unverified``,
-    ``shape``, ``restarts``, ``nonfinite``), a sentence ``reason``, and where known the ``object`` and the place
-    (``where``: a root or the remote tier) it concerns."""
+    ``shape``, ``restarts``, ``nonfinite``), a sentence ``reason``, and where known the ``object``
+    and the place (``where``: a root or the remote tier) it concerns."""
 
     version: str
     attempt: str
@@ -315,8 +315,8 @@ class _Choice:
                 why = Skipped(v, f["attempt"], RESTARTS, f"restored {vw.restore_count} times in a row and the job ended "
                               f"each time before committing anything newer (fall_back_after={fall_back_after})")
             if why is None and not allow_nonfinite and (f.get("nonfinite") or {}).get("count"):
-                why = Skipped(v, f["attempt"], NONFINITE, f"its tensors hold {nonfinite_text(f['nonfinite'])} (recorded at "
-                              "save; allow_nonfinite=True or naming the version loads it)")
+                why = Skipped(v, f["attempt"], NONFINITE, f"its tensors hold {nonfinite_text(f['nonfinite'])} "
+                              "(recorded at save; allow_nonfinite=True or naming the version loads it)")
             if why is None:
                 vw.skipped, vw.newer = skipped, newer
                 return vw, skipped

@@ -5,7 +5,8 @@ follows the load.
   collective on the manager's group): the newest version in the manager's scope that every rank
   can load, passing over versions marked damaged, missing an object everywhere, saved by another
   number of ranks (unless ``reshard``), restored too often in a row (``fall_back_after``) or recorded
-  as holding NaN/Inf values (unless ``allow_nonfinite``) (docs/FORMAT.md, "Restore choice"). :meth:`Restorer.choose` is the only call into it.
+  as holding NaN/Inf values (unless ``allow_nonfinite``) (docs/FORMAT.md, "Restore choice").
+  :meth:`Restorer.choose` is the only call into it.
 - **The fallback loop.** A load that fails verification (stored bytes that fail their checksum or
   tag, an object missing everywhere, a damage mark) fails on every rank alike (DCP gathers every
   rank's failure), so every rank decides the same: first the load again without the root copies

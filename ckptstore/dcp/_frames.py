@@ -285,5 +285,5 @@ def _nonfinite_of(per_item: list) -> tuple:
     return sum(c for _k, c in bad), len(bad), tuple(bad[:NONFINITE_FIRST])
 
 
-__all__ = ["DEFAULT_FRAME_SIZE", "NONFINITE_FIRST", "Scan", "ObjectSink", "ShardWriter", "split", "tensor_bytes", "write_frames",
-           "write_small_object"]
+__all__ = ["DEFAULT_FRAME_SIZE", "NONFINITE_FIRST", "ObjectSink", "Scan", "ShardWriter", "split", "tensor_bytes",
+           "write_frames", "write_small_object"]

@@ -15,7 +15,8 @@ origin when that is committed in the tier, else with the first version that refe
 
 Tiers that hold different attempts of one name are reported (kind ``divergent``,
 :func:`_check_divergence`). A version whose manifest records NaN/Inf values is reported as a finding
-(kind ``nonfinite``, status ``finding``: not damage, never marked or repaired; exit 13). Verifying is :mod:`ckptstore.scrub.verify`'s, repairing
+(kind ``nonfinite``, status ``finding``: not damage, never marked or repaired; exit 13).
+Verifying is :mod:`ckptstore.scrub.verify`'s, repairing
 :mod:`ckptstore.scrub.repair`'s, the report :mod:`ckptstore.scrub.report`'s.
 """
 
