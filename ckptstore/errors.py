@@ -20,6 +20,7 @@ Exit codes (documented in README.md):
 10    scrub: damage found (not repaired)
 11    scrub: damage found and every damaged object repaired
 12    scrub: some objects could not be checked
+13    scrub: no damage, but a version's tensors hold NaN/Inf values (a finding, not damage)
 ====  =========================================================
 """
 

@@ -21,7 +21,7 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "ckptstore_save_blocked_seconds": ("counter", "Seconds the training loop spent inside save() (staging, back-pressure)."),
     "ckptstore_saved_bytes": ("counter", "Bytes of committed saves: logical (tensors), stored (after compression), uploaded."),
     "ckptstore_restores": ("counter", "Restores, by outcome (restored, none: nothing to restore, failed)."),
-    "ckptstore_restore_skipped_versions": ("counter", "Versions a restore passed over, by kind (damaged, missing, unverified, shape, restarts)."),
+    "ckptstore_restore_skipped_versions": ("counter", "Versions a restore passed over, by kind (damaged, missing, unverified, shape, restarts, nonfinite)."),
     "ckptstore_gc_runs": ("counter", "Retention / gc runs that deleted something or failed, by source."),
     "ckptstore_gc_deleted_versions": ("counter", "Version copies deleted by retention / gc."),
     "ckptstore_preemptions": ("counter", "Preemption signals handled, by outcome (saved, not-saved)."),

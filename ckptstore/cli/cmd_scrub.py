@@ -2,7 +2,7 @@
 
 Exits with :attr:`ckptstore.scrub.ScrubReport.exit_code`: 0 clean, 10 damage found (not all
 repaired), 11 damage found and all repaired, 5 the key given does not fit (or cannot be read),
-12 something could not be checked.
+12 something could not be checked, 13 a version's tensors hold NaN/Inf values (not damage).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
     Exit codes: 0 clean; 10 damage found (not all repaired); 11 damage found and all repaired;
     5 key: the key given (--key-file, CKPTSTORE_KEY, CKPTSTORE_KEY_FILE) cannot be read or does not fit
     an encrypted version; 12 something could not be checked (key missing for --deep, tier
-    unreachable); 9 no store at ROOT / --remote.
+    unreachable); 13 no damage, but a version's manifest records NaN/Inf values in its tensors (a
+    finding: the bytes are intact and never marked; the version is not the default restore point);
+    9 no store at ROOT / --remote.
     """
     from .. import scrub as _scrub
 
@@ -61,6 +63,8 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
             click.echo("no committed versions")
         s = report.to_json()["summary"]
         click.echo(f"{s['versions']} version copies, {s['objects']} objects: {s['damaged']} damaged, "
-                   f"{s['repaired']} repaired, {s['unchecked']} not fully checked (exit {report.exit_code})")
+                   f"{s['repaired']} repaired, {s['unchecked']} not fully checked"
+                   + (f", {s['nonfinite']} with NaN/Inf values (not damage)" if s["nonfinite"] else "")
+                   + f" (exit {report.exit_code})")
     if report.exit_code:
         sys.exit(report.exit_code)

@@ -21,10 +21,10 @@ from ..codec.crypto import FrameCipher
 from ..errors import StateDictKeysError
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
-from ..manifest.schema import Manifest, ObjectEntry, utcnow
+from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, utcnow
 from . import _roots
 from ._checks import check_metadata_loads, value_digest
-from ._frames import tensor_bytes, write_small_object
+from ._frames import NONFINITE_FIRST, tensor_bytes, write_small_object
 from ._metadata import ItemTables
 from ._metadata import pack as pack_metadata
 from ._reports import UploadFailure, collect, digest_result
@@ -103,6 +103,9 @@ class Committer(OwnLock):
             raise
         _faults.point("commit.after_manifest")
         timed(s.version, commit_s=time.monotonic() - t0)
+        if m.nonfinite_count:
+            log.warning("ckptstore: version %r holds %s; committed and recorded as such, it is not the default "
+                        "restore point (docs/FORMAT.md, \"Restore choice\")", s.version, nonfinite_text(m.nonfinite))
         if split:  # every other root that holds objects gets the manifest (docs/FORMAT.md, "Placement")
             t1 = time.monotonic()
             self.publisher.publish(s.attempt, body, self.tier.get(layout.object_key(s.version, m.metadata_object.name)))
@@ -149,6 +152,7 @@ class Committer(OwnLock):
             replicas=cfg.replicas or None,
             refs=sorted({ref.name: ref for r in reports for ref in r.refs}.values(), key=lambda r: r.name),
             supersedes=[{"attempt": a, "reason": s.supersede.get(a, "overwritten (overwrite=True)")} for a in s.replaced] or None,
+            nonfinite=nonfinite_of(reports) if cfg.count_nonfinite else None,
         )
         return m, m.to_bytes(data_key)
 
@@ -173,6 +177,22 @@ class Committer(OwnLock):
         return out
 
 
+def nonfinite_of(reports: list) -> dict | None:
+    """The manifest's ``nonfinite`` (docs/FORMAT.md, "Manifest") from the ranks' ``ObjectReport``s
+    (sorted by rank): the values and items added up, the first NONFINITE_FIRST keys in rank order
+    (a key held by several ranks — the shards of one tensor — once, with its values added up); None
+    when a rank did not count (unknown)."""
+    if any(r.nonfinite is None for r in reports):
+        return None
+    first: dict[str, int] = {}
+    for r in reports:
+        for key, n in r.nonfinite[2]:
+            if key in first or len(first) < NONFINITE_FIRST:
+                first[key] = first.get(key, 0) + n
+    return {"count": sum(r.nonfinite[0] for r in reports), "items": sum(r.nonfinite[1] for r in reports),
+            "first": [{"key": k, "count": n} for k, n in first.items()]}
+
+
 def divergence_checked(allow_divergent: bool) -> bool:
     """Whether ranks report value digests: a job of more than one rank (one rank cannot diverge from
     itself) that did not pass ``allow_divergent_replicas``."""
@@ -180,4 +200,4 @@ def divergence_checked(allow_divergent: bool) -> bool:
     return not allow_divergent and world > 1
 
 
-__all__ = ["Committer", "divergence_checked", "value_digests"]
+__all__ = ["Committer", "divergence_checked", "nonfinite_of", "value_digests"]

@@ -35,6 +35,7 @@ class WriterConfig:
     world_size: int | None
     replicas: int
     incremental: bool
+    count_nonfinite: bool = True
 
 
 class Setting:

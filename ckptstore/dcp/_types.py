@@ -89,6 +89,9 @@ class ObjectReport:
     #: (incremental saves, docs/FORMAT.md "References"), and the logical bytes of those items
     refs: tuple = ()
     ref_nbytes: int = 0
+    #: the rank's non-finite values (docs/FORMAT.md, "Manifest": ``nonfinite``): ``(values, write
+    #: items holding any, ((fqn, values), ...) of the first few)``; None: not counted
+    nonfinite: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)

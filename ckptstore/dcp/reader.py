@@ -71,7 +71,8 @@ class StorageReader(_DCPStorageReader):
         root: local directory of the store (may be empty or absent when reading from S3 only).
         remote: ``"s3://bucket/prefix"`` or None.
         key: master key (32 bytes or key provider); default ``CKPTSTORE_KEY``/``CKPTSTORE_KEY_FILE``.
-        version: version to load when no ``checkpoint_id`` is given; default the newest committed.
+        version: version to load when no ``checkpoint_id`` is given; default the newest committed
+            version every rank can load that holds no NaN/Inf values (``allow_nonfinite``).
         allow_cast: load into destination tensors of another dtype (default: raise
             :class:`DtypeMismatchError`), and into tensor subclasses without memory of their own
             (quantized / Float8 weights) whose ``copy_`` re-encodes the stored values (default: raise
@@ -87,6 +88,9 @@ class StorageReader(_DCPStorageReader):
         avoid: ``{(global rank, object name)}``: copies not to read — that rank's root is treated as
             not holding that object, so the load reads it from another root or the remote tier
             (``CheckpointManager.restore`` passes the copies an earlier try found unverifiable).
+        allow_nonfinite: without a version, also consider versions whose manifest records NaN/Inf
+            values (default: the newest version without any; docs/FORMAT.md, "Restore choice").
+            A named version is loaded whatever its values.
         process_group: the process group of the load (pass the one given to ``dcp.load``; default
             the default group). In a job of more than one rank the reader exchanges, over this group,
             what each rank's root holds (docs/FORMAT.md, "Placement"): without a version it loads the
@@ -126,12 +130,14 @@ class StorageReader(_DCPStorageReader):
         process_group: Any = None,
         avoid: Any = frozenset(),
         record_digests: bool = False,
+        allow_nonfinite: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
         quiet_single_process()
         self.read_repair = read_repair
+        self.allow_nonfinite = allow_nonfinite
         self.avoid = frozenset(avoid)
         #: with ``record_digests``: ``{(fqn, offset): (XXH3-128, ItemLocation)}`` of the items loaded whole
         self.record_digests = record_digests
@@ -212,7 +218,8 @@ class StorageReader(_DCPStorageReader):
         process's own report. Returns ``(view, group rank, manifest file, metadata bytes or None)``."""
         if self._joined is None:
             try:
-                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version, bad=self.avoid)
+                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version, bad=self.avoid,
+                                         allow_nonfinite=self.allow_nonfinite)
                 body, meta = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
                 self._joined = (view, me, body, meta)
             except Exception as e:  # noqa: BLE001 - raised again, the same on every call

@@ -120,6 +120,12 @@ class StorageWriter(_DCPStorageWriter):
             (``refs``, docs/FORMAT.md "References"), nothing of the item is written or uploaded again.
             Pays when much of the state does not change between saves (a frozen base model under a
             LoRA adapter, untouched experts); costs one XXH3-128 pass over every item. Off by default.
+        count_nonfinite: count the NaN and ±Inf values of every floating tensor (bf16, fp16, fp32,
+            fp64, the fp8 formats, complex) while its frames are encoded, and record them in the
+            manifest (``nonfinite``: the count and the first keys, docs/FORMAT.md "Manifest"); a
+            version that holds any is not the default restore point (docs/FORMAT.md, "Restore
+            choice"). Costs two max-reductions over the bytes per frame (benchmarks/README.md:
+            the save time with and without). Default True; False records nothing (read as unknown).
         world_size: the number of ranks every save through this writer has (default: the default
             process group's size when one is initialised at construction, else not checked). A save
             planned or finished by any other number of ranks — a rank that outlived its peers, DCP
@@ -178,6 +184,7 @@ class StorageWriter(_DCPStorageWriter):
     world_size = Setting()
     replicas = Setting()
     incremental = Setting()
+    count_nonfinite = Setting()
 
     def __init__(
         self,
@@ -202,6 +209,7 @@ class StorageWriter(_DCPStorageWriter):
         world_size: int | None = None,
         replicas: int = 0,
         incremental: bool = False,
+        count_nonfinite: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -214,7 +222,7 @@ class StorageWriter(_DCPStorageWriter):
             step=step, user_metadata=dict(user_metadata or {}), threads=threads or env_threads(), frame_size=frame_size,
             compression=compression, level=level, durability=durability, allow_divergent_replicas=allow_divergent_replicas,
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
-            incremental=bool(incremental))
+            incremental=bool(incremental), count_nonfinite=bool(count_nonfinite))
         self._keys = DataKeys(resolve_key(key))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")

@@ -65,6 +65,10 @@ class VersionRecord:
     unique_bytes: int | None = None
     #: bytes of earlier versions' objects this version references
     ref_bytes: int = 0
+    #: NaN/±Inf values its floating tensors hold (docs/FORMAT.md, "Manifest": ``nonfinite``); None:
+    #: not counted (an older release, ``count_nonfinite=False``). A version with any is not what
+    #: ``Store.latest()`` returns nor what a restore picks by default
+    nonfinite: int | None = None
 
     @property
     def order(self) -> tuple:
@@ -225,6 +229,7 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
                 stale=tuple(sorted((t, e.manifest.attempt) for t, e in holders.items() if e.manifest.attempt != att)),
                 unique_bytes=m.stored_bytes - shared,
                 ref_bytes=sum(r.size for r in m.refs),
+                nonfinite=m.nonfinite_count,
             )
         )
     recs.sort(key=lambda r: r.order)

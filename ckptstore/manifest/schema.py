@@ -145,6 +145,19 @@ def seal_checksum(body: bytes, mac: str | None) -> str:
     return f"{xxh3(data):016x}"
 
 
+def nonfinite_text(nf: dict | None) -> str:
+    """A manifest's ``nonfinite`` in words (docs/FORMAT.md, "Manifest"):
+    ``"17 NaN/Inf values in 2 items: model.w (16), b (1)"``, ``"none"``, or ``"unknown (not counted)"``."""
+    if nf is None:
+        return "unknown (not counted)"
+    if not nf["count"]:
+        return "none"
+    keys = ", ".join(f"{e['key']} ({e['count']})" for e in nf["first"])
+    more = " ..." if sum(e["count"] for e in nf["first"]) < nf["count"] else ""
+    n, k = nf["count"], nf["items"]
+    return f"{n} NaN/Inf value{'s' if n != 1 else ''} in {k} item{'s' if k != 1 else ''}: {keys}{more}"
+
+
 def utcnow() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -182,6 +195,15 @@ class Manifest:
     #: objects of earlier versions whose frames items of this version reference (docs/FORMAT.md,
     #: "References"); a manifest with any is format ``ckptstore/2``
     refs: list = dataclasses.field(default_factory=list)
+    #: NaN/±Inf values of the version's floating tensors (docs/FORMAT.md, "Manifest"): ``{"count":
+    #: values, "items": write items holding any, "first": [{"key": fqn, "count": values}, ...]}``;
+    #: None: not counted (older releases, ``count_nonfinite=False``) — unknown
+    nonfinite: dict | None = None
+
+    @property
+    def nonfinite_count(self) -> int | None:
+        """NaN/±Inf values in the version's floating tensors; None: unknown (not counted)."""
+        return None if self.nonfinite is None else self.nonfinite["count"]
 
     @property
     def encrypted(self) -> bool:
@@ -225,6 +247,7 @@ class Manifest:
             **({} if not self.supersedes else {"supersedes": self.supersedes}),
             **({} if not self.replicas else {"replicas": self.replicas}),
             **({} if not self.refs else {"refs": [r.to_json() for r in self.refs]}),
+            **({} if self.nonfinite is None else {"nonfinite": self.nonfinite}),
         }
 
     def to_bytes(self, data_key: bytes | None) -> bytes:
@@ -344,6 +367,7 @@ def _manifest_from_body(d: dict) -> Manifest:
             supersedes=_supersedes(d.get("supersedes")),
             replicas=None if d.get("replicas") is None else _int(d["replicas"], "replicas"),
             refs=_refs(d.get("refs"), d.get("format")),
+            nonfinite=_nonfinite(d.get("nonfinite")),
             format=d["format"],
         )
     except KeyError as k:
@@ -394,6 +418,26 @@ def _refs(v: Any, fmt: Any) -> list:
     if not isinstance(v, list) or len(v) > MAX_OBJECTS:
         raise ManifestError("manifest 'refs' must be a list")
     return [RefEntry.from_json(r) for r in v]
+
+
+#: at most this many keys in ``nonfinite.first`` (a writer records 8)
+MAX_NONFINITE_FIRST = 1000
+
+
+def _nonfinite(v: Any) -> dict | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ManifestError("manifest 'nonfinite' must be an object")
+    first = v.get("first", [])
+    if not isinstance(first, list) or len(first) > MAX_NONFINITE_FIRST:
+        raise ManifestError("manifest 'nonfinite.first' must be a list")
+    for e in first:
+        if not isinstance(e, dict) or not isinstance(e.get("key"), str):
+            raise ManifestError("manifest 'nonfinite.first' entries must be {key, count} objects")
+        _int(e.get("count"), "nonfinite.first.count")
+    return {"count": _int(v.get("count"), "nonfinite.count"), "items": _int(v.get("items", 0), "nonfinite.items"),
+            "first": [{"key": e["key"], "count": e["count"]} for e in first]}
 
 
 def _supersedes(v: Any) -> list | None:

@@ -14,7 +14,9 @@ earlier version that a version references (docs/FORMAT.md, "References") is chec
 origin when that is committed in the tier, else with the first version that references it.
 
 Tiers that hold different attempts of one name are reported (kind ``divergent``,
-:func:`_check_divergence`). Verifying is :mod:`ckptstore.scrub.verify`'s, repairing
+:func:`_check_divergence`). A version whose manifest records NaN/Inf values is reported as a finding
+(kind ``nonfinite``, status ``finding``: not damage, never marked or repaired; exit 13).
+Verifying is :mod:`ckptstore.scrub.verify`'s, repairing
 :mod:`ckptstore.scrub.repair`'s, the report :mod:`ckptstore.scrub.report`'s.
 """
 
@@ -28,7 +30,8 @@ from ..errors import CkptStoreError, version_not_found
 from ..manifest import catalogue, layout, placement
 from ..tiers.base import tiers_of
 from .repair import repair_objects, settle_mark
-from .report import Issue, ScrubReport, VersionCheck
+from ..manifest.schema import nonfinite_text
+from .report import FINDING, Issue, ScrubReport, VersionCheck
 from .verify import Verifier, check_metadata, check_object, codec_for, ref_codec
 
 
@@ -165,6 +168,9 @@ def _check_version(tier, name, version, te, part, deep, master, key_problem, on_
     # scrub reports it and --repair removes it
     marked = te.damaged or tier.exists(layout.damaged_key(version))
     vc = VersionCheck(name, version, m.attempt, encrypted=m.encrypted, deep=deep, was_marked=marked, part=part)
+    if m.nonfinite_count:  # a fact the manifest records, not damage: the bytes are what was saved
+        vc.issues.append(Issue("nonfinite", f"its tensors hold {nonfinite_text(m.nonfinite)} (recorded at save; the "
+                                            "bytes are intact, the version is not the default restore point)", FINDING))
     codec = codec_for(vc, te, master, key_problem) if deep else None
     vc.deep = deep and codec is not None
     futs = [verifier.walkers.submit(check_object, tier, name, version, entry, codec, on_bytes, verifier)
