@@ -303,6 +303,47 @@ def account(events: Iterable[dict[str, Any]], *, mtbf_s: float | None = None, mi
     return rep
 
 
+#: Google's buckets (ml-goodput-measurement's ``BadputType``, README "Badput Breakdown Details",
+#: github.com/AI-Hypercomputer/ml-goodput-measurement), in the order :func:`google_buckets` gives them
+GOOGLE_BUCKETS = (
+    ("productive", "productive (goodput)"),
+    ("checkpoint_save", "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME"),
+    ("checkpoint_restore", "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME"),
+    ("wasted_progress", "WASTED_PROGRESS_FROM_DISRUPTION"),
+    ("infrastructure_recovery", "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION"),
+    ("other", "OTHER (start-up, training preparation, shutdown)"),
+)
+
+
+def google_buckets(rep: Report) -> dict[str, Any]:
+    """``rep``'s wall time in the buckets of Google's ml-goodput-measurement (seconds), which sum to the wall:
+
+    - ``productive``: ``useful`` (their goodput: productive step time);
+    - ``checkpoint_save``: ``blocked`` — UNPRODUCTIVE_CHECKPOINT_SAVE_TIME, "the first blocking operation"
+      of an asynchronous save (the copy to host memory) plus a preemption's synchronous save;
+    - ``checkpoint_restore``: the restores (``restart``'s *restore* part) — UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME;
+    - ``wasted_progress``: ``lost`` — WASTED_PROGRESS_FROM_DISRUPTION, "time that was spent on productive
+      training but lost after restart";
+    - ``infrastructure_recovery``: ``restart``'s part until the next process started —
+      INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION, which their calculator takes as the next job start minus
+      the last disruption;
+    - ``other``: process start-up after a restart (imports, process group, model: their
+      TPU_INITIALIZATION, TRAINING_PREP and PROGRAM_STARTUP, which ckptstore does not tell apart), the first
+      start-up, close and shutdown.
+
+    Also ``wall``, ``goodput`` and ``steps``."""
+    out = {
+        "productive": rep.useful,
+        "checkpoint_save": rep.blocked,
+        "checkpoint_restore": rep.load,
+        "wasted_progress": rep.lost,
+        "infrastructure_recovery": rep.restart,
+        "other": rep.init + rep.startup + rep.other,
+    }
+    out.update(wall=rep.wall, goodput=rep.goodput, steps=rep.steps)
+    return out
+
+
 def _advise(rep: Report, mtbf_s: float | None, min_failures: int) -> None:
     running = sum(a.end_wall - a.proc_start for a in rep.attempts)
     if rep.failures >= max(1, min_failures):

@@ -120,6 +120,33 @@ def test_goodput_crash_then_restart_counts_lost_work_and_recovery():
     assert r.blocked == pytest.approx(4 * 0.5)  # saves 5, 10 (kept) and 15, 20
 
 
+def test_goodput_in_googles_buckets_sums_to_the_wall(tmp_path):
+    """``google_buckets``: ml-goodput-measurement's BadputType buckets from the same accounting, summing to
+    the wall time; ``ckptstore goodput --buckets google|both`` prints them, ``--json`` holds them."""
+    a0, t_crash = _attempt("a", 100.0, 0, 40, crash_after=13, close=False)
+    a1, t_end = _attempt("b", t_crash + 10.0, 10, 20, restore=10, proc_start=t_crash + 4.0)
+    evs = [{"kind": "launch", "t": 95.0}] + a0 + a1 + [{"kind": "exit", "t": t_end + 2}]
+    r = goodput.account(evs)
+    g = goodput.google_buckets(r)
+    assert g["productive"] == pytest.approx(20.0) and g["checkpoint_save"] == pytest.approx(2.0)
+    assert g["wasted_progress"] == pytest.approx(3.0)  # steps 11-13, redone
+    assert g["infrastructure_recovery"] == pytest.approx(4.0)  # the crash -> the next process started
+    assert g["checkpoint_restore"] == pytest.approx(2.0)
+    assert g["other"] == pytest.approx(r.init + r.startup + r.other) and g["other"] > 0
+    assert sum(g[k] for k, _label in goodput.GOOGLE_BUCKETS) == pytest.approx(r.wall) == pytest.approx(g["wall"])
+    assert g["goodput"] == pytest.approx(r.goodput)
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in evs))
+    p = _cli("goodput", str(path), "--buckets", "google")
+    assert p.returncode == 0, p.stderr
+    assert "WASTED_PROGRESS_FROM_DISRUPTION" in p.stdout and "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION" in p.stdout
+    assert "useful training" not in p.stdout
+    p = _cli("goodput", str(path), "--buckets", "both")
+    assert "useful training" in p.stdout and "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME" in p.stdout
+    p = _cli("goodput", str(path), "--json")
+    assert json.loads(p.stdout)["google"]["wasted_progress"] == pytest.approx(3.0)
+
+
 def test_goodput_two_restarts_count_both_and_give_the_lost_work_distribution():
     a0, t0 = _attempt("a", 100.0, 0, 40, crash_after=13, close=False)
     a1, t1 = _attempt("b", t0 + 10, 10, 40, restore=10, crash_after=27, close=False)
