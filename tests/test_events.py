@@ -184,6 +184,33 @@ def test_goodput_preempted_run_loses_nothing_and_a_fallback_loses_a_whole_attemp
     assert r.steps == 20
 
 
+def test_goodput_counts_the_steps_a_rollback_redoes_as_lost():
+    """``mgr.rollback()`` (a NaN loss) restores an earlier step inside the same attempt: the steps after it
+    were redone, so they are lost work and the rollback's restore is recovery, not useful training (before:
+    one attempt, nothing lost, the redone steps and the restore counted useful)."""
+    evs, t = _attempt("a", 100.0, 0, 12, close=False)  # saves 5, 10; the loss of step 12 is NaN
+    t_rb0, t_rb1 = t + 0.1, t + 1.6
+    evs.append({"kind": "restore", "t": t_rb1, "a": "a", "rank": 0, "t0": t_rb0, "seconds": 1.5, "outcome": "restored",
+                "step": 10, "version": "step-10", "rollback": True})
+    tt = t_rb1
+    for s in range(11, 21):
+        tt += 1.0
+        if s % 5 == 0:
+            tt += 0.5
+            evs.append({"kind": "progress", "t": tt, "a": "a", "rank": 0, "step": s, "save": f"step-{s}", "blocked_s": 0.5})
+        else:
+            evs.append({"kind": "progress", "t": tt, "a": "a", "rank": 0, "step": s})
+    evs.append({"kind": "close", "t": tt + 1.0, "a": "a", "rank": 0, "t0": tt, "seconds": 1.0})
+    r = goodput.account(evs)
+    assert r.restarts == 0 and r.failures == 0 and r.rollbacks == 1
+    assert r.lost == pytest.approx(2.0 + 0.1)  # steps 11-12 (and the NaN check before the rollback began)
+    assert r.lost_work() == [{"attempt": "a", "ended": "rolled back", "lost_s": pytest.approx(2.1), "lost_steps": 2,
+                              "kept_to_step": 10}]
+    assert r.load == pytest.approx(1.5) and r.restart == 0 and r.recovery == pytest.approx(1.5)
+    assert r.useful == pytest.approx(20.0) and r.steps == 20 and r.blocked == pytest.approx(4 * 0.5)
+    assert goodput.google_buckets(r)["wasted_progress"] == pytest.approx(2.1)
+
+
 def test_goodput_reads_one_rank_of_a_shared_log_and_skips_torn_lines(tmp_path):
     evs, _ = _attempt("a", 100.0, 0, 10)
     other = [dict(e, rank=1, a="z") for e in evs]

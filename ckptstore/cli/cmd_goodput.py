@@ -49,8 +49,9 @@ def goodput(log, mtbf, min_failures, buckets, as_json):
         out["google"] = google_buckets(rep)
         emit_json(out)
         return
-    click.echo(f"run in {path}: {len(rep.attempts)} attempt(s), {rep.restarts} restart(s) "
-               f"({rep.failures} crash(es), {rep.preemptions} preemption(s)), {rep.steps} steps kept")
+    click.echo(f"run in {path}: {rep.restarts + 1} attempt(s), {rep.restarts} restart(s) "
+               f"({rep.failures} crash(es), {rep.preemptions} preemption(s))"
+               + (f", {rep.rollbacks} rollback(s)" if rep.rollbacks else "") + f", {rep.steps} steps kept")
     rows = []
     if buckets in ("ckptstore", "both"):
         rows += rep.rows()
@@ -81,7 +82,7 @@ def goodput(log, mtbf, min_failures, buckets, as_json):
                    + (f"; durable lag {sv['mean_durable_lag_s']:.2f} s (max {sv['max_durable_lag_s']:.2f} s)"
                       if sv.get("mean_durable_lag_s") is not None else ""))
     if rep.step_time:
-        click.echo(f"step time {rep.step_time:.3f} s; restart cost {(rep.recovery / rep.restarts) if rep.restarts else 0.0:.1f} s per restart")
+        click.echo(f"step time {rep.step_time:.3f} s; restart cost {rep.restart_cost:.1f} s per restart")
     if rep.advice is not None:
         src = "observed" if rep.mtbf_source == "observed" else "given"
         click.echo(f"advice (MTBF {format_seconds(rep.mtbf_s)}, {src}): {rep.advice}")
