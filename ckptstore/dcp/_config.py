@@ -35,6 +35,8 @@ class WriterConfig:
     world_size: int | None
     replicas: int
     incremental: bool
+    #: ``commit_check(version) -> reason or None``, called right before the local commit point
+    commit_check: Any = None
 
 
 class Setting:
