@@ -34,8 +34,8 @@ MAX_GROUPS = 3  # the sampler's shards: group g reads shard g whatever the numbe
 
 def config(**kw) -> dict:
     c = {"steps": 40, "interval": 5, "num_groups": 3, "pace_s": 0.0, "kill": {}, "remote": None,
-         "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": 8,
-         "barrier": None}
+         "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
+         "barrier": None, "heartbeat_timeout_ms": 5000}
     c.update(kw)
     return c
 
@@ -98,7 +98,7 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
     t = dt.timedelta(seconds=20)
     manager = Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=1, load_state_dict=load_sd, state_dict=user_sd,
                       replica_id=f"g{group}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=cfg["lighthouse"], timeout=t, quorum_timeout=dt.timedelta(seconds=30),
+                      lighthouse_addr=cfg["lighthouse"], timeout=t, quorum_timeout=dt.timedelta(seconds=60),
                       connect_timeout=dt.timedelta(seconds=10), hostname="127.0.0.1")
     ddp = DistributedDataParallel(manager, model)
     optim = OptimizerWrapper(manager, inner)
@@ -119,6 +119,15 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
             return check(version)
 
         tier._main._writer.commit_check = killing_check
+    if cfg.get("race_barrier"):  # two groups that both own step-5 reach its commit point together
+        check = tier._main._writer.commit_check
+
+        def racing_check(version, check=check):
+            if version == "step-5":
+                _barrier(cfg["race_barrier"], group, 2)
+            return check(version)
+
+        tier._main._writer.commit_check = racing_check
     if cfg.get("barrier") and launch == "0":
         _barrier(cfg["barrier"], group, cfg["num_groups"])
     report = tier.resume()
@@ -135,18 +144,20 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
         loss = crit(ddp(x), y)
         loss.backward()
         if kill and kill[1] == "mid-step" and before + 1 == kill[0]:
+            if cfg.get("settle"):  # the saves started so far are committed before the kill
+                tier.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         optim.step()
         counted = manager.is_participating()
-        committed = tier.step_done()
-        if committed:
+        if manager.current_step() != before:  # committed: the scheduler steps with it
             sched.step()
+        committed = tier.step_done()  # after everything of the step: the main save captures it
         dt_s = time.perf_counter() - t0
         out.write(json.dumps({"launch": launch, "step": manager.current_step(), "committed": committed,
                               "counted": bool(committed and counted), "loss": float(loss.detach()).hex(),
                               "ids": [int(i) for i in ids], "dt": dt_s}) + "\n")
-        if cfg["pace_s"]:
-            time.sleep(cfg["pace_s"])
+        if cfg["pace_s"] and manager.num_participants() < cfg["num_groups"]:
+            time.sleep(cfg["pace_s"])  # a group is away: slow down until it is back
         if manager.current_step() >= cfg["steps"]:
             break
     t_end = time.perf_counter()
@@ -185,7 +196,7 @@ class Job:
         self.lh_log = open(self.dir / "lighthouse.log", "ab")
         self.lighthouse = subprocess.Popen(
             ["torchft_lighthouse", "--bind", f"127.0.0.1:{port}", "--min_replicas", str(self.cfg["min_replicas"]),
-             "--join_timeout_ms", "20000", "--heartbeat_timeout_ms", "1500", "--quorum_tick_ms", "20"],
+             "--join_timeout_ms", "20000", "--heartbeat_timeout_ms", str(self.cfg["heartbeat_timeout_ms"]), "--quorum_tick_ms", "20"],
             stdout=self.lh_log, stderr=subprocess.STDOUT, env=env)
         self.cfg["lighthouse"] = f"http://127.0.0.1:{port}"
         end = time.monotonic() + 20

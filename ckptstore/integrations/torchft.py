@@ -224,6 +224,7 @@ class DurableTier:
         self._loader_blob: bytes | None = None  # the loader's state after the last batch that counted
         self._rewind = False
         self._last_step = manager.current_step()
+        self._positions_saved: int | None = None  # the step of the newest positions save started
         self._closed = False
         if not self.enabled:
             log.warning("ckptstore: the durable tier is off (%s)", "enabled=False" if enabled is False else f"{ENV_DISABLE}=0")
@@ -324,13 +325,21 @@ class DurableTier:
             self._last_step = step
         if self.loader is not None and self._loader_blob is not None:
             self._history.append(_st.Position(step, self._batches, counted, self._loader_blob))
-            self._guard("positions", lambda: self._positions.save(
-                step, {"positions": _Positions(_st.pack_history(self._history))}, force=True))
+            self._save_positions(step)
         if counted and step % self.interval_steps == 0 and self._is_writer():
             meta = _st.manifest_user(_ft.quorum_id(self.manager), self.group, _ft.replica_prefix(self.manager),
                                      self.manager.num_participants(), self.manager.state_dict())
             self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
         return committed
+
+    def _save_positions(self, step: int) -> None:
+        def save():
+            started = self._positions.save(step, {"positions": _Positions(_st.pack_history(self._history))}, force=True)
+            if started:
+                self._positions_saved = step
+            return started
+
+        self._guard("positions", save)
 
     def _is_writer(self) -> bool:
         try:
@@ -555,10 +564,16 @@ class DurableTier:
                 m.wait()
 
     def close(self) -> None:
-        """Wait for the saves in flight and their uploads (the writer's ``upload_timeout``); what was
+        """Save the newest position if the last one was skipped, wait for the saves in flight and their uploads (the writer's ``upload_timeout``); what was
         not uploaded is logged (a later run's first save uploads it), never raised."""
         if self._closed:
             return
+        if self.enabled and self._history and self._positions_saved != self._history[-1].step:
+            try:  # the newest position, skipped while the previous save ran: a restart pairs with it
+                self._positions.wait()
+            except CkptStoreError as e:
+                log.warning("ckptstore: positions saves: %s", e)
+            self._save_positions(self._history[-1].step)
         self._closed = True
         for name, m in (("main", self._main), ("positions", self._positions)):
             if m is None:
