@@ -265,7 +265,12 @@ def test_forty_steps_whole_job_restart_equals_an_uninterrupted_run_then_three_to
         assert sorted(got) == list(range(1, 41)) and got == want, f"group {g}: the run differs from the reference"
     _check_exact_samples(job, range(3), shards)
     r1 = _resumes(job, 0)[1]
-    assert r1["kind"] == "cold-start" and r1["version"] in ("step-20", "step-15")
+    # the newest main version whose every group's position was saved when the job died (under load a
+    # positions save can lag the 10-30 ms steps by several steps: then an older one)
+    assert r1["kind"] == "cold-start" and r1["version"] in ("step-20", "step-15", "step-10", "step-5")
+    for g in range(3):
+        final = job.lines(g)[-1]["stats"]
+        assert "positions.lost-race" not in final and "main.lost-race" not in final, final
     assert _manifest_user(root, "step-40")["batches_committed"] == _manifest_user(tmp_path / "ref-root", "step-40")[
         "batches_committed"]
     # 3 -> 2 groups

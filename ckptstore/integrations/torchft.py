@@ -414,16 +414,30 @@ class DurableTier:
         return _st.job_is_live(view.members, view.heartbeats, self.live_within_s)
 
     def _store_versions(self) -> list[str]:
-        """The committed version names: the local root's and, when it answers, the remote tier's."""
+        """The committed version names: the local root's and, when it answers, the remote tier's
+        (``self._attempts``: ``{name: {attempt, ...}}`` of both)."""
         from ..store import Store
 
-        names = {r.version for r in Store(self.root, key=self._key).versions()} if os.path.isdir(self.root) else set()
+        recs = list(Store(self.root, key=self._key).versions()) if os.path.isdir(self.root) else []
         if self.remote is not None:
             try:
-                names |= {r.version for r in Store(None, remote=self.remote, key=self._key).versions()}
+                recs += list(Store(None, remote=self.remote, key=self._key).versions())
             except (TransientStorageError, CkptStoreError, OSError) as e:
                 log.warning("ckptstore: the remote tier was not consulted for the restore: %s", e)
-        return sorted(names)
+        self._attempts: dict[str, set] = collections.defaultdict(set)
+        for r in recs:
+            self._attempts[r.version].add(r.attempt)
+        return sorted(self._attempts)
+
+    def _supersede_positions(self, names: list[str], step: int) -> None:
+        """This group's positions saved after ``step`` belong to the timeline the restart abandoned: its
+        next saves of those names replace them (docs/FORMAT.md, "Superseding"), as the main manager's
+        restore does for ``step-N`` names after the restored one."""
+        why = f"abandoned timeline: the job restarted from {_st.MAIN_PREFIX}{step}"
+        for n in names:
+            gv = _st.parse_loader_version(n)
+            if gv is not None and gv[0] == self.group and gv[1] > step:
+                self._positions._supersede[n] = {a: why for a in self._attempts.get(n, ())}
 
     def _read_positions(self, version: str, group: int) -> list[_st.Position]:
         import torch.distributed.checkpoint as dcp
@@ -485,6 +499,7 @@ class DurableTier:
                 skipped.extend(more)
                 version = None
         if chosen is None:
+            self._supersede_positions(names, 0)
             r = RestoreReport("fresh", why=why, skipped=skipped)
             r.loader = _st.LoaderChoice(self.group, "initial", reason="no main version is restored")
             return r
@@ -495,6 +510,7 @@ class DurableTier:
         except Exception:  # noqa: BLE001 - the report's detail only
             writer = None
         r = RestoreReport("cold-start", version=version, why=why, writer=writer, skipped=skipped)
+        self._supersede_positions(names, chosen)
         if self.loader is not None:
             at = self._positions_at(names, chosen)
             choice, pos, r.orphaned = _st.loader_plan(self.group, self.num_groups, at)
