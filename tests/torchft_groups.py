@@ -10,7 +10,8 @@ each: torchft's DDP over its ``ProcessGroupGloo`` on CPU), every group with a to
 ``final`` line, and ends through :func:`ckptstore._groups.exit_process`. The test side
 (:class:`Job`) starts the lighthouse and the groups, kills and restarts them, and reads the lines.
 
-Kill points (``kill``: ``{group: [step, where]}``, first launch of that group only):
+Kill points (``kill``: ``{group: [step, where]}`` for the group's first launch, or
+``{group: [[step, where, launch], ...]}``):
 ``"mid-step"`` — SIGKILL after the backward pass of that step, before ``optimizer.step()``;
 ``"mid-save"`` — SIGKILL inside the main save of that step, after its objects are written, right
 before its commit point (from the writer's ``commit_check``).
@@ -35,7 +36,7 @@ MAX_GROUPS = 3  # the sampler's shards: group g reads shard g whatever the numbe
 def config(**kw) -> dict:
     c = {"steps": 40, "interval": 5, "num_groups": 3, "pace_s": 0.0, "kill": {}, "remote": None,
          "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
-         "barrier": None, "heartbeat_timeout_ms": 5000}
+         "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60}
     c.update(kw)
     return c
 
@@ -98,7 +99,7 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
     t = dt.timedelta(seconds=20)
     manager = Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=1, load_state_dict=load_sd, state_dict=user_sd,
                       replica_id=f"g{group}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=cfg["lighthouse"], timeout=t, quorum_timeout=dt.timedelta(seconds=60),
+                      lighthouse_addr=cfg["lighthouse"], timeout=t, quorum_timeout=dt.timedelta(seconds=cfg.get("quorum_timeout_s", 60)),
                       connect_timeout=dt.timedelta(seconds=10), hostname="127.0.0.1")
     ddp = DistributedDataParallel(manager, model)
     optim = OptimizerWrapper(manager, inner)
@@ -109,7 +110,10 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
                        num_groups=cfg["num_groups"], loader=loader, remote=cfg["remote"],
                        endpoint_url=cfg["endpoint_url"], interval_steps=cfg["interval"], enabled=cfg["enabled"],
                        lighthouse=cfg["lighthouse"], timeout_s=cfg["timeout_s"])
-    kill = cfg["kill"].get(str(group)) if launch == "0" else None
+    kills = cfg["kill"].get(str(group)) or []
+    if kills and not isinstance(kills[0], list):
+        kills = [kills + ["0"]]
+    kill = next((k[:2] for k in kills if k[2] == launch), None)
     if kill and kill[1] == "mid-save":
         check = tier._main._writer.commit_check
 
@@ -128,6 +132,24 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
             return check(version)
 
         tier._main._writer.commit_check = racing_check
+    if cfg.get("hold_commit"):  # hold the main save of that step at its commit point until the quorum failed
+        check = tier._main._writer.commit_check
+
+        def holding_check(version, check=check, target=f"step-{cfg['hold_commit']}"):
+            if version == target:
+                out.write(json.dumps({"hold": version}) + "\n")
+                end = time.monotonic() + 120
+                while time.monotonic() < end:
+                    fut = manager._quorum_future
+                    if fut is not None and fut.done() and fut.exception() is not None:
+                        break
+                    time.sleep(0.05)
+            why = check(version)
+            if version == target:
+                out.write(json.dumps({"claim": why}) + "\n")
+            return why
+
+        tier._main._writer.commit_check = holding_check
     if cfg.get("barrier") and launch == "0":
         _barrier(cfg["barrier"], group, cfg["num_groups"])
     report = tier.resume()
@@ -137,6 +159,24 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
                                                          "loader": None if report.loader is None else vars(report.loader),
                                                          "orphaned": report.orphaned, "seconds": report.seconds}}) + "\n")
     crit = torch.nn.MSELoss()
+    try:
+        _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill)
+    except Exception as e:
+        out.write(json.dumps({"launch": launch, "error": f"{type(e).__name__}: {e}"}) + "\n")
+        tier.wait()  # the save in flight finishes (or is refused) before this process ends
+        raise
+    t_end = time.perf_counter()
+    if cfg.get("close_wait"):  # the test brings S3 back, then says so
+        while not os.path.exists(cfg["close_wait"]):
+            time.sleep(0.05)
+    tier.close()
+    out.write(json.dumps({"launch": launch, "final": True, "stats": tier.stats(),
+                          "close_s": time.perf_counter() - t_end}) + "\n")
+    out.close()
+    manager.shutdown(wait=False)
+
+
+def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> None:
     for ids, x, y in tier.batches():
         t0 = time.perf_counter()
         before = manager.current_step()
@@ -156,19 +196,10 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
         out.write(json.dumps({"launch": launch, "step": manager.current_step(), "committed": committed,
                               "counted": bool(committed and counted), "loss": float(loss.detach()).hex(),
                               "ids": [int(i) for i in ids], "dt": dt_s}) + "\n")
-        if cfg["pace_s"] and manager.num_participants() < cfg["num_groups"]:
+        if cfg["pace_s"] and (cfg.get("pace_always") or manager.num_participants() < cfg["num_groups"]):
             time.sleep(cfg["pace_s"])  # a group is away: slow down until it is back
         if manager.current_step() >= cfg["steps"]:
             break
-    t_end = time.perf_counter()
-    if cfg.get("close_wait"):  # the test brings S3 back, then says so
-        while not os.path.exists(cfg["close_wait"]):
-            time.sleep(0.05)
-    tier.close()
-    out.write(json.dumps({"launch": launch, "final": True, "stats": tier.stats(),
-                          "close_s": time.perf_counter() - t_end}) + "\n")
-    out.close()
-    manager.shutdown(wait=False)
 
 
 # -- the test side ---------------------------------------------------------------------------------

@@ -311,10 +311,11 @@ class DurableTier:
         Records this group's position, saves it (async; skipped while the previous save runs), and at a
         due step, when this group is the quorum's participating rank 0, starts the main save (async).
         Returns whether the step committed. Never raises a storage error (they are reported)."""
-        if not self.enabled or self._closed:
-            return False
         step = int(self.manager.current_step())
         committed = step != self._last_step
+        if not self.enabled or self._closed:
+            self._last_step = step
+            return committed
         counted = committed and bool(self.manager.is_participating())
         if counted and self.loader is not None:
             self._batches += 1
