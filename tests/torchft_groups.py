@@ -193,11 +193,12 @@ def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> Non
         counted = manager.is_participating()
         if manager.current_step() != before:  # committed: the scheduler steps with it
             sched.step()
+        t_sd = time.perf_counter()
         committed = tier.step_done()  # after everything of the step: the main save captures it
         dt_s = time.perf_counter() - t0
         out.write(json.dumps({"launch": launch, "step": manager.current_step(), "committed": committed,
                               "counted": bool(committed and counted), "loss": float(loss.detach()).hex(),
-                              "ids": [int(i) for i in ids], "dt": dt_s}) + "\n")
+                              "ids": [int(i) for i in ids], "dt": dt_s, "sd": dt_s - (t_sd - t0)}) + "\n")
         if cfg["pace_s"] and (cfg.get("pace_always") or manager.num_participants() < cfg["num_groups"]):
             time.sleep(cfg["pace_s"])  # a group is away: slow down until it is back
         if manager.current_step() >= cfg["steps"]:

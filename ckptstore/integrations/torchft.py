@@ -176,6 +176,9 @@ class DurableTier:
         retention: a :class:`ckptstore.retention.RetentionPolicy` of the main versions (default: keep all).
         positions_keep: positions kept per group: versions (retention ``KeepLast``) and the history in
             each (default ``2 * interval_steps + 2``).
+        positions_every_s: a positions save starts after a step when the previous one started at least
+            this long ago and has finished (default 0.2 s: every step of a loop slower than that);
+            otherwise the next one carries this step's position (its history).
         enabled: False turns the tier off; None (default): on unless ``CKPTSTORE_TORCHFT_DURABLE=0``.
         lighthouse: the lighthouse address for the cold-start check (default ``TORCHFT_LIGHTHOUSE``);
             None and no variable: every start is taken as a cold start (with a warning).
@@ -190,6 +193,7 @@ class DurableTier:
     def __init__(self, root: str | os.PathLike, manager: Any, state: dict[str, Any], *, group: int,
                  num_groups: int | None = None, loader: Any = None, remote: str | None = None, key: Any = None,
                  interval_steps: int = 100, retention: Any = None, positions_keep: int | None = None,
+                 positions_every_s: float = 0.2,
                  enabled: bool | None = None, lighthouse: str | None = None, live_within_s: float = 1.0,
                  timeout_s: float | None = None, durability: str = "local",
                  on_event: Callable[[dict], None] | None = None, event_log: Any = True, **writer_options: Any) -> None:
@@ -225,6 +229,8 @@ class DurableTier:
         self._rewind = False
         self._last_step = manager.current_step()
         self._positions_saved: int | None = None  # the step of the newest positions save started
+        self._positions_t = float("-inf")  # when it started (monotonic)
+        self.positions_every_s = float(positions_every_s)
         self._closed = False
         if not self.enabled:
             log.warning("ckptstore: the durable tier is off (%s)", "enabled=False" if enabled is False else f"{ENV_DISABLE}=0")
@@ -333,11 +339,17 @@ class DurableTier:
             self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
         return committed
 
-    def _save_positions(self, step: int) -> None:
+    def _save_positions(self, step: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._positions_t < self.positions_every_s:
+            self.counts["positions.coalesced"] += 1  # the next save carries this step's position
+            return
+
         def save():
             started = self._positions.save(step, {"positions": _Positions(_st.pack_history(self._history))}, force=True)
             if started:
                 self._positions_saved = step
+                self._positions_t = now
             return started
 
         self._guard("positions", save)
@@ -575,22 +587,29 @@ class DurableTier:
         return (self._main if which == "main" else self._positions).metrics_text()
 
     def wait(self) -> None:
-        """Wait for the saves in flight (tests, the end of a job); errors are reported, not raised."""
+        """Save the newest position if no save carries it yet, and wait for every save in flight (the
+        end of a job, tests); errors are reported, not raised."""
+        if not self.enabled or self._closed:
+            return
+        self._flush_positions()
         for m in (self._main, self._positions):
-            if m is not None:
-                m.wait()
+            m.wait()
+
+    def _flush_positions(self) -> None:
+        if self._history and self._positions_saved != self._history[-1].step:
+            try:
+                self._positions.wait()
+            except CkptStoreError as e:
+                log.warning("ckptstore: positions saves: %s", e)
+            self._save_positions(self._history[-1].step, force=True)
 
     def close(self) -> None:
         """Save the newest position if the last one was skipped, wait for the saves in flight and their uploads (the writer's ``upload_timeout``); what was
         not uploaded is logged (a later run's first save uploads it), never raised."""
         if self._closed:
             return
-        if self.enabled and self._history and self._positions_saved != self._history[-1].step:
-            try:  # the newest position, skipped while the previous save ran: a restart pairs with it
-                self._positions.wait()
-            except CkptStoreError as e:
-                log.warning("ckptstore: positions saves: %s", e)
-            self._save_positions(self._history[-1].step)
+        if self.enabled:  # the newest position, if no save carries it yet: a restart pairs with it
+            self._flush_positions()
         self._closed = True
         for name, m in (("main", self._main), ("positions", self._positions)):
             if m is None:
