@@ -275,7 +275,9 @@ class DurableTier:
     def _saved(self, which: str):
         def on_save(info) -> None:
             outcome = "failed" if info.error else "committed"
-            if info.error and "FencedError" in info.error:
+            if info.error and info.local_commit_s is not None:
+                outcome = "committed-local"  # the upload or remote commit failed: retried later
+            elif info.error and "FencedError" in info.error:
                 outcome = "fenced"
             elif info.error and "VersionExistsError" in info.error:
                 outcome = "lost-race"
@@ -576,8 +578,9 @@ class DurableTier:
 
     # -- reporting and shutdown ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """Counters: ``main.started``/``skipped``/``committed``/``failed``/``fenced``/``lost-race``,
-        the same for ``positions``."""
+        """Counters: ``main.started``/``skipped``/``committed``/``committed-local`` (the upload failed;
+        retried)/``failed``/``fenced``/``lost-race``, the same for ``positions`` (and
+        ``positions.coalesced``: steps carried by the next positions save)."""
         return dict(self.counts)
 
     def metrics_text(self, which: str = "main") -> str:
