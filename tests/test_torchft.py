@@ -120,6 +120,16 @@ def _garbage(root) -> list[str]:
     return [a.key for a in p.actions if a.kind == "garbage"]
 
 
+def test_the_kill_switch_reads_the_environment(monkeypatch):
+    from ckptstore.integrations import torchft as ckft
+
+    for v, want in (("0", False), ("off", False), ("no", False), ("1", True), ("", True)):
+        monkeypatch.setenv(ckft.ENV_DISABLE, v)
+        assert ckft._enabled(None) is want, v
+    monkeypatch.setenv(ckft.ENV_DISABLE, "0")
+    assert ckft._enabled(True) is True  # an explicit option wins
+
+
 # -- the commit check (docs/FORMAT.md, Save rule 9) ----------------------------------------------
 def test_a_refused_commit_check_commits_nothing_and_leaves_garbage_for_gc(tmp_path):
     import torch

@@ -32,8 +32,7 @@ What it does (README "torchft"; docs/FORMAT.md, "torchft"):
   commits nothing (:class:`~ckptstore.errors.FencedError`).
 * **Per-group positions beside it.** Every group saves its data-loader position and RNG after every
   step (``loader-g<G>-<N>``, under the group's *stable* index ``group``, not torchft's per-restart
-  uuid), asynchronously, on its own manager (its own gloo group when the group has several ranks),
-  with its own retention (:data:`KeepLast` of ``positions_keep``). Each such save holds the last
+  uuid), asynchronously, on its own manager (never on torchft's process group), with its own retention (:data:`KeepLast` of ``positions_keep``). Each such save holds the last
   ``positions_keep`` positions, so one skipped while the previous still ran loses no step.
 * **Cold start only.** :meth:`resume` asks the lighthouse (its ``/status`` page) whether a live job
   exists: then torchft heals this group from a peer and the durable tier's main version is not
@@ -46,6 +45,9 @@ What it does (README "torchft"; docs/FORMAT.md, "torchft"):
   ``quorum_timeout``; nothing runs on torchft's process group; ``enabled=False`` or
   ``CKPTSTORE_TORCHFT_DURABLE=0`` turns the tier off (every method a no-op, :meth:`batches` the
   plain loader).
+
+One rank per replica group (torchft's DDP across groups); a group of several ranks is refused for now
+(the save decisions are per rank and would first have to be agreed across the group's ranks).
 
 Importing this module needs torchft (:data:`TESTED_VERSIONS`; another release warns once); what
 depends on torchft's private surface is in ``ckptstore/integrations/_torchft_v0_2.py``.
@@ -201,6 +203,12 @@ class DurableTier:
             raise ValueError("interval_steps must be >= 1")
         if int(group) < 0 or (num_groups is not None and int(group) >= int(num_groups)):
             raise ValueError(f"group must be in 0 … num_groups-1, got group={group} num_groups={num_groups}")
+        _rank, group_world = _ft.group_rank_world(manager)
+        if group_world != 1:
+            raise CkptStoreError(
+                f"DurableTier runs with one rank per replica group (this group has {group_world}): its save decisions "
+                "(skip while busy, the positions interval) are taken per rank, and ranks of one group that decided "
+                "differently would wait for each other in the save's collectives")
         self.root = os.fspath(root)
         self.manager = manager
         self.group = int(group)
