@@ -10,7 +10,6 @@ number of groups changed, whether a job is live) are pure functions, table-teste
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
