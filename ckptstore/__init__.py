@@ -9,6 +9,7 @@ from .errors import (  # noqa: E402
     DtypeMismatchError,
     IntegrityError,
     InvalidNameError,
+    FencedError,
     JobBrokenError,
     KeyMismatchError,
     ManifestError,
@@ -63,6 +64,7 @@ __all__ = [
     "ConditionalWritesError",
     "UnsupportedFormatError",
     "UnsupportedStateError",
+    "FencedError",
     "JobBrokenError",
     "Preempted",
 ]

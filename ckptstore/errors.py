@@ -210,6 +210,15 @@ class JobBrokenError(CkptStoreError):
     exit_code = 1
 
 
+class FencedError(CkptStoreError):
+    """The writer's ``commit_check`` refused the commit right before the commit point: the process
+    that planned the save no longer owns it (under torchft: its replica group left the quorum while
+    the save was in flight). Nothing is committed; the attempt's objects are garbage for gc
+    (docs/FORMAT.md, Save rule 9)."""
+
+    exit_code = 1
+
+
 class Preempted(SystemExit):
     """The job was told to stop (a preemption signal, e.g. the scheduler's SIGTERM) and
     :class:`ckptstore.CheckpointManager` has saved the step the loop reached: raised by ``save()``.

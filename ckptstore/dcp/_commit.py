@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import _faults
 from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
-from ..errors import StateDictKeysError
+from ..errors import FencedError, StateDictKeysError
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, utcnow
@@ -92,6 +92,7 @@ class Committer(OwnLock):
             _check_same_values(digests)
             m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
+            self.check_owner(s.version)
             commit_manifest(
                 self.tier, s.version, body, overwrite=self.cfg.overwrite or s.existing is not None,
                 fault="commit.manifest",
@@ -111,6 +112,20 @@ class Committer(OwnLock):
             self.publisher.publish(s.attempt, body, self.tier.get(layout.object_key(s.version, m.metadata_object.name)))
             timed(s.version, replicate_s=time.monotonic() - t1)
         return m, body, upload_failures
+
+    def check_owner(self, version: str) -> None:
+        """The writer's ``commit_check`` right before the commit point (docs/FORMAT.md, Save rule 9):
+        a reason refuses the commit (:class:`FencedError`); an error in the check refuses it too."""
+        check = self.cfg.commit_check
+        if check is None:
+            return
+        try:
+            why = check(version)
+        except Exception as e:  # noqa: BLE001 - an owner that cannot tell does not commit
+            why = f"the commit check failed: {type(e).__name__}: {e}"
+        if why:
+            raise FencedError(f"the save of {version!r} was not committed: {why}. Its objects are garbage for "
+                              "ckptstore gc; the owner of the step commits it")
 
     def seal(self, s, metadata: Metadata, tables: list, reports: list, world_size: int,
              placement: list | None = None) -> tuple[Manifest, bytes]:

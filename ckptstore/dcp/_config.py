@@ -36,6 +36,8 @@ class WriterConfig:
     replicas: int
     incremental: bool
     count_nonfinite: bool = True
+    #: ``commit_check(version) -> reason or None``, called right before the local commit point
+    commit_check: Any = None
 
 
 class Setting:

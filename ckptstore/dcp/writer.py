@@ -126,6 +126,12 @@ class StorageWriter(_DCPStorageWriter):
             version that holds any is not the default restore point (docs/FORMAT.md, "Restore
             choice"). Costs two max-reductions over the bytes per frame (benchmarks/README.md:
             the save time with and without). Default True; False records nothing (read as unknown).
+        commit_check: ``commit_check(version) -> str | None``, called by the coordinator right before
+            the local commit point of every save (after every object is durable): a returned reason
+            refuses the commit with :class:`FencedError` and nothing is committed (docs/FORMAT.md,
+            Save rule 9) — the hook of an owner that may lose its claim while the save is in flight
+            (:mod:`ckptstore.integrations.torchft`: the replica group left the quorum). THREAD
+            executor and ``dcp.save`` only (a callable does not travel to DCP's checkpoint subprocess).
         world_size: the number of ranks every save through this writer has (default: the default
             process group's size when one is initialised at construction, else not checked). A save
             planned or finished by any other number of ranks — a rank that outlived its peers, DCP
@@ -185,6 +191,7 @@ class StorageWriter(_DCPStorageWriter):
     replicas = Setting()
     incremental = Setting()
     count_nonfinite = Setting()
+    commit_check = Setting()
 
     def __init__(
         self,
@@ -210,6 +217,7 @@ class StorageWriter(_DCPStorageWriter):
         replicas: int = 0,
         incremental: bool = False,
         count_nonfinite: bool = True,
+        commit_check: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -222,7 +230,7 @@ class StorageWriter(_DCPStorageWriter):
             step=step, user_metadata=dict(user_metadata or {}), threads=threads or env_threads(), frame_size=frame_size,
             compression=compression, level=level, durability=durability, allow_divergent_replicas=allow_divergent_replicas,
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
-            incremental=bool(incremental), count_nonfinite=bool(count_nonfinite))
+            incremental=bool(incremental), count_nonfinite=bool(count_nonfinite), commit_check=commit_check)
         self._keys = DataKeys(resolve_key(key))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
@@ -264,6 +272,9 @@ class StorageWriter(_DCPStorageWriter):
             raise CkptStoreError(
                 "StorageWriter(replicas=...) cannot run in DCP's checkpoint subprocess (AsyncCheckpointerType.PROCESS): "
                 "the copies travel between the trainers' processes. Use the THREAD executor (the default) or dcp.save")
+        if self._cfg.commit_check is not None:
+            raise CkptStoreError("StorageWriter(commit_check=...) cannot run in DCP's checkpoint subprocess "
+                                 "(AsyncCheckpointerType.PROCESS): use the THREAD executor (the default) or dcp.save")
         if not self._guard.in_subprocess and self._remote is not None and not self._shipped:
             self._shipped = True  # close()/exit here check that the subprocess's versions reached S3
             self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))

@@ -2,4 +2,6 @@
 
 * :mod:`ckptstore.integrations.torchtitan` — torchtitan's checkpointer saving through ckptstore
   (``pip install 'ckptstore[torchtitan]'``).
+* :mod:`ckptstore.integrations.torchft` — ckptstore as the durable tier under torchft's per-step
+  fault tolerance (``pip install 'ckptstore[torchft]'``).
 """
