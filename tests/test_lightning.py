@@ -78,6 +78,10 @@ def test_version_of_is_the_stem():
     assert ls.version_of("/x/last-v1.ckpt") == "last-v1"
     with pytest.raises(ckptstore.InvalidNameError):
         ls.version_of("/x/a\x01b.ckpt")  # a control character: no version name
+    from ckptstore.integrations._lightning_v2_6 import is_last
+
+    assert [is_last(p) for p in ("/x/last.ckpt", "last-v2.ckpt", "/x/lastly.ckpt", "/x/epoch=0-step=3.ckpt")] == [
+        True, True, False, False]
 
 
 # -- one process: last, remove, pin ---------------------------------------------------------------------

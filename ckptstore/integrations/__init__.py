@@ -2,4 +2,7 @@
 
 * :mod:`ckptstore.integrations.torchtitan` — torchtitan's checkpointer saving through ckptstore
   (``pip install 'ckptstore[torchtitan]'``).
+* :mod:`ckptstore.integrations.lightning` — PyTorch Lightning's ``CheckpointIO`` and
+  ``ModelParallelStrategy`` saving, loading and removing through ckptstore
+  (``pip install 'ckptstore[lightning]'``).
 """

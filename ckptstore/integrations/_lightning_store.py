@@ -261,13 +261,14 @@ class LightningStore:
                 **self._extra())
         return w
 
-    def existing_attempts(self, version: str) -> set[str]:
-        """The attempts of ``version`` committed in this process's root and the remote tier."""
+    def existing_attempts(self, version: str, *, remote: bool = True) -> set[str]:
+        """The attempts of ``version`` committed in this process's root and (``remote``) the remote tier."""
         from ..dcp._plan import existing_attempt
 
         store = self.store()
         try:
-            return {a for t in store.tiers.values() if (a := existing_attempt(t, version)) is not None}
+            tiers = [t for n, t in store.tiers.items() if remote or n == "local"]
+            return {a for t in tiers if (a := existing_attempt(t, version)) is not None}
         finally:
             store.close()
 
@@ -410,6 +411,6 @@ class LightningStore:
 
 
 def last_pattern(name_last: str) -> re.Pattern:
-    """Lightning's test for a "last" checkpoint's stem (``ModelCheckpoint._find_last_checkpoints``:
-    ``^last(-(\\d+))?`` with ``re.match``, so any stem that starts with ``last``)."""
-    return re.compile(rf"^{re.escape(name_last)}(-(\d+))?")
+    """The stems of Lightning's "last" checkpoints (to ``fullmatch``): ``name_last`` and the names its
+    version counter makes of it (``last-v1``)."""
+    return re.compile(rf"{re.escape(name_last)}(-v\d+)?")

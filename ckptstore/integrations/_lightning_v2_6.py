@@ -9,9 +9,10 @@ of the following needs this module changed (and a new entry in :data:`TESTED_VER
   ``Strategy.load_checkpoint`` calls it on every rank; ``_WrappingCheckpointIO.checkpoint_io``
   (``AsyncCheckpointIO`` wraps ours);
 * the checkpoint dict's ``global_step`` and ``epoch`` (the manifest's step, user metadata);
-* ``ModelCheckpoint.CHECKPOINT_NAME_LAST`` and its ``_find_last_checkpoints``, which takes a file in
-  the checkpoint directory whose stem matches ``^last(-(\\d+))?`` as a "last" checkpoint; the
-  checkpoint connector resolves ``ckpt_path="last"`` to the newest such file that exists;
+* ``ModelCheckpoint.CHECKPOINT_NAME_LAST`` (``last``), its version counter's suffix ``-v<N>``, and
+  ``_find_last_checkpoints``, which takes a file of the checkpoint directory whose stem starts with
+  ``last`` as a "last" checkpoint; the checkpoint connector resolves ``ckpt_path="last"`` to the
+  newest such file that exists (by modification time), on every rank;
 * ``ModelParallelStrategy``: ``save_checkpoint`` receiving ``state_dict`` (its DTensor model state)
   and ``optimizer_states`` (DCP ``get_optimizer_state_dict`` per optimizer) in the checkpoint, which it
   saves under the keys ``state_dict`` and ``optimizer_<i>``; the attributes ``_save_distributed_checkpoint``,
@@ -43,7 +44,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO as _CheckpointIO
 
 from ..errors import CkptStoreError
@@ -62,9 +62,9 @@ def name_last() -> str:
 
 
 def is_last(path) -> bool:
-    """``path`` is one Lightning takes for a "last" checkpoint (``ModelCheckpoint._find_last_checkpoints``)."""
-    stem = os.path.splitext(os.path.basename(os.fspath(path)))[0]
-    return _store.last_pattern(name_last()).match(stem) is not None
+    """``path`` names Lightning's "last" checkpoint: its stem is ``ModelCheckpoint.CHECKPOINT_NAME_LAST``,
+    possibly with the version counter's suffix (``last``, ``last-v1``)."""
+    return _store.last_pattern(name_last()).fullmatch(_store.version_of(path)) is not None
 
 
 def _to(obj: Any, device) -> Any:
@@ -169,13 +169,14 @@ def model_parallel_class(base: type) -> type:
             sharded = {"state_dict": checkpoint.pop("state_dict")}
             for i, osd in enumerate(checkpoint.pop("optimizer_states", [])):
                 sharded[f"optimizer_{i}"] = osd
-            mine = io.store.existing_attempts(version)
-            every: list = [None] * self.world_size
-            dist.all_gather_object(every, sorted(mine))
+            # the copies of the name this save replaces: rank 0's (its root and the remote tier), sent
+            # to every rank, and each rank's own root's (node-local roots; the same attempt when shared)
+            first = self.broadcast(sorted(io.store.existing_attempts(version)) if self.is_global_zero else None)
+            supersede = set(first) | (io.store.existing_attempts(version, remote=False) if not self.is_global_zero else set())
             step = checkpoint.get("global_step")
             io.store.save_sharded(
                 sharded, checkpoint if self.is_global_zero else None, path,
-                step=step if isinstance(step, int) else None, supersede={a for s in every for a in s},
+                step=step if isinstance(step, int) else None, supersede=supersede,
                 world_size=self.world_size, write_pointer_here=self.local_rank == 0,
                 user_metadata=_user_metadata(checkpoint, path))
 
