@@ -135,6 +135,13 @@ def test_last_loads_the_newest_committed_version_and_removal_goes_through_gc(tmp
     assert "epoch=0-step=6" not in _names(root) and not os.path.exists(os.path.join(root, "epoch=0-step=6.ckpt"))
 
 
+def test_retention_prunes_versions_and_their_pointer_files(tmp_path):
+    root = str(tmp_path / "ckpt")
+    _single(root, 10, retention=2)  # KeepLast(2) after each commit, besides ModelCheckpoint's top-2
+    assert _names(root) == ["epoch=0-step=9", "last"]
+    assert sorted(f for f in os.listdir(root) if f.endswith(".ckpt")) == ["epoch=0-step=9.ckpt", "last.ckpt"]
+
+
 def test_loading_a_missing_version_says_so(tmp_path):
     io = StoreCheckpointIO(str(tmp_path / "ckpt"))
     with pytest.raises(ckptstore.VersionNotFoundError):

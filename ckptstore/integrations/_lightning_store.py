@@ -178,9 +178,9 @@ def write_pointer(path: str | os.PathLike, record: dict) -> None:
         raise
 
 
-def remove_pointer(path: str | os.PathLike) -> None:
-    """Remove a pointer file; one that is gone already is fine. Anything at ``path`` that is not a
-    ckptstore pointer is left alone (a warning)."""
+def remove_pointer(path: str | os.PathLike, *, version: str | None = None) -> None:
+    """Remove a pointer file (with ``version``: only one that points to that version); one that is
+    gone already is fine. Anything at ``path`` that is not a ckptstore pointer is left alone (a warning)."""
     p = os.fspath(path)
     try:
         with open(p, "rb") as f:
@@ -190,8 +190,14 @@ def remove_pointer(path: str | os.PathLike) -> None:
     except IsADirectoryError:
         log.warning("ckptstore: %s is a directory, not a ckptstore pointer; left alone", p)
         return
-    if POINTER_FORMAT.encode() not in head:
+    try:
+        rec = json.loads(head)
+    except ValueError:
+        rec = None
+    if not isinstance(rec, dict) or rec.get("format") != POINTER_FORMAT:
         log.warning("ckptstore: %s is not a ckptstore pointer file; left alone", p)
+        return
+    if version is not None and rec.get("version") != version:
         return
     try:
         os.unlink(p)
@@ -272,9 +278,17 @@ class LightningStore:
         finally:
             store.close()
 
-    def _pointer(self, path, version: str, manifest, step: int | None) -> None:
+    def _pointer(self, path, version: str, writer, step: int | None) -> None:
+        """The pointer file of the version just committed; and, for every version that ``retention``
+        deleted from the local tier after this commit, its pointer beside this one (``DIR/<version><ext>``),
+        when it is a pointer to that version."""
         write_pointer(path, {"version": version, "root": self.root, "remote": self.remote,
-                             "attempt": getattr(manifest, "attempt", None), "step": step})
+                             "attempt": getattr(writer.last_manifest, "attempt", None), "step": step})
+        d, ext = os.path.dirname(os.fspath(path)), os.path.splitext(os.fspath(path))[1]
+        for run in writer.pruned():
+            if run.get("tier") == "local":
+                for v in run.get("deleted", ()):
+                    remove_pointer(os.path.join(d, v + ext), version=v)
 
     # -- save -------------------------------------------------------------------------------------
     def save_full(self, checkpoint: dict, path, *, step: int | None, user_metadata: dict | None = None) -> str:
@@ -290,7 +304,7 @@ class LightningStore:
                        supersede={a: "saved again (Lightning replaces the checkpoint at its path)"
                                   for a in self.existing_attempts(version)})
         dcp.save({**tensors, SKELETON: skeleton}, checkpoint_id=version, storage_writer=w, no_dist=True)
-        self._pointer(path, version, w.last_manifest, step)
+        self._pointer(path, version, w, step)
         return version
 
     def save_sharded(self, sharded: dict, rest: dict | None, path, *, step: int | None, supersede: set[str],
@@ -316,7 +330,7 @@ class LightningStore:
                        supersede={a: "saved again (Lightning replaces the checkpoint at its path)" for a in supersede})
         dcp.save(state, checkpoint_id=version, storage_writer=w)
         if write_pointer_here:
-            self._pointer(path, version, w.last_manifest, step)
+            self._pointer(path, version, w, step)
         return version
 
     # -- load -------------------------------------------------------------------------------------
