@@ -142,6 +142,18 @@ def test_retention_prunes_versions_and_their_pointer_files(tmp_path):
     assert sorted(f for f in os.listdir(root) if f.endswith(".ckpt")) == ["epoch=0-step=9.ckpt", "last.ckpt"]
 
 
+def test_async_checkpoint_io_is_refused(tmp_path):
+    # AsyncCheckpointIO saves on a worker thread while ModelCheckpoint removes on the training thread: a
+    # removal overtook the save it removes (epoch=0-step=3 stayed) before StoreCheckpointIO refused it
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO
+
+    io = AsyncCheckpointIO(StoreCheckpointIO(str(tmp_path / "ckpt")))
+    with pytest.raises(ckptstore.CkptStoreError, match="AsyncCheckpointIO"):  # raised by the next call or teardown
+        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, str(tmp_path / "ckpt" / "a.ckpt"))
+        io.teardown()
+    assert _names(str(tmp_path / "ckpt")) == []
+
+
 def test_loading_a_missing_version_says_so(tmp_path):
     io = StoreCheckpointIO(str(tmp_path / "ckpt"))
     with pytest.raises(ckptstore.VersionNotFoundError):

@@ -5,9 +5,9 @@ of the following needs this module changed (and a new entry in :data:`TESTED_VER
 
 * ``lightning_fabric.plugins.CheckpointIO`` (``save_checkpoint(checkpoint, path, storage_options)``,
   ``load_checkpoint(path, map_location, weights_only)``, ``remove_checkpoint(path)``, ``teardown()``)
-  and that ``Strategy.save_checkpoint``/``remove_checkpoint`` call it on global rank 0 only while
-  ``Strategy.load_checkpoint`` calls it on every rank; ``_WrappingCheckpointIO.checkpoint_io``
-  (``AsyncCheckpointIO`` wraps ours);
+  and that ``Strategy.save_checkpoint``/``remove_checkpoint`` call it on global rank 0 only, on the
+  training thread (``AsyncCheckpointIO``, which saves on a worker thread, is refused), while
+  ``Strategy.load_checkpoint`` calls it on every rank; ``_WrappingCheckpointIO.checkpoint_io``;
 * the checkpoint dict's ``global_step`` and ``epoch`` (the manifest's step, user metadata);
 * ``ModelCheckpoint.CHECKPOINT_NAME_LAST`` (``last``), its version counter's suffix ``-v<N>``, and
   ``_find_last_checkpoints``, which takes a file of the checkpoint directory whose stem starts with
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -94,6 +95,14 @@ class StoreCheckpointIO(_CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported; "
                             "pass the store's options to the constructor")
+        if threading.current_thread() is not threading.main_thread():
+            # AsyncCheckpointIO: saves queue on its worker thread while ModelCheckpoint removes versions on
+            # the training thread, so a removal can reach the store before the save it removes (measured:
+            # the removed epoch=0-step=3 committed afterwards and stayed)
+            raise CkptStoreError(
+                f"{type(self).__name__} saves on the training thread only (called on thread "
+                f"{threading.current_thread().name!r}): Lightning's AsyncCheckpointIO would let ModelCheckpoint's "
+                "removals overtake the queued saves they remove. Pass StoreCheckpointIO itself in plugins=[...]")
         step = checkpoint.get("global_step")
         self.store.save_full(checkpoint, path, step=step if isinstance(step, int) else None,
                              user_metadata=_user_metadata(checkpoint, path))
