@@ -42,10 +42,12 @@ class PlanData:
 
 @dataclasses.dataclass(frozen=True)
 class RootReport:
-    """Rank → coordinator: the ranks that write to the same root as ``rank`` (its root group)."""
+    """Rank → coordinator: the ranks that write to the same root as ``rank`` (its root group), and
+    the rank's failure domain (docs/FORMAT.md, "Replicas")."""
 
     rank: int
     group: tuple
+    domain: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
