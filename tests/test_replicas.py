@@ -103,6 +103,11 @@ def test_replica_domain_is_checked_before_anything_is_saved(tmp_path, monkeypatc
     import socket
 
     assert ckptstore.StorageWriter(tmp_path).replica_domain == socket.gethostname()
+    m = ckptstore.CheckpointManager(tmp_path / "m", {}, replica_domain="rack3", save_on_signal=None, event_log=False)
+    try:
+        assert m._writer.replica_domain == "rack3"  # a writer option of the manager
+    finally:
+        m.close()
     assert _domains(["a", "b"], [[0], [1]]) == ["a", "b"]
     for bad, placement in ((["a"], [[0], [1]]), ([1, 2], [[0], [1]]), (["a"], None)):
         with pytest.raises(ManifestError, match="domains"):
