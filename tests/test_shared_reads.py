@@ -142,6 +142,26 @@ def test_a_resharded_load_reads_each_stored_frame_once():
     assert sorted(shared) == sorted([(obj(0), 1000), (obj(1), 1000)])  # only the middle frames are shared
 
 
+def test_a_root_the_ranks_share_is_read_once_when_the_view_knows_it():
+    """Ranks 0-3 share one root (``View.root_id``), 4-5 another: what several ranks of one shared root
+    need is read there by one of them and relayed; without root ids every rank reads its own root."""
+    world = 6
+    held = {i: {obj(0), obj(1)} for i in range(world)}
+    rep = frames(2)
+    v = view(world, held)
+    xps = _peers.plan(v, plans(world, lambda i: [(obj(0), rep)]), lambda ri: ri)
+    assert xps == [None] * world  # unknown: every rank reads its own root
+    v.root_id = lambda i: "shared-a" if i < 4 else "shared-b"
+    xps = _peers.plan(v, plans(world, lambda i: [(obj(0), rep)]), lambda ri: ri)
+    readers = [i for i, x in enumerate(xps) if x and x.read]
+    assert len(readers) == 2 and readers[0] < 4 <= readers[1]  # one per shared root
+    assert all(x.chunks[0].origin == r for r in readers for x in [xps[r]])  # read from the reader's root
+    have = simulate(xps, world)
+    assert all({(obj(0), f.offset) for f in rep} <= have[i] for i in range(world))
+    for i, x in enumerate(xps):  # relayed within each root's ranks only
+        assert all((peer < 4) == (i < 4) for _r, peer, _s, _k in x.steps)
+
+
 def test_plan_per_rank_does_not_grow_with_ranks():
     """What each rank is sent (its chunks and messages) stays the same from 16 to 1,024 ranks."""
     sizes = {}

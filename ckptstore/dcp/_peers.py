@@ -5,11 +5,12 @@ decodes them, like any read (:class:`PeerTier` serves the received bytes to the 
 
 **Plan** (:func:`plan`; the coordinator, in ``prepare_global_plan``, which sees every rank's load
 plan). For each frame a read item needs from somewhere other than the rank's own root — another
-rank's root (``View.source``: a peer), or the remote tier — the ranks that need it from that place form
-its *audience*. Frames with the same place and audience travel together, in chunks of at most
+rank's root (``View.source``: a peer), or the remote tier — or from a root it shares with other
+ranks of the load (when the view knows which ranks share a root: ``View.root_id(i)``, an identity of
+rank i's root, None when unknown), the ranks that need it from that place form its *audience*. Frames with the same place and audience travel together, in chunks of at most
 :data:`CHUNK_BYTES` stored bytes. A chunk has one *reader*: the rank whose root serves it, or, from
-the remote tier, the member of its audience with the fewest bytes to read so far (how DCP's
-``CooperativeLoadPlanner`` picks its leaders), so that remote reads spread over the job. A chunk that
+the remote tier or a shared root, the member of its audience with the fewest bytes to read so far
+(how DCP's ``CooperativeLoadPlanner`` picks its leaders), so that those reads spread over the job. A chunk that
 one rank alone needs from the remote tier is not exchanged: that rank reads it, as it always did.
 The reader and the audience (in rank order, starting after the reader) form a binary tree: a chunk
 goes down one level per *round*, every rank forwarding it to at most two others. Each rank's plan
@@ -86,16 +87,21 @@ def plan(view, plans: list, needed_frames, *, make_group: bool = False, share_re
     # object read from elsewhere: an object only its own rank reads from the remote tier costs no more)
     users: dict = {}  # (place, object) -> [group ranks, ascending]
     wants: list = []  # per rank: [(place, object, frames)] read from elsewhere than its own root
+    root_id = getattr(view, "root_id", None)  # shared roots, when the load knows them
     for i, p in enumerate(plans):
         place_of: dict = {}
         mine: list = []
+        rid = root_id(i) if root_id is not None else None
         for ri in p.items:
             obj, frames = needed_frames(ri)
             if not frames:
                 continue
             place = place_of.get(obj)
             if place is None:
-                place = place_of[obj] = view.source(i, obj)
+                place = view.source(i, obj)
+                if place == "local" and rid is not None:
+                    place = ("root", rid)  # a root other ranks share: read once for all of them
+                place_of[obj] = place
             if place == "local" or (place == "remote" and not share_remote):
                 continue
             mine.append((place, obj, frames))
@@ -107,8 +113,8 @@ def plan(view, plans: list, needed_frames, *, make_group: bool = False, share_re
     need: dict = {}  # (place, object, offset) -> (FrameRef, [group ranks, ascending])
     for i, mine in enumerate(wants):
         for place, obj, frames in mine:
-            if place == "remote" and len(users[(place, obj)]) == 1:
-                continue
+            if not isinstance(place, int) and len(users[(place, obj)]) == 1:
+                continue  # one rank reads it (the remote tier, its shared root) for itself
             for f in frames:
                 k = (place, obj, f.offset)
                 e = need.get(k)
@@ -119,8 +125,8 @@ def plan(view, plans: list, needed_frames, *, make_group: bool = False, share_re
     del wants, users
     shared: dict = {}  # (place, audience) -> [(object, FrameRef)]
     for (place, obj, _off), (f, ranks) in need.items():
-        if place == "remote" and len(ranks) == 1:
-            continue  # one rank reads it from the remote tier, as without an exchange
+        if not isinstance(place, int) and len(ranks) == 1:
+            continue  # one rank reads it from the remote tier (or its shared root), as without an exchange
         shared.setdefault((place, tuple(ranks)), []).append((obj, f))
     if not shared:
         return [None] * len(plans)
@@ -131,12 +137,12 @@ def plan(view, plans: list, needed_frames, *, make_group: bool = False, share_re
         frames.sort(key=lambda x: (x[0], x[1].offset))
         for part in _split(frames, chunk_bytes):
             nbytes = sum(f.length for _o, f in part)
-            if place == "remote":
+            if not isinstance(place, int):  # the remote tier, or a root the audience shares
                 reader = min(audience, key=lambda i: (assigned[i], i))
                 assigned[reader] += nbytes
                 at = audience.index(reader)
                 order = (reader, *audience[at + 1:], *audience[:at])
-                chunk = Chunk(None, tuple(part))
+                chunk = Chunk(None if place == "remote" else view.global_rank(reader), tuple(part))
             else:
                 order = (place, *audience)  # a peer's root: its rank reads (it is not in the audience)
                 chunk = Chunk(view.global_rank(place), tuple(part))
