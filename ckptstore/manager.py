@@ -89,6 +89,10 @@ class CheckpointManager:
         replicas (a writer option): replication factor F — every node's objects are also copied to
             the roots of F other nodes (docs/FORMAT.md, "Replicas"); after a restore, a replaced node
             gets its part back from the replicas in the background. THREAD executor only.
+        replica_domain (a writer option): this rank's failure domain (a rack, a switch), default the
+            environment variable ``CKPTSTORE_REPLICA_DOMAIN``, else the host name: a node's replicas
+            never go to a node of its own domain while another domain exists (docs/FORMAT.md,
+            "Replicas"; :class:`ckptstore.StorageWriter`).
         executor: ``"thread"`` (default) or ``"process"`` (``AsyncCheckpointerType`` accepted).
         max_pending: staged saves that may wait behind the running one (THREAD; default 1).
         on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed,

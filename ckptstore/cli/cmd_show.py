@@ -171,7 +171,8 @@ def _tier_line(d: dict) -> str:
     parts = [f"attempt {d['attempt']}" + ("" if d["current"] else " (older copy)")]
     if d.get("part"):
         p = d["part"]
-        parts.append(f"part {p['index']}/{p['count']} (ranks {', '.join(map(str, p['ranks']))}; the other parts live on other roots)")
+        dom = f", failure domain {p['domain']}" if p.get("domain") else ""
+        parts.append(f"part {p['index']}/{p['count']} (ranks {', '.join(map(str, p['ranks']))}{dom}; the other parts live on other roots)")
     if d["pinned"]:
         parts.append("pinned" + (f" ({d['pin_note']})" if d["pin_note"] else ""))
     if d["damaged"]:

@@ -21,6 +21,7 @@ from ..codec.crypto import FrameCipher
 from ..errors import FencedError, StateDictKeysError
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
+from ..manifest.placement import group_domains
 from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, utcnow
 from . import _roots
 from ._checks import check_metadata_loads, value_digest
@@ -87,10 +88,12 @@ class Committer(OwnLock):
         upload_failures = [x for x in extras if isinstance(x, UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
         split = _roots.placement([r.group for r in roots])
+        # the failure domain of each root group: its leader's (docs/FORMAT.md, "Replicas")
+        doms = group_domains(split, {r.rank: r.domain for r in roots}) if split else None
         try:
             self.guard.check_world(len(results), f"the commit of {s.version!r}")
             _check_same_values(digests)
-            m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split)
+            m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split, domains=doms)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
             self.check_owner(s.version)
             commit_manifest(
@@ -128,7 +131,7 @@ class Committer(OwnLock):
                               "ckptstore gc; the owner of the step commits it")
 
     def seal(self, s, metadata: Metadata, tables: list, reports: list, world_size: int,
-             placement: list | None = None) -> tuple[Manifest, bytes]:
+             placement: list | None = None, domains: list | None = None) -> tuple[Manifest, bytes]:
         """Phase 2 up to the commit: write the DCP metadata object (``metadata`` with the ranks' item
         ``tables``), build and seal the manifest."""
         cfg = self.cfg
@@ -163,6 +166,7 @@ class Committer(OwnLock):
             codecs=[c for c in codecs if c],
             writer=self.software,
             placement=placement,
+            domains=domains if domains and all(domains) else None,
             seq=s.seq,
             replicas=cfg.replicas or None,
             refs=sorted({ref.name: ref for r in reports for ref in r.refs}.values(), key=lambda r: r.name),

@@ -60,7 +60,7 @@ from ..tiers import LocalTier, make_remote
 from . import _roots
 from ._checks import quiet_single_process, reject_unknown_kwargs
 from ._commit import Committer, divergence_checked, value_digests
-from ._config import Setting, WriterConfig, check_options, multi_rank
+from ._config import Setting, WriterConfig, check_options, multi_rank, resolve_domain
 from ._frames import DEFAULT_FRAME_SIZE, ShardWriter, tensor_bytes  # noqa: F401  (tensor_bytes: public here)
 from ._incremental import Incremental
 from ._keys import DataKeys
@@ -114,6 +114,12 @@ class StorageWriter(_DCPStorageWriter):
             docs/FORMAT.md, "Replicas") over a gloo group the writer makes at construction — so
             construct the writer on every rank, after ``init_process_group``. Not with the PROCESS
             executor (its subprocess has no group with the other ranks' trainers).
+        replica_domain: this rank's failure domain (a rack, a switch, a power feed: any string of at
+            most 256 characters without control characters) — default the environment variable
+            ``CKPTSTORE_REPLICA_DOMAIN``, else the host name. A root group's domain is its lowest
+            rank's; the manifest records each group's (``domains``). With ``replicas``, a group's
+            copies never go to a root of its own domain while another domain exists, and spread over
+            the other domains (docs/FORMAT.md, "Replicas"). Give every rank of a rack the same string.
         incremental: reference, instead of writing again, every write item whose bytes (XXH3-128 of
             the raw bytes) equal those of the same item in the newest version this writer committed
             (or, through ``CheckpointManager``, restored): the new manifest names the earlier object
@@ -189,6 +195,7 @@ class StorageWriter(_DCPStorageWriter):
     retention = Setting()
     world_size = Setting()
     replicas = Setting()
+    replica_domain = Setting()
     incremental = Setting()
     count_nonfinite = Setting()
     commit_check = Setting()
@@ -218,6 +225,7 @@ class StorageWriter(_DCPStorageWriter):
         incremental: bool = False,
         count_nonfinite: bool = True,
         commit_check: Any = None,
+        replica_domain: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -230,7 +238,8 @@ class StorageWriter(_DCPStorageWriter):
             step=step, user_metadata=dict(user_metadata or {}), threads=threads or env_threads(), frame_size=frame_size,
             compression=compression, level=level, durability=durability, allow_divergent_replicas=allow_divergent_replicas,
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
-            incremental=bool(incremental), count_nonfinite=bool(count_nonfinite), commit_check=commit_check)
+            incremental=bool(incremental), count_nonfinite=bool(count_nonfinite), commit_check=commit_check,
+            replica_domain=resolve_domain(replica_domain))
         self._keys = DataKeys(resolve_key(key))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
@@ -452,7 +461,7 @@ class StorageWriter(_DCPStorageWriter):
             # every rank joins the version's replica exchange, also when its write failed (docs/FORMAT.md, "Replicas")
             replicated = self._replicas.save(s.version, pd, rep)
         self._replicas.settle(s.version, replicated)
-        results.append(root_result(pd.rank, group))
+        results.append(root_result(pd.rank, group, self.replica_domain))
         if pd.probes and group[0] == pd.rank and pd.coordinator not in group:
             # this rank leads a root without the commit point: copy the manifest in once committed
             # its retention runs once the copy is in (the same rules as after the commit)

@@ -192,6 +192,9 @@ class Manifest:
     #: replication factor F (docs/FORMAT.md, "Replicas"): each root group's objects are copied to the
     #: roots of F other groups; None/0: no replicas
     replicas: int | None = None
+    #: the failure domain of each root group of ``placement`` (same order; docs/FORMAT.md, "Replicas"):
+    #: replicas never land in their source's domain while another exists. None: not recorded
+    domains: list | None = None
     #: objects of earlier versions whose frames items of this version reference (docs/FORMAT.md,
     #: "References"); a manifest with any is format ``ckptstore/2``
     refs: list = dataclasses.field(default_factory=list)
@@ -246,6 +249,7 @@ class Manifest:
             **({} if self.seq is None else {"seq": self.seq}),
             **({} if not self.supersedes else {"supersedes": self.supersedes}),
             **({} if not self.replicas else {"replicas": self.replicas}),
+            **({} if self.domains is None else {"domains": self.domains}),
             **({} if not self.refs else {"refs": [r.to_json() for r in self.refs]}),
             **({} if self.nonfinite is None else {"nonfinite": self.nonfinite}),
         }
@@ -366,6 +370,7 @@ def _manifest_from_body(d: dict) -> Manifest:
             seq=None if d.get("seq") is None else _int(d["seq"], "seq"),
             supersedes=_supersedes(d.get("supersedes")),
             replicas=None if d.get("replicas") is None else _int(d["replicas"], "replicas"),
+            domains=_domains(d.get("domains"), d.get("placement")),
             refs=_refs(d.get("refs"), d.get("format")),
             nonfinite=_nonfinite(d.get("nonfinite")),
             format=d["format"],
@@ -405,6 +410,31 @@ def _placement(v: Any) -> list | None:
     if len(seen) != len(set(seen)):
         raise ManifestError("manifest 'placement' names a rank in two root groups")
     return v
+
+
+#: the longest failure domain name a manifest holds (docs/FORMAT.md, "Replicas")
+MAX_DOMAIN = 256
+
+
+def check_domain(v: Any) -> str:
+    """A failure domain name as a manifest may hold it: a non-empty string of at most
+    :data:`MAX_DOMAIN` characters without control characters; ``ValueError`` otherwise. The writer
+    checks its ``replica_domain`` with this, so it never commits what a reader refuses."""
+    if not isinstance(v, str) or not v or len(v) > MAX_DOMAIN or any(ord(c) < 32 or ord(c) == 127 for c in v):
+        raise ValueError(f"a replica domain must be a non-empty string of at most {MAX_DOMAIN} characters without "
+                         f"control characters, got {v!r}")
+    return v
+
+
+def _domains(v: Any, placement: Any) -> list | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not isinstance(placement, list) or len(v) != len(placement):
+        raise ManifestError("manifest 'domains' must be a list with one failure domain per root group of 'placement'")
+    try:
+        return [check_domain(x) for x in v]
+    except ValueError as e:
+        raise ManifestError(f"manifest 'domains': {e}") from None
 
 
 def _refs(v: Any, fmt: Any) -> list:
