@@ -11,6 +11,8 @@ from .errors import (  # noqa: E402
     InvalidNameError,
     JobBrokenError,
     KeyMismatchError,
+    KeyServiceError,
+    KeyServiceUnavailableError,
     ManifestError,
     Preempted,
     StateDictKeysError,
@@ -21,6 +23,7 @@ from .errors import (  # noqa: E402
     VersionExistsError,
     VersionNotFoundError,
 )
+from .kms import KmsKey  # noqa: E402
 from .manifest.catalogue import VersionRecord  # noqa: E402
 from .store import Store  # noqa: E402
 
@@ -47,6 +50,7 @@ __all__ = [
     "StorageWriter",
     "StorageReader",
     "Store",
+    "KmsKey",
     "VersionRecord",
     "CkptStoreError",
     "IntegrityError",
@@ -55,6 +59,8 @@ __all__ = [
     "VersionExistsError",
     "DamagedVersionError",
     "KeyMismatchError",
+    "KeyServiceError",
+    "KeyServiceUnavailableError",
     "InvalidNameError",
     "StateDictKeysError",
     "DtypeMismatchError",
