@@ -48,3 +48,27 @@ def load(rank, world, root, key_id, version):
     sd = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in _state(rank, 0).items()}
     dcp.load(sd, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root, key=key))
     return dict(key.calls), digest(sd)
+
+
+def process_save(rank, world, root, key_id):
+    """``dcp.async_save`` under ``AsyncCheckpointerType.PROCESS``: the writer (and its ``KmsKey``) is
+    pickled into DCP's checkpoint subprocess, which asks KMS itself; then a load here. Returns
+    (saved digest, loaded digest, the manifest's ``encryption.alg``, this process's KMS requests
+    for the save)."""
+    import json
+    import os
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    import ckptstore
+
+    key = ckptstore.KmsKey(key_id)
+    w = ckptstore.StorageWriter(root, key=key)
+    sd = _state(rank, 1)
+    dcp.async_save(sd, checkpoint_id="v1", storage_writer=w, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    w.close()
+    save_calls = dict(key.calls)
+    with open(os.path.join(root, "versions", "v1", "manifest.json"), "rb") as f:
+        alg = json.loads(f.read().split(b"\n")[1])["encryption"]["alg"]
+    _calls, got = load(rank, world, root, key_id, "v1")
+    return digest(sd), got, alg, save_calls

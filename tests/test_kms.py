@@ -327,6 +327,17 @@ def test_two_ranks_incremental_save_and_load_ask_kms_once_per_rank_and_version(k
     assert r.exit_code == 0, r.output
 
 
+@pytest.mark.slow  # ≈ 30 s: DCP's checkpoint subprocess starts a fresh interpreter
+def test_a_process_executor_save_takes_the_kms_key_into_its_subprocess(kms, tmp_path):
+    import kms_ranks
+
+    _arn, alias = new_key(kms)
+    root = str(tmp_path / "s")
+    saved, loaded, alg, calls = run_ranks(kms_ranks.process_save, 1, root, alias, timeout=300, **FAST)[0]
+    # the trainer's KmsKey made no request: DCP's checkpoint subprocess drew the data key with its copy
+    assert saved == loaded and alg == "AES-256-GCM/KMS" and calls == {}
+
+
 # -- rekey between raw keys and KMS keys ------------------------------------------------------------------------
 
 

@@ -456,7 +456,8 @@ def _kms(v: Any, where: str) -> str | None:
         return None
     arn = v.get("key_arn") if isinstance(v, dict) else None
     parts = arn.split(":") if isinstance(arn, str) else []
-    if (not isinstance(v, dict) or set(v) != {"key_arn"} or len(arn) > 2048 or len(parts) < 6 or parts[0] != "arn"
+    if (not isinstance(v, dict) or set(v) != {"key_arn"} or not isinstance(arn, str) or len(arn) > 2048
+            or len(parts) < 6 or parts[0] != "arn"
             or parts[2] != "kms" or not parts[5].startswith("key/") or len(parts[5]) < 5
             or any(c.isspace() or ord(c) < 32 for c in arn)):
         raise ManifestError(f"manifest {where}.kms must be {{\"key_arn\": <an AWS KMS key ARN>}}")
