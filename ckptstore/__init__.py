@@ -12,6 +12,8 @@ from .errors import (  # noqa: E402
     FencedError,
     JobBrokenError,
     KeyMismatchError,
+    KeyServiceError,
+    KeyServiceUnavailableError,
     ManifestError,
     Preempted,
     StateDictKeysError,
@@ -22,6 +24,7 @@ from .errors import (  # noqa: E402
     VersionExistsError,
     VersionNotFoundError,
 )
+from .kms import KmsKey  # noqa: E402
 from .manifest.catalogue import VersionRecord  # noqa: E402
 from .store import Store  # noqa: E402
 
@@ -48,6 +51,7 @@ __all__ = [
     "StorageWriter",
     "StorageReader",
     "Store",
+    "KmsKey",
     "VersionRecord",
     "CkptStoreError",
     "IntegrityError",
@@ -56,6 +60,8 @@ __all__ = [
     "VersionExistsError",
     "DamagedVersionError",
     "KeyMismatchError",
+    "KeyServiceError",
+    "KeyServiceUnavailableError",
     "InvalidNameError",
     "StateDictKeysError",
     "DtypeMismatchError",

@@ -135,10 +135,10 @@ class Committer(OwnLock):
         """Phase 2 up to the commit: write the DCP metadata object (``metadata`` with the ranks' item
         ``tables``), build and seal the manifest."""
         cfg = self.cfg
-        wrapped, kid = s.wrapped
+        w = s.wrapped
         data_key = cipher = None
-        if wrapped is not None:
-            data_key = self.keys.unwrap(wrapped, s.version, s.attempt, kid)
+        if w is not None:
+            data_key = self.keys.unwrap(w, s.version, s.attempt)
             cipher = FrameCipher(data_key)
         codec = FrameCodec(s.version, s.attempt, cipher, compress=cfg.compression, level=cfg.level)
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
@@ -162,7 +162,7 @@ class Committer(OwnLock):
             stored_bytes=sum(o.size for o in objects) + meta_entry.size,
             step=s.step,
             user=s.user_metadata,
-            encryption=None if wrapped is None else {"alg": "AES-256-GCM", "key_id": kid, "wrapped_key": wrapped},
+            encryption=None if w is None else w.encryption(),
             codecs=[c for c in codecs if c],
             writer=self.software,
             placement=placement,

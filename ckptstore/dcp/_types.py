@@ -38,6 +38,8 @@ class PlanData:
     #: versions committed locally but not remotely that every rank uploads its part of again in this
     #: save (a crash or an outage cut their remote commit off; docs/FORMAT.md, Save rule 8)
     restage: tuple = ()
+    #: the AWS KMS key that wrapped ``wrapped_key`` (its ``CiphertextBlob``), None: a raw master key
+    kms_key_arn: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

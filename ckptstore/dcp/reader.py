@@ -47,9 +47,9 @@ from torch.futures import Future
 from .. import _groups
 from .._names import check_version
 from ..codec import FrameCodec
-from ..codec.crypto import resolve_key
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError, IntegrityError, StateDictKeysError, TransientStorageError
+from ..keys import resolve_master
 from ..manifest import layout
 from ..manifest.schema import Manifest, ObjectEntry
 from ..manifest.schema import parse as parse_manifest
@@ -118,6 +118,9 @@ class StorageReader(_DCPStorageReader):
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionNotFoundError`,
     :class:`IntegrityError` / :class:`ManifestError`, :class:`KeyMismatchError`,
+    :class:`KeyServiceError` / :class:`KeyServiceUnavailableError` (``key=`` an AWS KMS key —
+    :class:`ckptstore.KmsKey`, ``"kms://…"``, ``CKPTSTORE_KMS_KEY_ID`` — that KMS refused or did not
+    answer: nothing is returned, nothing marked),
     :class:`DtypeMismatchError`, :class:`StateDictKeysError`, :class:`DamagedVersionError`,
     :class:`UnsupportedStateError` (a tensor subclass that cannot take the stored values, raised before
     anything is written into any destination when its ``copy_`` cannot take a plain tensor at all).
@@ -159,7 +162,7 @@ class StorageReader(_DCPStorageReader):
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
-        self._keys = DataKeys(resolve_key(key))
+        self._keys = DataKeys(resolve_master(key))
         self.version = check_version(version) if version is not None else None
         self.allow_cast = allow_cast
         self.allow_partial_load = allow_partial_load
@@ -202,8 +205,9 @@ class StorageReader(_DCPStorageReader):
         self._drop_group()
 
     @property
-    def _master(self) -> bytes | None:
-        return self._keys.master
+    def _master(self):
+        """The master key as ``key=`` takes it (32 bytes, or the ``KmsKey``), or None."""
+        return self._keys.given
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

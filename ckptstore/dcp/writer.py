@@ -11,7 +11,8 @@ Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.Stor
    version name and fails fast with :class:`VersionExistsError` unless ``overwrite=True``.
 2. (all ranks) ``prepare_local_plan`` — records the rank in ``plan.storage_data``.
 3. (coordinator) ``prepare_global_plan`` — draws the attempt id and (with a key) a fresh data key,
-   wrapped by the master key; returns one plan per rank, in order, via ``dataclasses.replace``.
+   wrapped by the master key (with AWS KMS: ``GenerateDataKey``); returns one plan per rank, in
+   order, via ``dataclasses.replace``.
 4. (all ranks) ``write_data`` — **phase 1**: encodes frames in a thread pool (byte-group/zstd,
    AES-GCM, XXH3), appends them to the rank's object ``attempts/<attempt>/rNNNNN.ckd`` and fsyncs
    it and its directory; returns ``WriteResult``s carrying frame locations and the object's size
@@ -52,9 +53,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._names import check_version
-from ..codec.crypto import resolve_key
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError
+from ..keys import resolve_master
 from ..manifest.schema import Manifest, utcnow
 from ..tiers import LocalTier, make_remote
 from . import _roots
@@ -81,8 +82,11 @@ class StorageWriter(_DCPStorageWriter):
     Args:
         root: local directory (the fast NVMe tier). Created if missing.
         remote: ``"s3://bucket/prefix"`` to also stage every version to S3, or None.
-        key: master key, 32 bytes or a key provider (``get_key() -> bytes``); default
-            ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE``. With a key everything is encrypted.
+        key: master key, 32 bytes or a key provider (``get_key() -> bytes``), or an AWS KMS key
+            (:class:`ckptstore.KmsKey`, ``"kms://<key id>"``; README "Keys"); default
+            ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE`` / ``CKPTSTORE_KMS_KEY_ID``. With a key
+            everything is encrypted; with KMS a save that cannot get its data key raises
+            :class:`KeyServiceError` before anything is written.
         version: version name when ``dcp.save`` is called without ``checkpoint_id``.
         overwrite: replace an existing version atomically instead of raising
             :class:`VersionExistsError`.
@@ -240,7 +244,7 @@ class StorageWriter(_DCPStorageWriter):
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
             incremental=bool(incremental), count_nonfinite=bool(count_nonfinite), commit_check=commit_check,
             replica_domain=resolve_domain(replica_domain))
-        self._keys = DataKeys(resolve_key(key))
+        self._keys = DataKeys(resolve_master(key))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
         self._default_version = check_version(version) if version is not None else None
@@ -301,8 +305,9 @@ class StorageWriter(_DCPStorageWriter):
 
     # The attributes below are the stages' (tests, benchmarks and CheckpointManager read them).
     @property
-    def _master(self) -> bytes | None:
-        return self._keys.master
+    def _master(self):
+        """The master key as ``key=`` takes it (32 bytes, or the ``KmsKey``), or None."""
+        return self._keys.given
 
     @property
     def _uploader(self):
@@ -451,8 +456,11 @@ class StorageWriter(_DCPStorageWriter):
         rep = None
         try:
             if plan.items:
+                # the data key first (with KMS a request): a rank that cannot get it writes and uploads
+                # nothing (docs/FORMAT.md, Save rule 10)
+                codec = self._shards.codec(s.version, s.rank, pd)
                 stream = self._up.open_stream(s.version, self._shards.name(pd))
-                results, rep = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream)
+                results, rep = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream, codec)
                 failed = self._up.upload_object(s.version, rep)
                 if failed is not None:
                     results.append(upload_failure_result(failed))
