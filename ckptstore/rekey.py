@@ -113,7 +113,7 @@ class RekeyReport:
     @property
     def exit_code(self) -> int:
         """0 all done; 4 a damaged wrapped key or manifest (or an invalid manifest); 5 a version
-        wrapped by another key; 13 the key service refused or did not answer; 7 a storage error;
+        wrapped by another key; 14 the key service refused or did not answer; 7 a storage error;
         1 a version changed meanwhile."""
         st = {e.status for e in self.entries}
         if DAMAGED_KEY in st or DAMAGED_MANIFEST in st or self.problems:

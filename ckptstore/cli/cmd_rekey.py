@@ -1,7 +1,7 @@
 """``ckptstore rekey``: rotate the master key of a store — raw key or AWS KMS key, either way.
 
 Exits with :attr:`ckptstore.rekey.RekeyReport.exit_code` (0 done; 4 a damaged wrapped key or
-manifest; 5 a version wrapped by another key; 13 the AWS KMS key refused or did not answer;
+manifest; 5 a version wrapped by another key; 14 the AWS KMS key refused or did not answer;
 7 storage error; 1 a version changed meanwhile — run again; 2 usage).
 """
 
