@@ -8,7 +8,9 @@
   flight (torch's checkpoint subprocess is shared and can hang with two): ``save()`` first waits
   for the previous save.
 - **Errors are never lost.** A save that fails raises from the next ``save()``, ``wait()`` or
-  ``close()``; ``close()`` also raises ``UploadError`` for versions not uploaded. A save that fails
+  ``close()`` — the ckptstore error type a rank raised (``StorageFullError``, ``VersionExistsError``,
+  ``KeyServiceError``, ...), naming the step and version; ``close()`` also raises ``UploadError`` for
+  versions not uploaded. A save that fails
   in a collective breaks the job (:mod:`.job`): queued saves then fail without running.
 
 The policy when the queue is full is the queue's: ``on_busy="wait"`` (above) or ``"skip"`` — a
