@@ -89,6 +89,10 @@ class CheckpointManager:
         replicas (a writer option): replication factor F — every node's objects are also copied to
             the roots of F other nodes (docs/FORMAT.md, "Replicas"); after a restore, a replaced node
             gets its part back from the replicas in the background. THREAD executor only.
+        replica_domain (a writer option): this rank's failure domain (a rack, a switch), default the
+            environment variable ``CKPTSTORE_REPLICA_DOMAIN``, else the host name: a node's replicas
+            never go to a node of its own domain while another domain exists (docs/FORMAT.md,
+            "Replicas"; :class:`ckptstore.StorageWriter`).
         executor: ``"thread"`` (default) or ``"process"`` (``AsyncCheckpointerType`` accepted).
         max_pending: staged saves that may wait behind the running one (THREAD; default 1).
         on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed,
@@ -133,6 +137,13 @@ class CheckpointManager:
             else rank 0 writes it.
         progress_s: seconds between two ``progress`` lines of a loop that calls :meth:`save` every
             step (a save always writes one); 0: every call. A crash is placed at the last one.
+        on_busy: ``"wait"`` (default): a due save waits while ``max_pending`` saves are queued;
+            ``"skip"``: it is skipped instead (``save()`` returns False, a save line with outcome
+            ``skipped``) — for loops that must never block on a save (under torchft).
+        group_timeout_s: the timeout of the manager's gloo group (its DCP collectives; default
+            torch's 30 minutes).
+        raise_errors: True (default): a failed save raises from the next ``save()``/``wait()``/
+            ``close()``; False: it is only reported (its save line, ``on_save``, the metrics).
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``endpoint_url``, ...); ``world_size`` defaults to the job's.
 
@@ -185,8 +196,13 @@ class CheckpointManager:
         on_event: Callable[[dict], None] | None = None,
         metrics_file: str | os.PathLike | None = None,
         progress_s: float = 5.0,
+        on_busy: str = "wait",
+        raise_errors: bool = True,
+        group_timeout_s: float | None = None,
         **writer_options: Any,
     ) -> None:
+        if on_busy not in ("wait", "skip"):
+            raise ValueError("on_busy must be 'wait' or 'skip'")
         kind = _executor_kind(executor, interval_steps, max_pending, writer_options)
         self._names = registry.names_of(root, prefix, version_format)
         registry.close_previous(self._names)
@@ -205,7 +221,8 @@ class CheckpointManager:
         self.state = state
         self.last_restore: RestoreInfo | None = None
         self._open_rooms(key=key, retention=retention, durability=durability, kind=kind, max_pending=max_pending,
-                         save_rng=save_rng, per_rank_keys=per_rank_keys, writer_options=writer_options)
+                         save_rng=save_rng, per_rank_keys=per_rank_keys, writer_options=writer_options,
+                         on_busy=on_busy, raise_errors=raise_errors, group_timeout_s=group_timeout_s)
         self._events = EventSink(rank=self.rank, world=self._job.world, root=self.root, remote=remote,
                                  writer=self._writer, event_log=event_log, on_event=on_event,
                                  metrics_file=metrics_file, progress_s=progress_s)
@@ -220,7 +237,8 @@ class CheckpointManager:
                           save_on_signal=[_signal.Signals(x).name for x in self._preempt.signals], grace_s=grace_s)
 
     def _open_rooms(self, *, key, retention, durability: str, kind: str, max_pending: int, save_rng: bool,
-                    per_rank_keys, writer_options: dict) -> None:
+                    per_rank_keys, writer_options: dict, on_busy: str = "wait", raise_errors: bool = True,
+                    group_timeout_s: float | None = None) -> None:
         """The writer, then the manager's group (after any group the writer makes: every rank makes
         them in the same order), the save queue, the state dicts and the restorer."""
         from .choice import version_pattern
@@ -237,11 +255,12 @@ class CheckpointManager:
         writer_options.setdefault("world_size", world_size())
         self._writer = StorageWriter(self.root, remote=self.remote, key=key, durability=durability, retention=retention,
                                      max_staged=max_pending + 1, **writer_options)
-        self._job = Job()
+        self._job = Job(group_timeout_s)
         self.rank = self._job.rank
         self._states = StateDicts(self.rank, per_rank_keys, save_rng)
         self._saves = SaveQueue(writer=self._writer, job=self._job, remote=self.remote is not None, executor=kind,
-                                max_pending=max_pending, report=self._report)
+                                max_pending=max_pending, report=self._report, on_busy=on_busy,
+                                raise_errors=raise_errors)
         self._restorer = Restorer(writer=self._writer, job=self._job, states=self._states)
         self._last_call: tuple[int, float] | None = None
         self._step_time: float | None = None
@@ -312,6 +331,11 @@ class CheckpointManager:
             self._events.progress(step, t0, None)
             return False
         self._job.check()
+        if self._saves.busy():  # on_busy="skip": never wait for the save in flight
+            self._events.emit("save", step=int(step), version=self.version_name(step), ranks=self._job.world,
+                              outcome="skipped", error="the previous save is still running")
+            self._events.progress(step, t0, None)
+            return False
         info = self._start_save(step, state, metadata, t0)
         self._events.progress(step, t0, info.version)
         return True

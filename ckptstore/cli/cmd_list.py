@@ -16,7 +16,9 @@ def list_cmd(root, remote, endpoint_url, as_json):
 
     On a node-local root that holds one part of a version split over several roots the local tier
     reads ``local(part k/n)`` (in --json: ``"parts": {"local": {"index", "count", "ranks",
-    "whole"}}``; empty for a version held whole).
+    "whole", "domain"}}``; empty for a version held whole). In --json, ``"domains"`` lists each root
+    group of a split version with its failure domain (``{"ranks", "domain"}``, where replicas are
+    placed by).
 
     Invalid manifests are reported once each on stderr (in --json also under "problems"). FLAGS:
     ``supersedes`` (the commit replaced an earlier attempt of the name: ``ckptstore show``),

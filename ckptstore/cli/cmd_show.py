@@ -104,6 +104,7 @@ def _info(version: str, rec, m, per_tier: dict) -> dict:
         "encrypted": m.encrypted,
         "key_id": (m.encryption or {}).get("key_id"),
         "encryption": (m.encryption or {}).get("alg"),
+        "kms_key_arn": ((m.encryption or {}).get("kms") or {}).get("key_arn"),
         "codecs": sorted(m.codecs),
         "user": m.user,
         "format": m.format,
@@ -143,7 +144,7 @@ def _rows(info: dict, m) -> list[tuple[str, object]]:
         ("references", "; ".join(f"{r['name'].split('/')[-1]} of {r['version']} ({human(r['size'])})" for r in info["refs"])
          or "-"),
         ("compression", f"{ratio:.2f}x" if ratio else "-"),
-        ("encryption", f"{m.encryption['alg']}, key id {m.encryption['key_id']}" if m.encrypted else "none (not encrypted)"),
+        ("encryption", _encryption_text(m, info)),
         ("codec chains", ", ".join(sorted(m.codecs)) or "raw"),
         ("objects", f"{len(m.objects)} shard(s) + DCP metadata"),
         ("writer", m.writer or "-"),
@@ -167,11 +168,21 @@ def _nonfinite_row(nf) -> str:
     return nonfinite_text(nf) + "; not the default restore point (load it by name, or allow_nonfinite=True)"
 
 
+def _encryption_text(m, info: dict) -> str:
+    if not m.encrypted:
+        return "none (not encrypted)"
+    text = f"{m.encryption['alg']}, key id {m.encryption['key_id']}"
+    if info.get("kms_key_arn"):
+        text += f", data key wrapped by AWS KMS key {info['kms_key_arn']}"
+    return text
+
+
 def _tier_line(d: dict) -> str:
     parts = [f"attempt {d['attempt']}" + ("" if d["current"] else " (older copy)")]
     if d.get("part"):
         p = d["part"]
-        parts.append(f"part {p['index']}/{p['count']} (ranks {', '.join(map(str, p['ranks']))}; the other parts live on other roots)")
+        dom = f", failure domain {p['domain']}" if p.get("domain") else ""
+        parts.append(f"part {p['index']}/{p['count']} (ranks {', '.join(map(str, p['ranks']))}{dom}; the other parts live on other roots)")
     if d["pinned"]:
         parts.append("pinned" + (f" ({d['pin_note']})" if d["pin_note"] else ""))
     if d["damaged"]:

@@ -18,9 +18,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import _faults
 from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
-from ..errors import StateDictKeysError
+from ..errors import FencedError, StateDictKeysError
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
+from ..manifest.placement import group_domains
 from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, utcnow
 from . import _roots
 from ._checks import check_metadata_loads, value_digest
@@ -87,11 +88,14 @@ class Committer(OwnLock):
         upload_failures = [x for x in extras if isinstance(x, UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
         split = _roots.placement([r.group for r in roots])
+        # the failure domain of each root group: its leader's (docs/FORMAT.md, "Replicas")
+        doms = group_domains(split, {r.rank: r.domain for r in roots}) if split else None
         try:
             self.guard.check_world(len(results), f"the commit of {s.version!r}")
             _check_same_values(digests)
-            m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split)
+            m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split, domains=doms)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
+            self.check_owner(s.version)
             commit_manifest(
                 self.tier, s.version, body, overwrite=self.cfg.overwrite or s.existing is not None,
                 fault="commit.manifest",
@@ -112,15 +116,29 @@ class Committer(OwnLock):
             timed(s.version, replicate_s=time.monotonic() - t1)
         return m, body, upload_failures
 
+    def check_owner(self, version: str) -> None:
+        """The writer's ``commit_check`` right before the commit point (docs/FORMAT.md, Save rule 9):
+        a reason refuses the commit (:class:`FencedError`); an error in the check refuses it too."""
+        check = self.cfg.commit_check
+        if check is None:
+            return
+        try:
+            why = check(version)
+        except Exception as e:  # noqa: BLE001 - an owner that cannot tell does not commit
+            why = f"the commit check failed: {type(e).__name__}: {e}"
+        if why:
+            raise FencedError(f"the save of {version!r} was not committed: {why}. Its objects are garbage for "
+                              "ckptstore gc; the owner of the step commits it")
+
     def seal(self, s, metadata: Metadata, tables: list, reports: list, world_size: int,
-             placement: list | None = None) -> tuple[Manifest, bytes]:
+             placement: list | None = None, domains: list | None = None) -> tuple[Manifest, bytes]:
         """Phase 2 up to the commit: write the DCP metadata object (``metadata`` with the ranks' item
         ``tables``), build and seal the manifest."""
         cfg = self.cfg
-        wrapped, kid = s.wrapped
+        w = s.wrapped
         data_key = cipher = None
-        if wrapped is not None:
-            data_key = self.keys.unwrap(wrapped, s.version, s.attempt, kid)
+        if w is not None:
+            data_key = self.keys.unwrap(w, s.version, s.attempt)
             cipher = FrameCipher(data_key)
         codec = FrameCodec(s.version, s.attempt, cipher, compress=cfg.compression, level=cfg.level)
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
@@ -144,10 +162,11 @@ class Committer(OwnLock):
             stored_bytes=sum(o.size for o in objects) + meta_entry.size,
             step=s.step,
             user=s.user_metadata,
-            encryption=None if wrapped is None else {"alg": "AES-256-GCM", "key_id": kid, "wrapped_key": wrapped},
+            encryption=None if w is None else w.encryption(),
             codecs=[c for c in codecs if c],
             writer=self.software,
             placement=placement,
+            domains=domains if domains and all(domains) else None,
             seq=s.seq,
             replicas=cfg.replicas or None,
             refs=sorted({ref.name: ref for r in reports for ref in r.refs}.values(), key=lambda r: r.name),

@@ -20,6 +20,7 @@ import torch
 from .. import _faults
 from ..codec import FrameCodec, FrameRef
 from ..codec.bytegroup import PlanCell
+from ..codec.crypto import WrappedKey
 from ..codec.frame import FIXED_LEN, xxh3_stream
 from ..codec.numerics import count_nonfinite, rule_for
 from ..errors import KeyMismatchError
@@ -220,15 +221,18 @@ class ShardWriter:
         if pd.wrapped_key is not None:
             if self.keys.master is None:
                 raise KeyMismatchError(f"rank {rank} has no master key but the coordinator encrypts; give every rank the same key")
-            cipher = self.keys.cipher(pd.wrapped_key, version, pd.attempt, pd.key_id)
+            cipher = self.keys.cipher(WrappedKey.of(pd), version, pd.attempt)
         return FrameCodec(version, pd.attempt, cipher, compress=self.cfg.compression, level=self.cfg.level)
 
     def write(self, version: str, rank: int, plan, planner, pd: PlanData, staged: list,
-              stream=None) -> tuple[list, ObjectReport]:
-        """Write the rank's object (``stream``: its streamed upload, or None); returns the write
-        results (the packed item table and the object's report) and the report. ``staged`` receives
-        the storage address of the first staged tensor (which host copy to free)."""
+              stream=None, codec: FrameCodec | None = None) -> tuple[list, ObjectReport]:
+        """Write the rank's object (``stream``: its streamed upload, or None; ``codec``: the save's
+        :meth:`codec`, made here when not given); returns the write results (the packed item table
+        and the object's report) and the report. ``staged`` receives the storage address of the
+        first staged tensor (which host copy to free)."""
         cfg = self.cfg
+        if codec is None:
+            codec = self.codec(version, rank, pd)
         name = self.name(pd)
         refs = self.inc.for_save(self.tier, pd.key_id) if cfg.incremental else None
         count = cfg.count_nonfinite
@@ -263,7 +267,7 @@ class ShardWriter:
 
         sink = ObjectSink(self.tier, layout.object_key(version, name), "write.frame", stream=stream)
         with cf.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
-            write_frames(sink, self.codec(version, rank, pd), name, chunks(), pool, window=max(2, 2 * cfg.threads))
+            write_frames(sink, codec, name, chunks(), pool, window=max(2, 2 * cfg.threads))
             _faults.point("write.commit")
         locs = [f if isinstance(f, ItemLocation) else ItemLocation(name, tuple(f), n, dtype, shape)
                 for _item, f, n, dtype, shape, _sc in per_item]
