@@ -11,8 +11,27 @@ import sys
 
 import click
 
-from ..cli._common import DURATION
 from .supervisor import DemoConfig
+
+
+class _Duration(click.ParamType):
+    """``30m``, ``90s``, ``1h30m`` or plain seconds (:func:`ckptstore.retention.parse_duration`); defined here,
+    not taken from ``ckptstore.cli``, whose package imports this module."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        from ..retention import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+DURATION = _Duration()
 
 _D = DemoConfig()
 #: ``--chaos``: the LR schedule's length and the checkpoint interval (a fault every 2 minutes: Young/Daly
@@ -93,13 +112,17 @@ def check_extra(plot: bool) -> bool:
               help="With --chaos: one fault every this many seconds (jittered by up to a quarter).")
 @click.option("--faults", "fault_kinds", default=None, metavar="KIND,...",
               help="With --chaos: only these fault kinds (default: every kind the set-up can run).")
-@click.option("--no-peer", is_flag=True, help="With --chaos: skip the stock-DCP run.")
+@click.option("--peer", "peer_mode", default="alongside", show_default=True,
+              type=click.Choice(["alongside", "after", "none"]),
+              help="With --chaos: the stock-DCP run under the same schedule: started alongside the ckptstore run "
+                   "(the same machine load for both), alone after the reference, or none.")
+@click.option("--no-peer", is_flag=True, help="With --chaos: the same as --peer none.")
 @click.option("--summary", default=None, type=click.Path(dir_okay=False), help="Write the results as JSON here.")
 @click.option("--no-cli", is_flag=True, help="Skip the ckptstore list/gc/scrub views at the end.")
 @click.option("--no-plot", is_flag=True, help="Skip the PNG.")
 def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, world_size, resume_world_size, nodes,
          replicas, replace_node, parallel, layers, d_model, heads, context, global_batch, lr, seed, corpus_dir, chaos,
-         fault_every, fault_kinds, no_peer, summary, no_cli, no_plot):
+         fault_every, fault_kinds, peer_mode, no_peer, summary, no_cli, no_plot):
     """Train a small transformer on 2 CPU ranks, SIGKILL one mid-save, resume, and prove it.
 
     Runs a reference job and a crash job (torchrun, gloo, FSDP2, AdamW, LR schedule,
@@ -123,7 +146,8 @@ def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, worl
             context=context, global_batch=global_batch, lr=lr, seed=seed, corpus_dir=corpus_dir, remote=remote,
             warmup=max(1, min(_D.warmup, steps // 10)), crash_step=0,
         )
-        opts = ChaosOptions(duration_s=chaos, fault_every_s=fault_every, peer=not no_peer,
+        opts = ChaosOptions(duration_s=chaos, fault_every_s=fault_every, peer=not no_peer and peer_mode != "none",
+                            peer_mode="after" if peer_mode == "after" else "alongside",
                             kinds=tuple(k.strip() for k in fault_kinds.split(",") if k.strip()) if fault_kinds else None)
         try:
             rc = run_chaos_demo(cfg, opts, out, summary=summary, seaweed=seaweedfs, show_cli=not no_cli)

@@ -324,10 +324,11 @@ def preempt_in_restore(x: Injector):
 def s3_down(x: Injector):
     job = x.job
     s3 = job.s3
-    if s3 is None:
-        x.act("no S3 server to stop (no remote tier)")
-        return
     yield x.training()
+    if s3 is None:  # the stock-DCP peer: no S3 tier to lose (the ckptstore job alongside it stops the server)
+        x.act("this job has no S3 tier: the restart alone")
+        x.kill_rank(x.f.rank, "SIGKILL (the job restarts, as the ckptstore job does while S3 is down)")
+        return
     th = _thread(s3.stop)
     started = None
     try:

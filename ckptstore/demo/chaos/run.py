@@ -4,7 +4,9 @@
    :mod:`.inject`), then stops at step S;
 2. the reference: the same job without faults, for exactly S steps, skipping the batches the chaos run
    skipped (the only fault that changes the math, ``nan``, skips a corrupt batch);
-3. the peer: the same schedule, same seed, with stock DCP (``--no-peer`` skips it);
+3. the peer: the same schedule, same seed, with stock DCP; by default it runs alongside step 1 (started
+   together on the same machine: the same load for both), ``--peer after`` runs it alone after step 2,
+   ``--peer none`` skips it;
 4. what happened (:mod:`.timeline`), the tables and the summary (:mod:`.report`), ``ckptstore list``/
    ``scrub``/``goodput`` of the chaos run's roots.
 
@@ -21,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,11 +43,16 @@ class ChaosOptions:
     fault_every_s: float
     kinds: tuple[str, ...] | None = None  # only these kinds (default: every kind the set-up can run)
     peer: bool = True
+    #: the stock-DCP peer runs ``"alongside"`` the ckptstore job (started together, the same schedule, the
+    #: same machine load: a fair comparison, and the whole demo takes the duration once plus the reference)
+    #: or ``"after"`` it (each job alone on the machine; the demo takes about three durations)
+    peer_mode: str = "alongside"
     keep_last: int = 3  # retention of both checkpointers (KeepLast / torchtitan's keep_latest_k)
     incremental: bool = True
     stuck_s: float = 240.0
     disk_mb: int = 768
     grace_s: float = 30.0
+    upload_timeout_s: float = 90.0
 
 
 @dataclass
@@ -77,6 +85,8 @@ def validate(cfg: DemoConfig, opts: ChaosOptions) -> None:
         raise DemoError("--replicas needs --nodes 2 or more")
     if cfg.d_model % cfg.heads:
         raise DemoError("--d-model must be a multiple of --heads")
+    if opts.peer_mode not in ("alongside", "after"):
+        raise DemoError(f"--peer must be alongside, after or none, not {opts.peer_mode!r}")
     if opts.kinds:
         bad = [k for k in opts.kinds if k not in schedule.KINDS]
         if bad:
@@ -120,8 +130,10 @@ def describe(run: ChaosRun) -> None:
         f"checkpoint CheckpointManager: async save every {cfg.save_every} steps, KeepLast({o.keep_last})"
         f"{', replicas=' + str(cfg.replicas) if cfg.replicas else ''}{', incremental' if o.incremental else ''}"
         f"{' + ' + cfg.remote if cfg.remote else ''}\n"
-        f"faults     one every {o.fault_every_s:.0f} s (seed {cfg.seed}); then the reference (no faults, the same "
-        f"steps) and{'' if o.peer else ' no'} the stock-DCP peer (the same schedule)\n"
+        f"faults     one every {o.fault_every_s:.0f} s (seed {cfg.seed}); "
+        + ("the stock-DCP peer alongside (the same schedule), " if o.peer and o.peer_mode == "alongside" else "")
+        + "then the reference (no faults, the same steps)"
+        + (", then the stock-DCP peer (the same schedule)" if o.peer and o.peer_mode == "after" else "") + "\n"
         f"output     {run.out}",
         highlight=False)
 
@@ -165,7 +177,10 @@ def job_config(run: ChaosRun, label: str, *, checkpointer: str, max_steps: int |
         remote = None if not cfg.remote else cfg.remote.rstrip("/") + "/" + label
         d.update(node_roots=roots, store_root=roots[0], remote=remote,
                  manager={"event_log": os.path.join(run_dir, "events.jsonl"), "incremental": o.incremental,
-                          "progress_s": 1.0, "grace_s": o.grace_s})
+                          "progress_s": 1.0, "grace_s": o.grace_s,
+                          # close() and a remote commit wait this long for the ranks' uploads (default 1 h): a
+                          # rank whose uploads S3 refused (a clock 2 h ahead) leaves no marker to wait for
+                          "upload_timeout": o.upload_timeout_s})
     else:
         shared = os.path.join(run_dir, "shared")
         os.makedirs(shared, exist_ok=True)
@@ -176,11 +191,15 @@ def job_config(run: ChaosRun, label: str, *, checkpointer: str, max_steps: int |
     return d, node_dirs
 
 
-def _run_job(run: ChaosRun, label: str, d: dict, node_dirs: list[str], *, faults, duration, targets) -> JobResult:
-    s3 = run.seaweed["server"] if run.seaweed else None
+def _run_job(run: ChaosRun, label: str, d: dict, node_dirs: list[str], *, faults, duration, targets,
+             s3: bool = True) -> JobResult:
+    """One job, start to end. ``s3``: this job's ``s3-down`` faults stop and start the run's SeaweedFS (the
+    stock-DCP peer running alongside the ckptstore job, which owns the server, gets False: it has no S3
+    tier, its ``s3-down`` is the restart alone)."""
+    server = run.seaweed["server"] if run.seaweed and s3 else None
     run.load[label] = [os.getloadavg()[0]]
     job = ChaosJob(d, label, d["run_dir"], faults=faults, duration_s=duration, console=run.console,
-                   nodes=run.cfg.nodes, world_size=run.cfg.world_size, node_dirs=node_dirs, s3=s3,
+                   nodes=run.cfg.nodes, world_size=run.cfg.world_size, node_dirs=node_dirs, s3=server,
                    stuck_s=run.opts.stuck_s, grace_s=run.opts.grace_s, on_event=report.Follower(run.console, label))
     res = job.run(inject.factory(targets) if faults else None)
     run.load[label].append(os.getloadavg()[0])
@@ -189,9 +208,31 @@ def _run_job(run: ChaosRun, label: str, d: dict, node_dirs: list[str], *, faults
 
 
 def run_chaos(run: ChaosRun) -> None:
-    run.console.rule(f"1/3 the ckptstore job under faults ({run.opts.duration_s:.0f} s)")
+    alongside = run.opts.peer and run.opts.peer_mode == "alongside"
+    run.console.rule(f"1/3 the ckptstore job under faults ({run.opts.duration_s:.0f} s)"
+                     + (", the stock-DCP peer alongside it (the same schedule)" if alongside else ""))
     d, nd = job_config(run, "chaos", checkpointer="ckptstore")
-    _run_job(run, "chaos", d, nd, faults=run.faults, duration=run.opts.duration_s, targets=inject.Targets)
+    if not alongside:
+        _run_job(run, "chaos", d, nd, faults=run.faults, duration=run.opts.duration_s, targets=inject.Targets)
+        return
+    pd, pnd = job_config(run, "peer", checkpointer="dcp")
+    errs: list[BaseException] = []
+
+    def peer() -> None:
+        try:
+            _run_job(run, "peer", pd, pnd, faults=run.faults, duration=run.opts.duration_s, targets=inject.DcpTargets,
+                     s3=False)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the main thread
+            errs.append(e)
+
+    th = threading.Thread(target=peer, name="chaos-peer", daemon=True)
+    th.start()
+    try:
+        _run_job(run, "chaos", d, nd, faults=run.faults, duration=run.opts.duration_s, targets=inject.Targets)
+    finally:
+        th.join()
+    if errs:
+        raise errs[0]
 
 
 def run_reference(run: ChaosRun) -> None:
@@ -207,7 +248,7 @@ def run_reference(run: ChaosRun) -> None:
 
 
 def run_peer(run: ChaosRun) -> None:
-    if not run.opts.peer:
+    if not run.opts.peer or run.opts.peer_mode != "after":
         return
     run.console.rule(f"3/3 the peer: stock DCP (FileSystemWriter, async_save, torchtitan's resume) under the same "
                      f"schedule ({run.opts.duration_s:.0f} s)")

@@ -221,6 +221,12 @@ class Timeline:
 
 
 # -- each fault's story ------------------------------------------------------------------------------
+def _read_around(reads: dict[str, Any]) -> bool:
+    """A restore that read around a damaged or missing copy: a fallback read (another copy after a
+    failed check), or bytes from a peer's replica or from S3 (a rank's own node holds its part, intact)."""
+    return any(int(reads.get(k) or 0) for k in ("fallback_reads", "repaired", "peer_bytes", "remote_reads"))
+
+
 def fault_story(tl: Timeline, rec: dict[str, Any], t0: float, kind: Any, next_inj: float | None) -> dict[str, Any]:
     """Detection, recovery, lost steps and skipped versions of one injected fault (``rec``: the
     injector's record; ``t0``: the job's launch; ``next_inj``: when the next fault was injected)."""
@@ -250,7 +256,7 @@ def fault_story(tl: Timeline, rec: dict[str, Any], t0: float, kind: Any, next_in
         det = min(cands, default=None)
     if name in ("flip-byte", "delete-object"):
         cands = [e["T"] for e in tl.events if e["T"] > ti and e["kind"] == "resumed" and (
-            e.get("skipped") or (e.get("reads") or {}).get("fallback_reads"))]
+            e.get("skipped") or _read_around(e.get("reads") or {}))]
         cands += [e["T"] for e in tl.events if e["T"] > ti and e["kind"] == "fatal"]
         det = min(cands, default=None)
         if det is None:

@@ -165,7 +165,7 @@ class ManagerCheckpointer:
             except errors.JobBrokenError:
                 raise
             except errors.CkptStoreError as e:
-                self.log("save_error", step=step, error=str(e)[:600])
+                self.log("save_error", step=step, error=f"{type(e).__name__}: {e}"[:600])
         return False
 
     def rollback(self) -> tuple[int, Any]:
@@ -177,7 +177,7 @@ class ManagerCheckpointer:
             except (errors.JobBrokenError, errors.VersionNotFoundError):
                 raise
             except errors.CkptStoreError as e:  # a failed save's error, raised by the wait for saves in flight
-                self.log("save_error", step=None, error=str(e)[:600])
+                self.log("save_error", step=None, error=f"{type(e).__name__}: {e}"[:600])
         else:
             raise errors.CkptStoreError("rollback failed four times")
         r = self.mgr.last_restore
