@@ -134,10 +134,10 @@ def _recovered_bit_exact(p, s):
 
 @pytest.mark.slow
 def test_a_short_chaos_run_recovers_from_three_faults_bit_exact(tmp_path, request):
-    """75 s, a fault every 25 s: a rank SIGKILLed with its save in flight, a NaN (skipped batch, rollback),
+    """75 s, a fault every 20 s: a rank SIGKILLed with its save in flight, a NaN (skipped batch, rollback),
     an operator's gc during a save; no peer. The reference skips the NaN's batch from the start."""
     _slow(request)
-    p, s = _chaos(tmp_path, "--chaos", "75s", "--fault-every", "25", "--faults", "kill-rank-save,nan,gc-during-save",
+    p, s = _chaos(tmp_path, "--chaos", "75s", "--fault-every", "20", "--faults", "kill-rank-save,nan,gc-during-save",
                   "--peer", "none", "--seed", "3", timeout=600)
     injected = _recovered_bit_exact(p, s)
     assert sorted(f["kind"] for f in injected) == ["gc-during-save", "kill-rank-save", "nan"]
