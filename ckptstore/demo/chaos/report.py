@@ -231,7 +231,11 @@ def analyse(run) -> dict[str, Any]:
         if stop is not None:
             before = [f for f in pf if f["at_s"] is not None and f["at_s"] <= stop["at_s"]]
             last_fault = before[-1] if before else None
-        peer = {"goodput": gp["peer"]["goodput"], "kept_going": not pm and jobs["peer"].stopped_clean,
+        # a run that ended needing a person trained nothing until one came: its goodput is over the whole
+        # duration (the time after it stopped is badput), beside the figure while it ran
+        full = step_goodput(tl["peer"], jobs["peer"].t0, max(jobs["peer"].t1, jobs["peer"].t0 + (run.opts.duration_s or 0)))
+        peer = {"goodput": full["goodput"], "goodput_while_running": gp["peer"]["goodput"],
+                "kept_going": not pm and jobs["peer"].stopped_clean,
                 "stopped_at": None if stop is None else {
                     "at_s": stop["at_s"], "reason": stop["reason"], "step": stop.get("last_step"),
                     "after_fault": None if last_fault is None else {"index": last_fault["index"], "kind": last_fault["kind"]}},
@@ -334,7 +338,9 @@ def show(run) -> None:
                  + (f", after fault #{p['stopped_at']['after_fault']['index'] + 1} {p['stopped_at']['after_fault']['kind']}"
                     if p["stopped_at"] and p["stopped_at"].get("after_fault") else ""))
         be = p["bit_exact"]
-        c.print(f"stock DCP peer: goodput {p['goodput']:.1%}; {where}; {p['steps_kept']} steps kept; "
+        c.print(f"stock DCP peer: goodput {p['goodput']:.1%} over the run's duration"
+                + ("" if p["kept_going"] else f" ({p['goodput_while_running']:.1%} until it stopped)")
+                + f"; {where}; {p['steps_kept']} steps kept; "
                 f"bit-exact against the reference: {be['equal']} ({be['steps_compared']} steps"
                 + (f", first mismatch {be['first_mismatch']}" if be["first_mismatch"] else "") + ")", highlight=False)
     t = Table(show_header=False, box=None)

@@ -269,7 +269,16 @@ def fault_story(tl: Timeline, rec: dict[str, Any], t0: float, kind: Any, next_in
     out["detected_s"] = None if det is None else round(det - ti, 2)
     # the restore(s) that followed, until training is back past the step reached
     back = None
-    for e in tl.of_kind("step", after=ti):
+    after = ti
+    if name == "nan":  # the poisoned step itself comes after the injection: back once past it after the rollback
+        bad = [e for e in tl.of_kind("nonfinite", after=ti)]
+        rb = [e for e in tl.of_kind("rollback", after=ti)]
+        if bad and rb:
+            step_at, after = int(bad[0]["step"]), rb[0]["T"]
+            out["step_at_fault"] = step_at
+        else:
+            after = float("inf")
+    for e in tl.of_kind("step", after=after):
         if e["step"] > step_at:
             back = e["T"]
             break
