@@ -13,8 +13,9 @@ scheduler does, never more:
   that step and exits 0) and waits for it;
 * it never touches the job's data: no file is repaired, no version removed, nothing decided for it.
 
-A job that makes no progress — no step trained for ``stuck_s`` seconds, or ``crash_loop`` worker
-generations in a row that ended without training a step — needs a person: that is recorded as a
+A job that makes no progress — no step past the furthest step reached for ``stuck_s`` seconds, or
+``crash_loop`` worker generations in a row that ended without training past it (a job that dies at the
+same corrupt sample after every restart) — needs a person: that is recorded as a
 *manual step* and ends the job there (what the stock-DCP peer meets at a fault it cannot survive).
 
 Everything the supervisor does goes to ``<run_dir>/supervisor.jsonl`` (``t``: its wall clock, ``up``: the
@@ -97,6 +98,8 @@ class Index:
         self.gens: dict[int, dict[str, Any]] = {}  # gen -> {"first": t, "steps": n, "fatal": [...]}
         self.gen_order: list[int] = []
         self.last_step_t: float | None = None
+        self.max_step = 0  # the furthest step any generation has trained: progress is passing it
+        self.max_step_t: float | None = None  # when it was last passed
         self.last_step: dict[int, dict[str, Any]] = {}  # rank -> newest step event
         self.saves: list[dict[str, Any]] = []  # rank 0's "save" events (mgr.save returned, the save in flight)
         self.new: list[dict[str, Any]] = []  # events since the last poll
@@ -132,7 +135,7 @@ class Index:
                 self.procs[r] = e
             g = e.get("gen")
             if g is not None and g not in self.gens:
-                self.gens[g] = {"first": e["T"], "steps": 0, "fatal": [], "last": e["T"]}
+                self.gens[g] = {"first": e["T"], "steps": 0, "fatal": [], "last": e["T"], "advanced": False}
                 self.gen_order.append(g)
             if g is not None:
                 self.gens[g]["last"] = e["T"]
@@ -141,6 +144,10 @@ class Index:
                 self.last_step[r] = e
                 if g is not None:
                     self.gens[g]["steps"] += 1
+                if r == 0 and e["step"] > self.max_step:
+                    self.max_step, self.max_step_t = e["step"], e["T"]
+                    if g is not None:
+                        self.gens[g]["advanced"] = True
             elif k == "save" and r == 0:
                 self.saves.append(e)
             elif k == "fatal" and g is not None:
@@ -416,22 +423,22 @@ class ChaosJob:
             self.launch_all(td["why"])
 
     def check_stuck(self, now: float) -> None:
+        # progress is training past the furthest step reached: a job that restarts, redoes a few steps
+        # and dies at the same place again (a corrupt sample it cannot get past) is making none
         idx = self.index
-        last = idx.last_step_t if idx.last_step_t is not None else self.t0
+        last = idx.max_step_t if idx.max_step_t is not None else self.t0
         reason = None
         if now - last > self.stuck_s:
-            reason = f"no step trained for {now - last:.0f} s"
-        ended = [g for g in idx.gen_order[:-1] if idx.gens[g]["steps"] == 0]
+            reason = f"no step past step {idx.max_step} for {now - last:.0f} s"
         tail = 0
         for g in reversed(idx.gen_order[:-1]):
-            if idx.gens[g]["steps"]:
+            if idx.gens[g]["advanced"]:
                 break
             tail += 1
         if tail >= self.crash_loop:
             errs = [e for g in idx.gen_order[-self.crash_loop - 1:] for e in idx.gens[g]["fatal"]]
-            reason = (f"{tail} restarts in a row failed before training a step"
+            reason = (f"{tail} restarts in a row ended without training past step {idx.max_step}"
                       + (f" (last error: {errs[-1]})" if errs else ""))
-        del ended
         if reason:
             step = max((e["step"] for e in idx.last_step.values()), default=None)
             m = {"at_s": round(now - self.t0, 1), "reason": reason, "last_step": step}
