@@ -115,9 +115,20 @@ def _slow(request):
 def _chaos(tmp_path, *args, timeout):
     out, summary = tmp_path / "out", tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "ckptstore.demo.cli", "--out", str(out), "--summary", str(summary), "--no-cli", *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, COLUMNS="200"))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, COLUMNS="200"))
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.terminate()  # SIGTERM: the demo stops its jobs' processes and unmounts its file systems
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        pytest.fail(f"the chaos run took more than {timeout} s:\n{stdout[-6000:]}\n{stderr[-3000:]}")
     s = json.loads(summary.read_text()) if summary.exists() else None
-    return p, s
+    return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr), s
 
 
 def _recovered_bit_exact(p, s):
@@ -133,12 +144,13 @@ def _recovered_bit_exact(p, s):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_a_short_chaos_run_recovers_from_three_faults_bit_exact(tmp_path, request):
     """75 s, a fault every 20 s: a rank SIGKILLed with its save in flight, a NaN (skipped batch, rollback),
     an operator's gc during a save; no peer. The reference skips the NaN's batch from the start."""
     _slow(request)
     p, s = _chaos(tmp_path, "--chaos", "75s", "--fault-every", "20", "--faults", "kill-rank-save,nan,gc-during-save",
-                  "--peer", "none", "--seed", "3", timeout=600)
+                  "--peer", "none", "--seed", "3", timeout=1000)
     injected = _recovered_bit_exact(p, s)
     assert sorted(f["kind"] for f in injected) == ["gc-during-save", "kill-rank-save", "nan"]
     nan = next(f for f in injected if f["kind"] == "nan")
@@ -148,13 +160,14 @@ def test_a_short_chaos_run_recovers_from_three_faults_bit_exact(tmp_path, reques
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_ten_minutes_a_fault_every_minute_two_nodes_replicas_seaweedfs(tmp_path, request):
     """The 10-minute version of docs/DEMO.md's must-show run: every kind this machine can run (13 as
     root with libfaketime), manual steps 0, bit-exact, the stock-DCP peer alongside reported (where it
     stopped, if it did). Goodput is reported; the ≥ 80 % of the reference's figure is the 30-minute run's."""
     _slow(request)
     p, s = _chaos(tmp_path, "--chaos", "10m", "--fault-every", "60", "--nodes", "2", "--replicas", "1", "--seaweedfs",
-                  "--seed", "1234", timeout=2400)
+                  "--seed", "1234", timeout=3300)
     injected = _recovered_bit_exact(p, s)
     assert len(injected) >= 8 and len({f["kind"] for f in injected}) >= 8
     assert s["goodput"] > 0 and s["goodput_ratio"] is not None

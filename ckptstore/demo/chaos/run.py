@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -74,6 +75,7 @@ class ChaosRun:
     load: dict[str, list[float]] = field(default_factory=dict)  # job -> load averages at its start and end
     result: dict[str, Any] = field(default_factory=dict)  # what the analysis found (the summary)
     scrub_rcs: list[int] = field(default_factory=list)
+    live: list = field(default_factory=list)  # the ChaosJobs running now
 
 
 def validate(cfg: DemoConfig, opts: ChaosOptions) -> None:
@@ -201,7 +203,11 @@ def _run_job(run: ChaosRun, label: str, d: dict, node_dirs: list[str], *, faults
     job = ChaosJob(d, label, d["run_dir"], faults=faults, duration_s=duration, console=run.console,
                    nodes=run.cfg.nodes, world_size=run.cfg.world_size, node_dirs=node_dirs, s3=server,
                    stuck_s=run.opts.stuck_s, grace_s=run.opts.grace_s, on_event=report.Follower(run.console, label))
-    res = job.run(inject.factory(targets) if faults else None)
+    run.live.append(job)
+    try:
+        res = job.run(inject.factory(targets) if faults else None)
+    finally:
+        run.live.remove(job)
     run.load[label].append(os.getloadavg()[0])
     run.jobs[label] = res
     return res
@@ -229,6 +235,10 @@ def run_chaos(run: ChaosRun) -> None:
     th.start()
     try:
         _run_job(run, "chaos", d, nd, faults=run.faults, duration=run.opts.duration_s, targets=inject.Targets)
+    except BaseException:
+        for job in list(run.live):  # interrupted: end the peer too (its loop kills its processes)
+            job.done = True
+        raise
     finally:
         th.join()
     if errs:
@@ -298,7 +308,14 @@ def run_chaos_demo(cfg: DemoConfig, opts: ChaosOptions, out: str, *, summary: st
     prepare_out(out)
     out = os.path.abspath(out)
     run = ChaosRun(cfg, opts, out, console, time.time(), summary=summary, show_cli=show_cli)
+
+    def terminated(signum, frame):  # SIGTERM (a timeout, a scheduler): stop the jobs, unmount, exit 143
+        raise SystemExit(128 + signum)
+
+    old_term = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() else None
     with contextlib.ExitStack() as stack:
+        if old_term is not None:
+            stack.callback(signal.signal, signal.SIGTERM, old_term)
         stack.callback(_unmount_all, run)
         if seaweed:
             from ..seaweed import seaweedfs
