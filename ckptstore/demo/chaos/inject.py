@@ -458,9 +458,13 @@ def clock_jump(x: Injector):
         x.act(f"node {node}'s clock jumps 2 h ahead: its ranks restart under it (libfaketime)", pids=pids)
         yield Wait(seconds=KINDS["clock-jump"].window_s)
     finally:
+        # NTP steps the clock back. libfaketime cannot move a running process's clock, so the node's ranks
+        # restart once more, under the true clock: a rank left 2 h ahead has every S3 request refused, and
+        # the coordinator's remote commits wait upload_timeout for its markers, for the rest of the run
         job.set_clock(node, "+0")
         x.rec["window_end_s"] = round(job.elapsed(), 2)
-        x.act(f"node {node}'s clock stepped back (processes started from now on)")
+        pids = job.kill_pids(job.node_pids(node))
+        x.act(f"node {node}'s clock stepped back (NTP): its ranks restart under the true clock", pids=pids)
 
 
 def nan(x: Injector):

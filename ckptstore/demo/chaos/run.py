@@ -53,7 +53,7 @@ class ChaosOptions:
     stuck_s: float = 240.0
     disk_mb: int = 768
     grace_s: float = 30.0
-    upload_timeout_s: float = 90.0
+    upload_timeout_s: float = 45.0
 
 
 @dataclass

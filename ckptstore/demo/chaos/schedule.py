@@ -56,7 +56,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "a save is in flight", False, False, "a later restore takes an older version: steps are redone, "
          "the same math"),
     Kind("clock-jump", "one node's clock jumps 2 h ahead (libfaketime): its ranks restart under it and the "
-         "operator's commands there run under it for 120 s", True, False, SAME + "; order comes from steps",
+         "operator's commands there run under it for 120 s; then NTP steps it back (its ranks restart again)",
+         True, False, SAME + "; order comes from steps",
          needs=("faketime",), window_s=120.0),
     Kind("nan", "a corrupt sample: NaN in its logits enters the loss, the gradients and the weights; the loop "
          "sees the all-reduced loss, skips that batch from then on and calls mgr.rollback()", False, True,
