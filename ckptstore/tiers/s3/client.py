@@ -386,7 +386,9 @@ class Connection:
                 # a HEAD has no body: its bare 403 reads like a permissions problem unless the clocks are compared
                 off = f"this host's clock is {_skew_words(skew)} the S3 server's" if skew is not None else \
                     "this host's clock is too far from the S3 server's"
-                return StorageError(
+                # transient: the clock comes back (NTP), and meanwhile a restore the local roots can serve
+                # must not fail on it, as while S3 is down
+                return TransientStorageError(
                     f"S3 {what} {where} refused: {off} ({detail}); S3 accepts a signed request only within "
                     f"{SIGV4_MAX_SKEW_S // 60} minutes of its own time: fix the host's clock (NTP) and retry"
                 )
