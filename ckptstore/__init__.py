@@ -4,6 +4,7 @@ from ._version import __version__  # noqa: E402,F401
 
 from .errors import (  # noqa: E402
     CkptStoreError,
+    CommitRefusedError,
     ConditionalWritesError,
     DamagedVersionError,
     DtypeMismatchError,
@@ -12,6 +13,7 @@ from .errors import (  # noqa: E402
     JobBrokenError,
     KeyMismatchError,
     ManifestError,
+    PlacementError,
     Preempted,
     StateDictKeysError,
     StorageError,
@@ -64,5 +66,7 @@ __all__ = [
     "UnsupportedFormatError",
     "UnsupportedStateError",
     "JobBrokenError",
+    "CommitRefusedError",
+    "PlacementError",
     "Preempted",
 ]

@@ -45,6 +45,8 @@ __all__ = [
     "StateDictKeysError",
     "UnsupportedStateError",
     "JobBrokenError",
+    "CommitRefusedError",
+    "PlacementError",
     "Preempted",
 ]
 
@@ -198,6 +200,17 @@ class UnsupportedStateError(CkptStoreError, TypeError):
     before anything is committed)."""
 
     exit_code = 1
+
+
+class CommitRefusedError(CkptStoreError):
+    """A save built a manifest the reader would refuse (its placement, references, replicas or
+    metadata; docs/FORMAT.md, Save rule 9): it is not committed, and nothing blocks a retry."""
+
+    exit_code = 1
+
+
+class PlacementError(CommitRefusedError):
+    """The ranks of a save disagree on which of them share a root (docs/FORMAT.md, "Placement")."""
 
 
 class JobBrokenError(CkptStoreError):

@@ -19,6 +19,7 @@ from ..errors import (CkptStoreError, InvalidNameError, ManifestError, Transient
                       VersionExistsError, VersionNotFoundError)
 from ..manifest import layout
 from ..manifest.order import next_seq
+from . import _roots
 from ._config import multi_rank
 from ._types import LocalPlanData, PlanData
 
@@ -55,17 +56,17 @@ class Save:
 class Planner:
     """Set-up checks and plans of the writer's saves. ``cfg``: the writer's settings; ``tier`` /
     ``remote``: this rank's root and the remote tier (None); ``keys``: ``_keys.DataKeys``;
-    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``; ``probe``: this process's
-    root probe nonce."""
+    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``. The root probe nonce is
+    this process's (``_roots.process_nonce``), read when the plan is made: a writer pickled into
+    DCP's checkpoint subprocess, or used in a forked child, probes with the nonce of that process."""
 
-    def __init__(self, cfg, tier, remote, keys, guard, uploads, probe: int) -> None:
+    def __init__(self, cfg, tier, remote, keys, guard, uploads) -> None:
         self.cfg = cfg
         self.tier = tier
         self.remote = remote
         self.keys = keys
         self.guard = guard
         self.uploads = uploads
-        self.probe = probe
         self._remote_down_until = 0.0  # monotonic time before which set-up does not wait for the remote tier
 
     def begin(self, s: Save, is_coordinator: bool, kwargs: dict) -> None:
@@ -131,7 +132,7 @@ class Planner:
         from ..manifest import catalogue
 
         return dataclasses.replace(plan, storage_data=LocalPlanData(
-            rank=s.rank, probe=self.probe if multi_rank() else None,
+            rank=s.rank, probe=_roots.process_nonce() if multi_rank() else None,
             # one rank per node reads its root's newest manifests for the commit sequence (docs/FORMAT.md, "Order")
             seq=catalogue.max_seq(self.tier) if os.environ.get("LOCAL_RANK", "0") == "0" else None,
             existing=s.existing))

@@ -44,9 +44,9 @@ from torch.futures import Future
 
 from .._names import check_version
 from ..codec import FrameCodec
-from ..codec.crypto import resolve_key
+from ..codec.crypto import key_id, resolve_key
 from ..codec.stages import env_threads
-from ..errors import CkptStoreError, IntegrityError, StateDictKeysError, TransientStorageError
+from ..errors import CkptStoreError, IntegrityError, KeyMismatchError, StateDictKeysError, TransientStorageError
 from ..manifest.schema import Manifest, ObjectEntry
 from ..manifest.schema import parse as parse_manifest
 from ..store import Store
@@ -209,12 +209,15 @@ class StorageReader(_DCPStorageReader):
         """The load's decisions (:func:`ckptstore.choice.decide` over every rank's report, ``_job``):
         in a job made once per load by every rank together — before anything that can fail on one
         rank only, and never again for DCP's retry of ``read_metadata``; outside a job from this
-        process's own report. Returns ``(view, group rank, manifest file, metadata bytes or None)``."""
+        process's own report. Returns ``(view, group rank, manifest file, metadata bytes or None,
+        where the manifest came from)``."""
         if self._joined is None:
             try:
-                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version, bad=self.avoid)
-                body, meta = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
-                self._joined = (view, me, body, meta)
+                master = self._keys.master
+                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version,
+                                         key_id=None if master is None else key_id(master), bad=self.avoid)
+                body, meta, where = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
+                self._joined = (view, me, body, meta, where)
             except Exception as e:  # noqa: BLE001 - raised again, the same on every call
                 self._joined = (e,)
         if len(self._joined) == 1:
@@ -247,14 +250,17 @@ class StorageReader(_DCPStorageReader):
     def _read_metadata(self) -> Metadata:
         if self._metadata is not None:
             return self._metadata
-        view, me, body, meta = self._join()
+        view, me, body, meta, where = self._join()
         self.version = view.version
         tier = self._store.local if view.has_manifest(me) or not view.remote_ok else self._store.remote
         parsed = parse_manifest(body, expect_version=view.version)
         if parsed.manifest.attempt != view.attempt:  # re-committed between the listing and this read
             raise TransientStorageError(f"version {view.version!r} was committed again while this load started "
                                         f"(attempt {parsed.manifest.attempt}, chose {view.attempt}); load again")
-        opened = OpenVersion(parsed, self._keys, self.allow_unencrypted)
+        try:
+            opened = OpenVersion(parsed, self._keys, self.allow_unencrypted)
+        except KeyMismatchError as e:
+            raise _key_mismatch(e, parsed.manifest, self._keys.master, where, self._store) from None
         self._opened = opened
         self.manifest, self.tier, self.codec = opened.manifest, tier, opened.codec
         self._sources = Sources(self._store, view, me, opened, self._peer, self.stats, self.read_repair)
@@ -395,6 +401,26 @@ class StorageReader(_DCPStorageReader):
             h.update(p)
         with self._alt_lock:
             self.item_digests[item_key(ri.storage_index)] = (h.intdigest(), loc)
+
+
+EMPTY_ROOT = "\"\""  # the command line's "no local tier"
+
+
+def _key_mismatch(e: KeyMismatchError, m: Manifest, master: bytes | None, where: str, store) -> KeyMismatchError:
+    """The error of a manifest copy wrapped by another master key than the one given, when no copy of
+    the job opens with it (docs/FORMAT.md, Read rule 11): names the copy and, since a key rotation
+    that missed this copy looks the same as a wrong key, the command that re-wraps it."""
+    kid = (m.encryption or {}).get("key_id")
+    if master is None or kid is None or kid == key_id(master):
+        return e
+    remote = getattr(store.remote, "url", None)
+    root = store.local.url if store.local is not None else None
+    cmd = (f"'ckptstore rekey {root or EMPTY_ROOT} --key-file OLD --new-key-file NEW"
+           + (f" --remote {remote}" if remote else "") + "'")
+    return KeyMismatchError(
+        f"version {m.version!r}: its manifest in {where} is wrapped by master key id {kid}, the key given has id "
+        f"{key_id(master)}, and no other copy this job can read opens with it. If the master key was rotated, "
+        f"this copy was missed: run {cmd} (OLD: the key of id {kid}); otherwise supply the right key")
 
 
 _OPTIM_HINT = (

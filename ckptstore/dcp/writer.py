@@ -233,12 +233,11 @@ class StorageWriter(_DCPStorageWriter):
         #: still exits once its trainer is gone (the watcher) and when the trainer ends it
         self._subprocess_own_group = False
         self.last_manifest: Manifest | None = None
-        self._probe = _roots.PROCESS_NONCE  # this process's root probe (docs/FORMAT.md, "Placement")
         self._publisher = _roots.Publisher()
         self._inc = Incremental()
         self._guard = Guard(cfg)
         self._up = RemoteStage(cfg, self._tier, self._remote, self._guard)
-        self._planner = Planner(cfg, self._tier, self._remote, self._keys, self._guard, self._up, self._probe)
+        self._planner = Planner(cfg, self._tier, self._remote, self._keys, self._guard, self._up)
         self._shards = ShardWriter(cfg, self._tier, self._keys, self._inc)
         self._committer = Committer(cfg, self._tier, self._remote, self._keys, self._guard, self._publisher,
                                     self._up.in_flight, _software())
@@ -386,7 +385,7 @@ class StorageWriter(_DCPStorageWriter):
         if self.incremental:
             self._inc.promote(self._tier)  # the previous save, once it is committed here, is the baseline
         if multi_rank():
-            _roots.write_probe(self._tier, s.rank, self._probe)
+            _roots.write_probe(self._tier, s.rank, _roots.process_nonce())  # docs/FORMAT.md, "Placement"
         self._planner.check_existing(s)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -479,6 +478,12 @@ class StorageWriter(_DCPStorageWriter):
         coordinator), or None; handed out once."""
         return self._up.remote_commit_future(version)
 
+    def replica_future(self, version: str):
+        """The ``concurrent.futures.Future`` of ``version``'s replica exchange on this rank (its result:
+        the replicas of the version not made, on any rank — ``[]``: every replica in place), or None
+        without replicas; handed out once."""
+        return self._replicas.replica_future(version)
+
     def wait_uploads(self, timeout: float | None = None) -> None:
         """Block until this writer's pending uploads and remote commits finish.
 
@@ -514,17 +519,30 @@ class StorageWriter(_DCPStorageWriter):
         that DCP's checkpoint subprocess (PROCESS executor) committed locally but not remotely.
         With ``replicas``, also waits for the copies and destroys the writer's replica group (each
         holds a connection to every rank); a later save through this writer raises
-        :class:`~ckptstore.dcp.replicas.ReplicaError` (make a new writer)."""
+        :class:`~ckptstore.dcp.replicas.ReplicaError` (make a new writer). A replica of a
+        ``durability="local"`` save that was not made raises :class:`~ckptstore.dcp.replicas.ReplicaError`
+        naming it (after the uploads were waited for; with an ``UploadError`` too, that one is raised
+        and names the replicas as well): a redundancy gap is reported like an upload that did not complete."""
         timeout = self.upload_timeout if timeout is None else timeout
+        gap = None
         try:
             self._follower.wait(timeout)
-            self._replicas.close(timeout)
+            try:
+                self._replicas.close(timeout)
+            except CkptStoreError as e:
+                gap = e
             if self._shipped and self._ship_rank == 0:  # the coordinator stages again what did not reach S3
                 self._up.check_shipped(timeout, self._born)
             self._up.wait(timeout)
+        except CkptStoreError as e:
+            if gap is not None:
+                raise type(e)(f"{e}\nand: {gap}") from e
+            raise
         finally:
             _shipped.discard(self)
             self._up.drop()
+        if gap is not None:
+            raise gap
 
     def heal(self, view, manifest: bytes | None, metadata: bytes | None):
         """After a restore of ``view``'s version (a collective call, on every rank): copy, in the
