@@ -20,7 +20,7 @@ from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
 from ..errors import (CommitRefusedError, InvalidNameError, ManifestError, ObjectNotFoundError, StateDictKeysError,
                       UnsupportedFormatError)
-from ..manifest import layout, placement
+from ..manifest import layout, leases, placement
 from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry, parse, utcnow
 from . import _roots
@@ -104,7 +104,10 @@ class Committer(OwnLock):
         except BaseException:
             if len({tuple(r.group) for r in roots}) > 1:
                 self.publisher.publish(s.attempt, b"", None)  # the other roots stop waiting
+            leases.release(self.tier, s.attempt)  # the save failed: its references need no protection
             raise
+        # committed here: the manifest now names what the ranks of this root referenced (their leases go)
+        leases.release(self.tier, s.attempt)
         _faults.point("commit.after_manifest")
         timed(s.version, commit_s=time.monotonic() - t0)
         if split:  # every other root that holds objects gets the manifest (docs/FORMAT.md, "Placement")

@@ -35,6 +35,7 @@ class WriterConfig:
     world_size: int | None
     replicas: int
     incremental: bool
+    scope: str | None = None  # the version names an incremental save takes its baseline from (regex)
 
 
 class Setting:

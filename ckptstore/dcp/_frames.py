@@ -198,13 +198,20 @@ class ShardWriter:
         return FrameCodec(version, pd.attempt, cipher, compress=self.cfg.compression, level=self.cfg.level)
 
     def write(self, version: str, rank: int, plan, planner, pd: PlanData, staged: list,
-              stream=None) -> tuple[list, ObjectReport]:
+              stream=None, *, whole: bool = False) -> tuple[list, ObjectReport, "Any"]:
         """Write the rank's object (``stream``: its streamed upload, or None); returns the write
-        results (the packed item table and the object's report) and the report. ``staged`` receives
-        the storage address of the first staged tensor (which host copy to free)."""
+        results (the packed item table and the object's report), the report and the save's
+        ``_incremental.SaveRefs`` (None unless incremental). ``staged`` receives the storage address
+        of the first staged tensor (which host copy to free). ``whole``: reference nothing (every item
+        written), with an incremental writer still recording the items' digests."""
         cfg = self.cfg
         name = self.name(pd)
-        refs = self.inc.for_save(self.tier, pd.key_id) if cfg.incremental else None
+        refs = None
+        if cfg.incremental:
+            self.inc.adopt(pd.baseline)  # a baseline the coordinator read from the store for this rank
+            refs = self.inc.for_save(self.tier, pd.key_id, version, pd.attempt, pd.rank)
+            if whole:
+                refs._base = None
         per_item: list[tuple[Any, Any, int, str | None, tuple | None]] = []  # (item, refs list or location, ...)
         frame_size = cfg.frame_size
 
@@ -228,10 +235,15 @@ class ShardWriter:
                 per_item.append((item, frames, len(mv), dtype, shape))
                 yield from split(mv, frame_size, width, frames)
 
-        sink = ObjectSink(self.tier, layout.object_key(version, name), "write.frame", stream=stream)
-        with cf.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
-            write_frames(sink, self.codec(version, rank, pd), name, chunks(), pool, window=max(2, 2 * cfg.threads))
-            _faults.point("write.commit")
+        try:
+            sink = ObjectSink(self.tier, layout.object_key(version, name), "write.frame", stream=stream)
+            with cf.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
+                write_frames(sink, self.codec(version, rank, pd), name, chunks(), pool, window=max(2, 2 * cfg.threads))
+                _faults.point("write.commit")
+        except BaseException:
+            if refs is not None:
+                refs.release()  # the save failed on this rank: nothing of it to protect
+            raise
         locs = [f if isinstance(f, ItemLocation) else ItemLocation(name, tuple(f), n, dtype, shape)
                 for _item, f, n, dtype, shape in per_item]
         total_raw = sum(n for _, _, n, _, _ in per_item)
@@ -239,9 +251,11 @@ class ShardWriter:
         indexes = [item.index for item, *_ in per_item]
         rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw - ref_raw,
                            tuple(sorted(sink.codecs)), refs.refs() if refs is not None else (), ref_raw)
+        digests = None
         if refs is not None:
             refs.remember(version, pd.attempt, indexes, locs)
-        return [items_result(pd.rank, total_raw, indexes, locs), object_result(rep, total_raw)], rep
+            digests = refs.digests(indexes)
+        return [items_result(pd.rank, total_raw, indexes, locs, digests), object_result(rep, total_raw)], rep, refs
 
 
 __all__ = ["DEFAULT_FRAME_SIZE", "ObjectSink", "ShardWriter", "split", "tensor_bytes", "write_frames",

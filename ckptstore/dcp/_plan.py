@@ -126,8 +126,9 @@ class Planner:
     def _may_replace(self, s: Save, attempt: str) -> bool:
         return self.cfg.overwrite or attempt in s.supersede
 
-    def local_plan(self, s: Save, plan: SavePlan) -> SavePlan:
-        """``prepare_local_plan``: this rank, its probe, its root's commit sequence and existing copy."""
+    def local_plan(self, s: Save, plan: SavePlan, want_base: bool = False) -> SavePlan:
+        """``prepare_local_plan``: this rank, its probe, its root's commit sequence and existing copy,
+        and whether it needs an incremental baseline from the store (``want_base``)."""
         s.local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
         from ..manifest import catalogue
 
@@ -135,7 +136,7 @@ class Planner:
             rank=s.rank, probe=_roots.process_nonce() if multi_rank() else None,
             # one rank per node reads its root's newest manifests for the commit sequence (docs/FORMAT.md, "Order")
             seq=catalogue.max_seq(self.tier) if os.environ.get("LOCAL_RANK", "0") == "0" else None,
-            existing=s.existing))
+            existing=s.existing, want_base=want_base))
 
     def global_plan(self, s: Save, plans: list[SavePlan]) -> list[SavePlan]:
         """``prepare_global_plan`` (coordinator): the attempt, its data key, every rank's plan data."""
@@ -148,9 +149,10 @@ class Planner:
             if isinstance(p.storage_data, LocalPlanData) and p.storage_data.probe is not None
         )
         restage = self.uploads.restage_plan(s.version, len(plans))
+        bases = self._baselines(s, ranks, plans)
         out = [
             dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank,
-                                                         restage))
+                                                         restage, bases.get(r)))
             for r, p in zip(ranks, plans)
         ]
         s.attempt = attempt
@@ -160,6 +162,18 @@ class Planner:
         s.replaced = tuple(sorted({d.existing for d in local if d.existing is not None}
                                   | ({s.existing_remote} if s.existing_remote is not None else set())))
         return out
+
+    def _baselines(self, s: Save, ranks: list, plans: list) -> dict:
+        """``{rank: Baseline}`` for the ranks of an incremental save that have no baseline in memory,
+        read from the store (``_incremental.store_baseline``: the newest version of the writer's scope
+        committed in this root); each rank gets only its own items."""
+        want = [r for r, p in zip(ranks, plans) if isinstance(p.storage_data, LocalPlanData) and p.storage_data.want_base]
+        if not (self.cfg.incremental and want):
+            return {}
+        from ._incremental import store_baseline
+
+        _v, bases = store_baseline(self.tier, self.keys, self.cfg.scope, s.version, want)
+        return bases
 
 
 def existing_attempt(tier, version: str) -> str | None:

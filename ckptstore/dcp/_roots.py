@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .. import _faults
 from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError, PlacementError
-from ..manifest import layout
+from ..manifest import layout, leases
 from ..manifest.schema import parse
 from ..tiers import LocalTier
 
@@ -173,6 +173,7 @@ class Follower:
             self._note(f"version {version!r}: no copy of the manifest arrived ({e})")
             return
         if data == _ABORT:
+            leases.release(tier, attempt)  # the save failed: what its ranks referenced needs no lease
             return
         n = int.from_bytes(data[:8], "little")
         _faults.point("copy.manifest")
@@ -181,6 +182,8 @@ class Follower:
         except Exception as e:  # noqa: BLE001 - the commit stands elsewhere; the next load repairs this root
             self._note(f"version {version!r}: copying the manifest into {tier.url} failed ({e})")
             return
+        if m is not None:
+            leases.release(tier, attempt)  # the copy names what this root's ranks referenced
         if m is not None and after_copy is not None:
             after_copy(m)
 

@@ -36,6 +36,7 @@ come from ``_keys.DataKeys`` and the whole-job checks from ``_liveness.Guard``.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -55,6 +56,7 @@ from .._names import check_version
 from ..codec.crypto import resolve_key
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError
+from ..manifest import layout
 from ..manifest.schema import Manifest, utcnow
 from ..tiers import LocalTier, make_remote
 from . import _roots
@@ -73,6 +75,8 @@ from ._reports import root_result, upload_failure_result
 from ._types import PlanData
 from .replicas import ReplicaStage
 from .staging import Stager
+
+log = logging.getLogger("ckptstore")
 
 
 class StorageWriter(_DCPStorageWriter):
@@ -120,6 +124,15 @@ class StorageWriter(_DCPStorageWriter):
             (``refs``, docs/FORMAT.md "References"), nothing of the item is written or uploaded again.
             Pays when much of the state does not change between saves (a frozen base model under a
             LoRA adapter, untouched experts); costs one XXH3-128 pass over every item. Off by default.
+            A writer with no baseline in memory — a new ``StorageWriter`` for every save, or DCP's
+            checkpoint subprocess — takes it from the store: the newest version of its ``scope``
+            committed in the coordinator's root. While a save references an earlier version it holds
+            a lease on those objects in its root, which ``gc`` and ``drop`` honour (docs/FORMAT.md,
+            "References", Delete rule 12).
+        scope: with ``incremental``, the regular expression of the version names whose newest
+            committed version is the baseline of a writer that has none in memory (default: the name
+            being saved with every run of digits standing for any digits, ``step-\\d+`` for
+            ``step-000200``; ``CheckpointManager`` passes its prefix / version format).
         world_size: the number of ranks every save through this writer has (default: the default
             process group's size when one is initialised at construction, else not checked). A save
             planned or finished by any other number of ranks — a rank that outlived its peers, DCP
@@ -178,6 +191,7 @@ class StorageWriter(_DCPStorageWriter):
     world_size = Setting()
     replicas = Setting()
     incremental = Setting()
+    scope = Setting()
 
     def __init__(
         self,
@@ -202,6 +216,7 @@ class StorageWriter(_DCPStorageWriter):
         world_size: int | None = None,
         replicas: int = 0,
         incremental: bool = False,
+        scope: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -214,7 +229,7 @@ class StorageWriter(_DCPStorageWriter):
             step=step, user_metadata=dict(user_metadata or {}), threads=threads or env_threads(), frame_size=frame_size,
             compression=compression, level=level, durability=durability, allow_divergent_replicas=allow_divergent_replicas,
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
-            incremental=bool(incremental))
+            incremental=bool(incremental), scope=scope)
         self._keys = DataKeys(resolve_key(key))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
@@ -389,7 +404,7 @@ class StorageWriter(_DCPStorageWriter):
         self._planner.check_existing(s)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return self._planner.local_plan(self._cur(), plan)
+        return self._planner.local_plan(self._cur(), plan, want_base=self.incremental and self._inc.wants_base)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return self._planner.global_plan(self._cur(), plans)
@@ -423,7 +438,18 @@ class StorageWriter(_DCPStorageWriter):
         try:
             if plan.items:
                 stream = self._up.open_stream(s.version, self._shards.name(pd))
-                results, rep = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream)
+                results, rep, refs = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream)
+                gone = refs.missing() if refs is not None and refs.used else []
+                if gone:  # removed by something that ignores leases: write those items whole (Save rule 9)
+                    log.warning("ckptstore: objects %s that save %r references were removed while it ran; writing "
+                                "every item of rank %d whole", gone[:3], s.version, s.rank)
+                    if stream is not None:
+                        stream.abort()
+                    refs.release()
+                    self._tier.delete(layout.object_key(s.version, rep.name))
+                    stream = self._up.open_stream(s.version, self._shards.name(pd))
+                    results, rep, refs = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream,
+                                                            whole=True)
                 failed = self._up.upload_object(s.version, rep)
                 if failed is not None:
                     results.append(upload_failure_result(failed))
