@@ -28,14 +28,15 @@ def save_versions(rank, world, roots, versions, remote=None, retention=None, dur
     return placements
 
 
-def load(rank, world, roots, version=None, remote=None):
-    """Load ``version`` (None: the agreed newest) into a blank state; check every byte."""
+def load(rank, world, roots, version=None, remote=None, expect=None):
+    """Load ``version`` (None: the agreed newest) into a blank state; check every byte (against the
+    state of the version name ``expect``, default the version loaded)."""
     r = ckptstore.StorageReader(roots[rank], remote=remote, version=version)
     sd = sharded_state(world, 0, blank=True)
     sd["meta"] = {"epoch": 0, "args": {"lr": 0.0, "name": "", "tags": [], "note": 1}}
     dcp.load(sd, storage_reader=r)
     v = r.version
-    full = full_state(_seed(v))
+    full = full_state(_seed(expect or v))
     ok = torch.equal(sd["dt"].full_tensor(), full["w"]) and torch.equal(
         sd["dbig"].full_tensor().view(torch.int16), full["big"].view(torch.int16)) and sd["meta"] == full["meta"]
     return {"version": v, "ok": bool(ok), "stats": dict(r.stats), "remote_keys": sorted(r.remote_keys)}
@@ -139,3 +140,33 @@ def manager_with_replica_gap(rank, world, roots, nbytes):
         err = f"{type(e).__name__}: {e}"
     saves = [e for e in events.read_events(events.default_path(roots[rank])) if e["kind"] == "save"] if rank == 0 else []
     return {"close": err, "metrics": mgr.metrics_text(), "saves": saves}
+
+
+def incremental_drop_race(rank, world, roots):
+    """Node-local roots, ``StorageWriter(incremental=True)``: ``v1``, then ``v2`` (same state, so every
+    item references ``v1``) while, on rank 1, ``ckptstore drop ROOT v1`` runs on rank 1's root (another
+    process) after rank 1's first item was matched. Returns the leases left in this rank's root."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from ckptstore.tiers import LocalTier
+
+    class Gated(DefaultSavePlanner):
+        ran = []
+
+        def resolve_data(self, write_item):
+            if rank == 1 and len(self.ran) == 0 and write_item.index.fqn == "i32":
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+                self.ran.append(subprocess.run([sys.executable, "-m", "ckptstore.cli", "drop", roots[rank], "v1", "--yes"],
+                                               env=env, capture_output=True, text=True, timeout=120).returncode)
+            return super().resolve_data(write_item)
+
+    w = ckptstore.StorageWriter(roots[rank], incremental=True, frame_size=65536)
+    dcp.save(sharded_state(world, _seed("v1")), checkpoint_id="v1", storage_writer=w)
+    dcp.save(sharded_state(world, _seed("v1")), checkpoint_id="v2", storage_writer=w, planner=Gated())
+    w.close()
+    dist.barrier()
+    return {"leases": sorted(i.key for i in LocalTier(roots[rank]).list("leases/")), "drop": Gated.ran}

@@ -194,3 +194,17 @@ def test_a_save_whose_ranks_disagree_on_root_groups_commits_nothing(tmp_path, du
     placements = run_ranks(roots_ranks.save_versions, 2, [a, b], ["v1"], **FAST)
     assert placements[0] == [[[0], [1]]]
     assert _versions(a) == ["v1"] and _versions(b) == ["v1"]
+
+
+def test_drop_on_one_node_while_an_incremental_save_references_what_it_removes(tmp_path):
+    """Node-local roots: while ``v2`` (every item a reference to ``v1``) is written, an operator drops
+    ``v1`` on rank 1's node. Rank 1's lease keeps ``v1``'s frames there; ``v2`` commits on both roots
+    and loads, and no lease is left once the manifest copy reached rank 1's root."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    out = run_ranks(roots_ranks.incremental_drop_race, 2, [a, b], **FAST)
+    assert out[1]["drop"] == [0], out
+    assert out[0]["leases"] == [] and out[1]["leases"] == [], out
+    assert _versions(a) == ["v1", "v2"] and _versions(b) == ["v2"]
+    assert ckptstore.Store(b).manifest("v2").manifest.refs  # v2 references v1's frames, also on b
+    res = run_ranks(roots_ranks.load, 2, [a, b], "v2", None, "v1", **FAST)  # (v2 holds v1's state)
+    assert all(o["ok"] for o in res), res
