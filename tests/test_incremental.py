@@ -59,6 +59,7 @@ def test_ten_saves_of_a_frozen_base_store_it_once(tmp_path):
     for i in (1, 5, 10):  # every version loads bit-exact
         assert ir.load(0, 1, root, f"step-{i}") == fps[i]
     assert cli("scrub", root, "--deep").exit_code == 0
+    assert not list(LocalTier(root).list(layout.LEASES + "/"))  # every save's lease went at its commit
 
 
 def test_two_ranks_incremental_then_resharded_load_on_one(tmp_path):
@@ -123,6 +124,7 @@ def test_incremental_uploads_only_what_changed_and_loads_from_s3_alone(tmp_path,
             per_version[layout.version_of_key(info.key)] += info.size
     for i in range(2, 11):
         assert per_version[f"step-{i}"] <= 0.05 * full, (i, per_version[f"step-{i}"], full)
+    assert not list(remote.list("leases/"))  # each remote commit's lease went with it
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
     assert ir.load(0, 1, empty, "step-10", s3_url) == fps[10]  # from S3 alone
@@ -374,6 +376,7 @@ def test_gc_or_drop_while_an_incremental_save_references_the_version_it_removes(
     dcp.load(tgt, checkpoint_id="step-2", storage_reader=ckptstore.StorageReader(root))
     assert torch.equal(tgt["base"], base) and torch.equal(tgt["adapter"], adapter)
     assert cli("scrub", root, "--deep").exit_code == 0
+    assert not list(LocalTier(root).list("leases/"))  # released at the commit
     # nothing is left behind: once step-2 goes, gc past the grace period frees step-1's frames too
     gc.apply(st.tiers, gc.plan_drop(st, "step-2"))
     gc.run(st.tiers, None, now=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2))
