@@ -178,7 +178,7 @@ def test_ranks_forked_from_one_process_then_moved_between_roots(tmp_path):
     assert all(o["ok"] and o["version"] == "v2" for o in out), out
 
 
-@pytest.mark.parametrize("durability,replicas", [("local", 0), ("replicated", 1)])
+@pytest.mark.parametrize("durability,replicas", [pytest.param("local", 0, marks=pytest.mark.slow), ("replicated", 1)])
 def test_a_save_whose_ranks_disagree_on_root_groups_commits_nothing(tmp_path, durability, replicas):
     """A placement the reader would refuse is never committed (docs/FORMAT.md, Save rule 9): rank 1's
     stale probe in root ``a`` makes rank 0 see {0, 1} there while rank 1 sees only itself in ``b``.
@@ -196,6 +196,7 @@ def test_a_save_whose_ranks_disagree_on_root_groups_commits_nothing(tmp_path, du
     assert _versions(a) == ["v1"] and _versions(b) == ["v1"]
 
 
+@pytest.mark.slow
 def test_drop_on_one_node_while_an_incremental_save_references_what_it_removes(tmp_path):
     """Node-local roots: while ``v2`` (every item a reference to ``v1``) is written, an operator drops
     ``v1`` on rank 1's node. Rank 1's lease keeps ``v1``'s frames there; ``v2`` commits on both roots

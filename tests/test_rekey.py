@@ -205,7 +205,8 @@ def test_rekey_never_reseals_a_tampered_manifest(tmp_path):
 
 
 # -- a rekey that missed one root -----------------------------------------------------------------------
-@pytest.mark.parametrize("with_s3", [pytest.param(True, marks=pytest.mark.s3), False], ids=["s3", "replicas"])
+@pytest.mark.parametrize("with_s3", [pytest.param(True, marks=[pytest.mark.s3, pytest.mark.slow]), False],
+                         ids=["s3", "replicas"])
 def test_a_rekey_that_missed_one_root_loads_from_the_copies_that_open(tmp_path, request, with_s3):
     """Node-local roots ``a`` (rank 0) and ``b`` (rank 1); ``a`` (and S3) rekeyed, ``b`` not. A load with
     the new key uses the manifest copies that open with it (``a``'s, S3's): the data keys did not
