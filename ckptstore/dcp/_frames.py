@@ -209,9 +209,7 @@ class ShardWriter:
         refs = None
         if cfg.incremental:
             self.inc.adopt(pd.baseline)  # a baseline the coordinator read from the store for this rank
-            refs = self.inc.for_save(self.tier, pd.key_id, version, pd.attempt, pd.rank)
-            if whole:
-                refs._base = None
+            refs = self.inc.for_save(self.tier, pd.key_id, version, pd.attempt, pd.rank, whole=whole)
         per_item: list[tuple[Any, Any, int, str | None, tuple | None]] = []  # (item, refs list or location, ...)
         frame_size = cfg.frame_size
 

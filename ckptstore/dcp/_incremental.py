@@ -135,10 +135,11 @@ class Incremental:
         return self.base is None
 
     def for_save(self, tier, key_id: str | None, version: str | None = None, attempt: str | None = None,
-                 rank: int = 0) -> "SaveRefs":
+                 rank: int = 0, *, whole: bool = False) -> "SaveRefs":
         """The references of one save of this rank (``tier``: its root; ``key_id``: the save's master
-        key id, None: unencrypted; ``version``/``attempt``/``rank``: the save, which names its lease)."""
-        return SaveRefs(self, tier, key_id, version, attempt, rank)
+        key id, None: unencrypted; ``version``/``attempt``/``rank``: the save, which names its lease;
+        ``whole``: reference nothing, only record the items' digests)."""
+        return SaveRefs(self, tier, key_id, version, attempt, rank, whole=whole)
 
 
 class SaveRefs:
@@ -146,7 +147,7 @@ class SaveRefs:
     (:meth:`match`) and once the rank's object is written (:meth:`remember`)."""
 
     def __init__(self, inc: Incremental, tier, key_id: str | None, version: str | None = None,
-                 attempt: str | None = None, rank: int = 0) -> None:
+                 attempt: str | None = None, rank: int = 0, *, whole: bool = False) -> None:
         self._inc = inc
         self._tier = tier
         self._key_id = key_id
@@ -154,7 +155,7 @@ class SaveRefs:
         self._digests: dict = {}
         self._present: dict = {}  # {origin object name: still in this rank's root}
         self.used: dict = {}  # {object name: RefEntry} of the earlier objects referenced
-        self._base: Baseline | None = inc.base  # the baseline of this save (read once)
+        self._base: Baseline | None = None if whole else inc.base  # the baseline of this save (read once)
         self._leased: bool | None = None  # None: not yet; True: leased and the baseline still committed
         self.lease: str | None = None  # the key of this rank's lease in its root
 

@@ -334,15 +334,18 @@ class Uploader:
         if self.remote.stat(key).size != ref.size:
             raise UploadError(f"remote object {key} has the wrong size after upload")
 
-    def _ensure_refs(self, m: Manifest) -> None:
-        """Every object ``m`` references in the remote tier (:meth:`_ensure_remote`), else :class:`UploadError`."""
+    def _ensure_refs(self, m: Manifest, committed: bool = False) -> None:
+        """Every object ``m`` references in the remote tier (:meth:`_ensure_remote`), else
+        :class:`UploadError` (``committed``: checked again after the remote commit)."""
         for ref in m.refs:
             try:
                 self._ensure_remote(ref)
             except (OSError, ObjectNotFoundError) as e:
-                raise UploadError(f"version {m.version!r} references {ref.name} of version {ref.version!r}, which the "
-                                  f"remote tier lacks and this root cannot upload ({e}); the remote commit was not "
-                                  "made") from e
+                what = ("was removed from the remote tier right after its remote commit (by something that ignores "
+                        "leases) and this root cannot upload it again" if committed else
+                        "the remote tier lacks and this root cannot upload")
+                raise UploadError(f"version {m.version!r} references {ref.name} of version {ref.version!r}, which {what} "
+                                  f"({e})" + ("" if committed else "; the remote commit was not made")) from e
 
     def _after_upload(self, version: str, entry: ObjectEntry, rank: int, key: str) -> str:
         got = self.remote.stat(key).size
@@ -416,7 +419,7 @@ class Uploader:
                     raise
                 commit_manifest(self.remote, v, body, overwrite=True, fault="remote.manifest", hint="")
             if m.refs:  # again after the commit, against a remover that ignores leases: uploaded again if gone
-                self._ensure_refs(m)
+                self._ensure_refs(m, committed=True)
         finally:
             if m.refs:
                 leases.release(self.remote, m.attempt, "remote")
