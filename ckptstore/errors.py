@@ -204,7 +204,7 @@ class UnsupportedStateError(CkptStoreError, TypeError):
 
 class CommitRefusedError(CkptStoreError):
     """A save built a manifest the reader would refuse (its placement, references, replicas or
-    metadata; docs/FORMAT.md, Save rule 9): it is not committed, and nothing blocks a retry."""
+    metadata; docs/FORMAT.md, Save rule 11): it is not committed, and nothing blocks a retry."""
 
     exit_code = 1
 

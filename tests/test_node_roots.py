@@ -180,7 +180,7 @@ def test_ranks_forked_from_one_process_then_moved_between_roots(tmp_path):
 
 @pytest.mark.parametrize("durability,replicas", [pytest.param("local", 0, marks=pytest.mark.slow), ("replicated", 1)])
 def test_a_save_whose_ranks_disagree_on_root_groups_commits_nothing(tmp_path, durability, replicas):
-    """A placement the reader would refuse is never committed (docs/FORMAT.md, Save rule 9): rank 1's
+    """A placement the reader would refuse is never committed (docs/FORMAT.md, Save rule 11): rank 1's
     stale probe in root ``a`` makes rank 0 see {0, 1} there while rank 1 sees only itself in ``b``.
     The save fails on every rank naming the disagreement, no root lists the name, and the same name
     saves once the stale probe is gone."""

@@ -117,7 +117,7 @@ class Committer(OwnLock):
         return m, body, upload_failures
 
     def check_committable(self, s, m: Manifest, body: bytes) -> None:
-        """Refuse to commit a manifest the reader would refuse (docs/FORMAT.md, Save rule 9): its
+        """Refuse to commit a manifest the reader would refuse (docs/FORMAT.md, Save rule 11): its
         bytes parse under the reader's rules (placement, references, replicas, every field), every
         object of a saving rank belongs to a root group of ``placement``, and every object of an
         earlier version it references that this root should hold (the objects of its own group's

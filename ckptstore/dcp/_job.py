@@ -284,7 +284,7 @@ def _where(local, remote) -> str:
 def opens(view: View, i: int) -> bool:
     """Group rank ``i``'s copy of the view's manifest opens with the master key rank ``i`` loads with:
     it is not encrypted, or wrapped by that key (by key id). A copy wrapped by another key — a root a
-    ``ckptstore rekey`` missed — is not used while another copy opens (docs/FORMAT.md, Read rule 11).
+    ``ckptstore rekey`` missed — is not used while another copy opens (docs/FORMAT.md, Read rule 12).
     Without a key nothing opens an encrypted copy: the reader says so."""
     kid = (view.reports[i]["committed"].get(view.version) or {}).get("key_id")
     mine = view.reports[i].get("key_id")

@@ -203,7 +203,7 @@ def copy_into(tier: LocalTier, version: str, attempt: str, manifest: bytes, meta
     if m.attempt != attempt:
         return None
     rs = set(ranks)
-    # its group's objects, and the objects of earlier versions they reference (docs/FORMAT.md, Save rule 9)
+    # its group's objects, and the objects of earlier versions they reference (docs/FORMAT.md, Save rule 11)
     for o in [*(o for o in m.objects if o.rank in rs), *(r for r in m.refs if r.rank in rs)]:
         try:
             if tier.stat(layout.object_key(getattr(o, "version", version), o.name)).size != o.size:

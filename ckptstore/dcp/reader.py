@@ -408,7 +408,7 @@ EMPTY_ROOT = "\"\""  # the command line's "no local tier"
 
 def _key_mismatch(e: KeyMismatchError, m: Manifest, master: bytes | None, where: str, store) -> KeyMismatchError:
     """The error of a manifest copy wrapped by another master key than the one given, when no copy of
-    the job opens with it (docs/FORMAT.md, Read rule 11): names the copy and, since a key rotation
+    the job opens with it (docs/FORMAT.md, Read rule 12): names the copy and, since a key rotation
     that missed this copy looks the same as a wrong key, the command that re-wraps it."""
     kid = (m.encryption or {}).get("key_id")
     if master is None or kid is None or kid == key_id(master):

@@ -440,7 +440,7 @@ class StorageWriter(_DCPStorageWriter):
                 stream = self._up.open_stream(s.version, self._shards.name(pd))
                 results, rep, refs = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream)
                 gone = refs.missing() if refs is not None and refs.used else []
-                if gone:  # removed by something that ignores leases: write those items whole (Save rule 9)
+                if gone:  # removed by something that ignores leases: write those items whole (Save rule 11)
                     log.warning("ckptstore: objects %s that save %r references were removed while it ran; writing "
                                 "every item of rank %d whole", gone[:3], s.version, s.rank)
                     if stream is not None:

@@ -20,7 +20,7 @@ Why it is safe: gc un-commits the baseline before it reads the leases; the save 
 before it reads the baseline's manifest. If gc's read misses the lease, the lease was written after
 it, so the save's check came after the un-commit and found the baseline gone: the save references
 nothing of it. Otherwise gc sees the lease and keeps the objects. The commit re-checks that every
-referenced object is still there (docs/FORMAT.md, Save rule 9) against anything that ignores leases.
+referenced object is still there (docs/FORMAT.md, Save rule 11) against anything that ignores leases.
 
 The remote commit of such a save holds a lease (``<attempt>.remote.json``) in the remote tier from
 before it makes sure every referenced object is there until its manifest is committed, and checks
