@@ -10,8 +10,11 @@ from .errors import (  # noqa: E402
     DtypeMismatchError,
     IntegrityError,
     InvalidNameError,
+    FencedError,
     JobBrokenError,
     KeyMismatchError,
+    KeyServiceError,
+    KeyServiceUnavailableError,
     ManifestError,
     PlacementError,
     Preempted,
@@ -23,6 +26,7 @@ from .errors import (  # noqa: E402
     VersionExistsError,
     VersionNotFoundError,
 )
+from .kms import KmsKey  # noqa: E402
 from .manifest.catalogue import VersionRecord  # noqa: E402
 from .store import Store  # noqa: E402
 
@@ -49,6 +53,7 @@ __all__ = [
     "StorageWriter",
     "StorageReader",
     "Store",
+    "KmsKey",
     "VersionRecord",
     "CkptStoreError",
     "IntegrityError",
@@ -57,6 +62,8 @@ __all__ = [
     "VersionExistsError",
     "DamagedVersionError",
     "KeyMismatchError",
+    "KeyServiceError",
+    "KeyServiceUnavailableError",
     "InvalidNameError",
     "StateDictKeysError",
     "DtypeMismatchError",
@@ -65,6 +72,7 @@ __all__ = [
     "ConditionalWritesError",
     "UnsupportedFormatError",
     "UnsupportedStateError",
+    "FencedError",
     "JobBrokenError",
     "CommitRefusedError",
     "PlacementError",

@@ -11,8 +11,11 @@
   ``close()``; ``close()`` also raises ``UploadError`` for versions not uploaded. A save that fails
   in a collective breaks the job (:mod:`.job`): queued saves then fail without running.
 
-The policy when the queue is full is :meth:`SaveQueue.submit`'s alone (a caller that must never
-block a training step would pass a policy there, not around it).
+The policy when the queue is full is the queue's: ``on_busy="wait"`` (above) or ``"skip"`` — a
+caller that must never block a training step (under torchft, docs/FORMAT.md Save rule 9) skips a due
+save while the queue is full (:meth:`SaveQueue.busy`; the save line says ``outcome: "skipped"``).
+With ``raise_errors=False`` a failed save is only reported (its save line, ``on_save``), never raised
+from a later call; a job that lost ranks still raises :class:`JobBrokenError`.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ class SaveQueue:
 
     :attr:`infos` lists every save's :class:`~.info.SaveInfo`, oldest first (guarded by ``lock``)."""
 
-    def __init__(self, *, writer, job, remote: bool, executor: str, max_pending: int, report: Callable) -> None:
+    def __init__(self, *, writer, job, remote: bool, executor: str, max_pending: int, report: Callable,
+                 on_busy: str = "wait", raise_errors: bool = True) -> None:
         self.executor = executor
+        self.on_busy = on_busy
+        self.raise_errors_later = raise_errors
         self._writer, self._job, self._remote, self._report = writer, job, remote, report
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._worker: threading.Thread | None = None
@@ -52,6 +58,16 @@ class SaveQueue:
         self.infos: list = []
 
     # -- starting saves ----------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """With ``on_busy="skip"``: a new save would wait (the queue is full, or a PROCESS save is in
+        flight); always False with ``"wait"``."""
+        if self.on_busy != "skip":
+            return False
+        if self.executor == "process":
+            f = self._proc_future
+            return f is not None and not f.done()
+        return self._queue.full()
+
     def submit(self, info, sd: dict, t0: float, extra: dict, deadline: float | None = None) -> None:
         """Stage ``sd`` and queue (THREAD) or hand to DCP's checkpoint subprocess (PROCESS) the save
         ``info`` (``save()`` called at monotonic ``t0``); with ``deadline`` (monotonic), waits for
@@ -177,8 +193,9 @@ class SaveQueue:
         if group_failure(e):
             self._job.lose(f"the save of step {info.step} ({info.version}) failed in a collective: {type(e).__name__}: {e}")
         info.error = f"{type(e).__name__}: {e}"
-        with self.lock:
-            self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
+        if self.raise_errors_later:
+            with self.lock:
+                self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
         log.error("ckptstore: save of %s failed: %s", info.version, e)
         self._report(info)
 
