@@ -44,6 +44,7 @@ from ..errors import (
     KeyServiceError,
     ManifestError,
     ObjectNotFoundError,
+    TransientStorageError,
     UnsupportedFormatError,
 )
 from ..manifest import layout
@@ -361,7 +362,8 @@ def check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, m
             reader = StorageReader(None, remote=tier, key=master if master is not None else _NO_KEY,
                                    version=vc.version, allow_unencrypted=True)
             md = reader.read_metadata()
-        except (KeyMismatchError, KeyServiceError) as e:
+        except (KeyMismatchError, KeyServiceError, TransientStorageError) as e:
+            # no key, or storage that did not answer: not checked, never damage (docs/FORMAT.md, Read rule 5)
             vc.issues.append(Issue("metadata", f"not checked: {e}", UNCHECKED))
             return
         except (CkptStoreError, OSError) as e:
@@ -378,6 +380,9 @@ def check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, m
             finally:
                 close()
             md = _restricted_loads(blob, entry.name)
+        except TransientStorageError as e:
+            vc.issues.append(Issue("metadata", f"not checked: {e}", UNCHECKED))
+            return
         except (CkptStoreError, OSError) as e:
             vc.issues.append(Issue("metadata", f"DCP metadata does not decode: {e}"))
             return
