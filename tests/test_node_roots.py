@@ -153,6 +153,7 @@ def test_replaced_node_loads_then_destroy_repeatedly(tmp_path, s3_url):
         assert all(o["ok"] for o in out), out
 
 
+@pytest.mark.slow  # the default set has the root-group disagreement test below (the same stale probe)
 def test_ranks_forked_from_one_process_then_moved_between_roots(tmp_path):
     """Ranks forked from one process that imported ckptstore (a forkserver, ``mp`` fork) draw their own
     root-probe nonce: a rank that wrote to root ``a`` in one job and to root ``b`` in the next is not
