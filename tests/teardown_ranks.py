@@ -31,3 +31,14 @@ def killed_or_aborted(rank, world):
     if rank == 2:
         atexit.register(_abort)
     return rank
+
+
+def big_results(rank, world, nbytes):
+    """A result far over a pipe's buffer (64 KiB), a tensor, and an object that cannot be pickled on rank 1."""
+    import threading
+
+    import torch
+
+    if rank == 1:
+        return threading.Lock()
+    return {"blob": bytes(range(256)) * (nbytes // 256), "t": torch.arange(nbytes // 4, dtype=torch.int32)}
