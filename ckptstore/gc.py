@@ -464,16 +464,19 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
 
 
 def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
-    """Root-sharing probes (``probes/r<rank>.<nonce>``) and conditional-write probes left by a killed
-    process (``probes/put-if-absent.<nonce>``) older than ``grace`` are deleted; younger ones (a save
+    """Root-sharing probes (``probes/r<rank>.<nonce>``), conditional-write probes left by a killed
+    process (``probes/put-if-absent.<nonce>``) and the temporary files of a probe write a killed
+    process left (``probes/.tmp-<random>``) older than ``grace`` are deleted; younger ones (a save
     setting up now) and anything else under ``probes/`` survive."""
     for info in s.probes:
         base = info.key[len(PROBES) + 1:]
-        if not _PROBE_NAME.fullmatch(base):
+        temporary = "/" not in base and layout.is_temporary(base)  # a probe being written, or a killed writer's
+        if not (_PROBE_NAME.fullmatch(base) or temporary):
             parts.survivors.append(Survivor(s.name, info.key, "not a root-sharing probe; left alone", info.size))
             continue
         age = now_ts - info.mtime
-        what = "conditional-write probe" if base.startswith(layout.CONDITIONAL_PROBE) else "root-sharing probe"
+        what = ("temporary file of a probe" if temporary else
+                "conditional-write probe" if base.startswith(layout.CONDITIONAL_PROBE) else "root-sharing probe")
         if age >= grace:
             parts.garbage.append(Action(s.name, DELETE, info.key, "probe",
                                         f"{what}; age {format_duration(age)} >= grace {format_duration(grace)}",
