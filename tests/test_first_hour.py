@@ -1,0 +1,58 @@
+"""What a new user meets in the first hour (single process, no dist), each a test that failed before:
+errors that say what to do, the options the docs name, one spelling of version names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.utils import CheckpointException
+
+import ckptstore
+
+
+def _save(root, version: str, value: float = 1.0, **kw) -> None:
+    w = ckptstore.StorageWriter(str(root), **kw)
+    dcp.save({"w": torch.full((4,), value)}, checkpoint_id=version, storage_writer=w)
+
+
+def _load_error(root, version: str, **kw) -> Exception:
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"w": torch.zeros(4)}, checkpoint_id=version, storage_reader=ckptstore.StorageReader(str(root), **kw))
+    return ei.value.failures[0][0] if hasattr(ei.value, "failures") else ei.value
+
+
+# -- version names outside a manager's scope, and typos ------------------------------------------------------
+def test_an_explicit_version_outside_the_managers_names_says_so_and_how_to_reach_it(tmp_path):
+    """``restore(version="model-1")`` on a manager of ``step-N`` names: before, "is not committed on
+    any root of this job" although ``model-1`` is committed; now: outside this manager's names, and
+    the two ways to load it."""
+    _save(tmp_path, "model-1")
+    mgr = ckptstore.CheckpointManager(str(tmp_path), {"m": {"w": torch.zeros(4)}})
+    try:
+        with pytest.raises(ckptstore.VersionNotFoundError) as ei:
+            mgr.restore(version="model-1")
+        msg = str(ei.value)
+        assert "'model-1' is committed, but it is outside this manager's names (names step-N)" in msg, msg
+        assert "prefix=" in msg and "checkpoint_id='model-1'" in msg, msg
+        assert mgr.restore() is None  # the manager's own choice still sees nothing of its names
+    finally:
+        mgr.close()
+    state = {"w": torch.zeros(4)}
+    with ckptstore.CheckpointManager(str(tmp_path), {"w": state}, prefix="model-", save_rng=False) as m2:
+        pass
+    dcp.load(state, checkpoint_id="model-1", storage_reader=ckptstore.StorageReader(str(tmp_path)))
+    assert torch.equal(state["w"], torch.ones(4))
+
+
+def test_a_name_typo_in_python_gets_the_clis_near_misses(tmp_path):
+    """One helper (``errors.version_not_found``) for the CLI and the Python loads: a manager's
+    ``restore(version=...)`` and ``dcp.load`` through ``StorageReader`` name the closest committed
+    version (before: no hint in Python)."""
+    _save(tmp_path, "step-000180", 180.0)
+    _save(tmp_path, "warmup-1")
+    e = _load_error(tmp_path, "step-00018")
+    assert isinstance(e, ckptstore.VersionNotFoundError) and "did you mean 'step-000180'?" in str(e), e
+    with ckptstore.CheckpointManager(str(tmp_path), {"w": torch.zeros(4)}, version_format="step-{step:06d}") as mgr:
+        with pytest.raises(ckptstore.VersionNotFoundError, match="did you mean 'step-000180'"):
+            mgr.restore(version="step-00018")
