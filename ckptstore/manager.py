@@ -83,6 +83,8 @@ class CheckpointManager:
             and plain values (see :mod:`ckptstore._manager.state`); None: pass ``state`` to each call.
         remote: ``"s3://bucket/prefix"`` to also stage every version there.
         key: master key (see :class:`ckptstore.StorageWriter`).
+        key_file: instead of ``key``, a key file (32 bytes or their base64, what ``ckptstore keygen``
+            writes; the CLI's ``--key-file``, torchtitan's ``key_file``). Not with ``key``.
         interval_steps: ``save(step, ...)`` saves when ``step % interval_steps == 0`` (or ``force``).
         retention: a :class:`ckptstore.retention.RetentionPolicy` applied after each commit.
         durability: ``"local"``, ``"replicated"`` or ``"remote"`` (see :class:`ckptstore.StorageWriter`).
@@ -161,6 +163,7 @@ class CheckpointManager:
         *,
         remote: str | None = None,
         key: Any = None,
+        key_file: str | os.PathLike | None = None,
         interval_steps: int = 1,
         retention: Any = None,
         durability: str = "local",
@@ -184,6 +187,10 @@ class CheckpointManager:
         **writer_options: Any,
     ) -> None:
         kind = _executor_kind(executor, interval_steps, max_pending, writer_options)
+        if key_file is not None:
+            from .codec.crypto import key_or_file
+
+            key = key_or_file(key, key_file)
         self._names = registry.names_of(root, prefix, version_format)
         registry.close_previous(self._names)
         _check_bounds(fall_back_after, grace_s, progress_s)

@@ -30,7 +30,8 @@ class Store:
     ``root``: local directory (created on first write); None or ``""``: no local tier (an
     S3-only store — ``""`` is never the current directory). ``remote``: ``"s3://bucket/prefix"``
     or None; endpoint/credentials from the boto3 chain or ``endpoint_url``. ``key``: master key
-    (32 bytes or a key provider) — only needed to read encrypted data, not to list.
+    (32 bytes or a key provider), or ``key_file`` (a key file, as the CLI's ``--key-file``) — only
+    needed to read encrypted data, not to list.
 
     The catalogue (:meth:`versions`, :meth:`latest`, :meth:`get`) checks the local root as the
     command line does (:func:`check_root`): without a ``remote``, a root that does not exist, is not
@@ -40,7 +41,12 @@ class Store:
     ``events.jsonl``, ``restores.jsonl``: a job that has not saved yet), is an empty store.
     """
 
-    def __init__(self, root: str | os.PathLike | None, *, remote: str | None = None, key=None, endpoint_url: str | None = None):
+    def __init__(self, root: str | os.PathLike | None, *, remote: str | None = None, key=None, endpoint_url: str | None = None,
+                 key_file: str | os.PathLike | None = None):
+        if key_file is not None:
+            from .codec.crypto import key_or_file
+
+            key = key_or_file(key, key_file)
         if root is not None and not os.fspath(root):
             root = None
         self._given_root = None if root is None else os.fspath(root)

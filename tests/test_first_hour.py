@@ -56,3 +56,32 @@ def test_a_name_typo_in_python_gets_the_clis_near_misses(tmp_path):
     with ckptstore.CheckpointManager(str(tmp_path), {"w": torch.zeros(4)}, version_format="step-{step:06d}") as mgr:
         with pytest.raises(ckptstore.VersionNotFoundError, match="did you mean 'step-000180'"):
             mgr.restore(version="step-00018")
+
+
+# -- key_file= wherever the CLI and torchtitan take a key file ---------------------------------------------------
+def test_key_file_is_accepted_by_writer_reader_store_and_manager(tmp_path):
+    """``StorageWriter(key_file=...)`` was a ``TypeError`` with no hint while ``--key-file`` and
+    torchtitan's ``key_file`` take one: the writer, the reader, ``Store`` and ``CheckpointManager``
+    accept it (the file ``ckptstore keygen`` writes), and refuse it together with ``key=``."""
+    import base64
+    import os
+
+    kf = tmp_path / "master.key"
+    key = os.urandom(32)
+    kf.write_bytes(base64.b64encode(key) + b"\n")
+    root = tmp_path / "store"
+    _save(root, "v1", 3.0, key_file=str(kf))
+    assert ckptstore.Store(str(root), key_file=kf).manifest("v1").manifest.encrypted
+    sd = {"w": torch.zeros(4)}
+    dcp.load(sd, checkpoint_id="v1", storage_reader=ckptstore.StorageReader(str(root), key_file=kf))
+    assert torch.equal(sd["w"], torch.full((4,), 3.0))
+    e = _load_error(root, "v1", key=os.urandom(32))
+    assert isinstance(e, ckptstore.KeyMismatchError), e  # encrypted with that file's key, not another
+    with ckptstore.CheckpointManager(str(tmp_path / "m"), {"w": sd}, key_file=str(kf), save_rng=False) as mgr:
+        mgr.save(1)
+    with ckptstore.CheckpointManager(str(tmp_path / "m"), {"w": {"w": torch.zeros(4)}}, key=key, save_rng=False) as mgr:
+        assert mgr.restore() == 1
+    with pytest.raises(ValueError, match="not both"):
+        ckptstore.StorageWriter(str(root), key=key, key_file=kf)
+    with pytest.raises(ckptstore.KeyMismatchError, match="cannot read key file"):
+        ckptstore.StorageReader(str(root), key_file=tmp_path / "missing.key")

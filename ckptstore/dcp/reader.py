@@ -44,7 +44,7 @@ from torch.futures import Future
 
 from .._names import check_version
 from ..codec import FrameCodec
-from ..codec.crypto import resolve_key
+from ..codec.crypto import key_or_file, resolve_key
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError, IntegrityError, StateDictKeysError, TransientStorageError
 from ..manifest.schema import Manifest, ObjectEntry
@@ -71,6 +71,7 @@ class StorageReader(_DCPStorageReader):
         root: local directory of the store (may be empty or absent when reading from S3 only).
         remote: ``"s3://bucket/prefix"`` or None.
         key: master key (32 bytes or key provider); default ``CKPTSTORE_KEY``/``CKPTSTORE_KEY_FILE``.
+        key_file: instead of ``key``, a key file (32 bytes or their base64; the CLI's ``--key-file``).
         version: version to load when no ``checkpoint_id`` is given; default the newest committed.
         allow_cast: load into destination tensors of another dtype (default: raise
             :class:`DtypeMismatchError`), and into tensor subclasses without memory of their own
@@ -116,6 +117,7 @@ class StorageReader(_DCPStorageReader):
         *,
         remote: str | None = None,
         key: Any = None,
+        key_file: str | os.PathLike | None = None,
         version: str | None = None,
         allow_cast: bool = False,
         allow_partial_load: bool | tuple = False,
@@ -143,7 +145,7 @@ class StorageReader(_DCPStorageReader):
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
-        self._keys = DataKeys(resolve_key(key))
+        self._keys = DataKeys(resolve_key(key_or_file(key, key_file)))
         self.version = check_version(version) if version is not None else None
         self.allow_cast = allow_cast
         self.allow_partial_load = allow_partial_load

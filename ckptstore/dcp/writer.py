@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._names import check_version
-from ..codec.crypto import resolve_key
+from ..codec.crypto import key_or_file, resolve_key
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError
 from ..manifest.schema import Manifest, utcnow
@@ -83,6 +83,8 @@ class StorageWriter(_DCPStorageWriter):
         remote: ``"s3://bucket/prefix"`` to also stage every version to S3, or None.
         key: master key, 32 bytes or a key provider (``get_key() -> bytes``); default
             ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE``. With a key everything is encrypted.
+        key_file: instead of ``key``, a key file (32 bytes or their base64, what ``ckptstore keygen``
+            writes; the CLI's ``--key-file``). Not with ``key`` (``ValueError``).
         version: version name when ``dcp.save`` is called without ``checkpoint_id``.
         overwrite: replace an existing version atomically instead of raising
             :class:`VersionExistsError`.
@@ -185,6 +187,7 @@ class StorageWriter(_DCPStorageWriter):
         *,
         remote: str | None = None,
         key: Any = None,
+        key_file: str | os.PathLike | None = None,
         version: str | None = None,
         overwrite: bool = False,
         step: int | None = None,
@@ -215,7 +218,7 @@ class StorageWriter(_DCPStorageWriter):
             compression=compression, level=level, durability=durability, allow_divergent_replicas=allow_divergent_replicas,
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
             incremental=bool(incremental))
-        self._keys = DataKeys(resolve_key(key))
+        self._keys = DataKeys(resolve_key(key_or_file(key, key_file)))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
         self._default_version = check_version(version) if version is not None else None

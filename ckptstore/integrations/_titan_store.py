@@ -7,7 +7,6 @@ discovery and prune of a torchtitan job, from the options of torchtitan's checkp
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -77,15 +76,10 @@ def open_manager(folder: str, *, async_mode: str, keep_latest_k: int, remote: st
             "and S3 is given as remote (override kwarg {\"remote\": \"s3://bucket/prefix\"})")
     if durability not in DURABILITY:
         raise CkptStoreError(f"durability must be one of {DURABILITY}, got {durability!r}")
-    key = None
-    if key_file:
-        from ..codec.crypto import load_key_file
-
-        key = load_key_file(os.path.expanduser(key_file))
     retention = RetentionPolicy(rules=(KeepLast(keep_latest_k),)) if keep_latest_k > 0 else None
     extra = {"endpoint_url": endpoint_url} if endpoint_url else {}
     return CheckpointManager(
-        folder, None, remote=remote, key=key, interval_steps=1, retention=retention, durability=durability,
+        folder, None, remote=remote, key_file=key_file or None, interval_steps=1, retention=retention, durability=durability,
         executor="process" if async_mode == "async_with_pinned_mem" else "thread", save_rng=False,
         prefix=PREFIX, **extra,
     )
