@@ -280,6 +280,10 @@ def test_a_damaged_newest_version_can_be_dropped(store):
     assert "v3" in [v["version"] for v in cli_json("list", store)[1]["versions"]]  # gc never removes the newest
     r = cli("drop", store, "v3")  # no terminal, no --yes: refused, nothing removed
     assert r.exit_code == 2 and "--yes" in r.output
+    # the listing it prints first is marked as a plan before the refusal (before: read as done)
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("drop v3: ") and "plan only: nothing is removed without --yes" in first, r.stdout
+    assert "nothing was removed" in r.stderr, r.stderr
     r = cli("drop", store, "v3", "--dry-run")
     assert r.exit_code == 0 and "uncommit" in r.stdout and "dry run" in r.stdout
     assert [v["version"] for v in cli_json("list", store)[1]["versions"]] == ["v2", "v3"]
