@@ -11,7 +11,9 @@ Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.Stor
 2. (all ranks) ``set_up_storage_reader(metadata, is_coordinator, rank=, use_collectives=)``.
 3. (all ranks) ``prepare_local_plan`` — unchanged.
 4. (coordinator) ``prepare_global_plan`` — refuses (``StateDictKeysError``) when the checkpoint
-   holds keys no rank asked for, unless ``allow_partial_load=True``: nothing is dropped silently.
+   holds keys no rank asked for under a top-level entry the load asks for other keys of (the
+   entries it does not ask for at all stay unread: loading the model alone, then the optimizer),
+   unless ``allow_partial_load=True``: nothing is dropped silently.
 5. (all ranks) ``read_data`` — fetches only the frames each read item overlaps (ranged, coalesced,
    in parallel), verifies each against the index and its checksum/tag, decodes, narrows by
    ``storage_offsets``/``lengths`` and copies into the destination; bytes items go through
@@ -79,7 +81,10 @@ class StorageReader(_DCPStorageReader):
             :class:`UnsupportedStateError`; the values must read back bit for bit).
         allow_partial_load: allow the checkpoint to hold keys the destination state dict lacks
             (True), or only keys starting with one of the given prefixes (a tuple of strings: e.g.
-            ``("rng/rank",)`` for per-rank values of the saving ranks in a resharded load).
+            ``("rng/rank",)`` for per-rank values of the saving ranks in a resharded load). Without
+            it, a load may leave whole top-level entries it asks nothing of unread (``{"model": ...}``
+            of a version that also holds ``"optim"``: PyTorch's recipe of loading the model, then
+            ``load_sharded_optimizer_state_dict``), but not keys of an entry it asks for.
         allow_unencrypted: accept an unencrypted version although a key is configured.
         threads: decode threads (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
         read_repair: when an object fails verification in the tier read first (local) and the
@@ -312,12 +317,21 @@ class StorageReader(_DCPStorageReader):
         unread = sorted(stored - requested)
         if isinstance(self.allow_partial_load, (tuple, list, set, frozenset)):
             unread = [k for k in unread if not k.startswith(tuple(self.allow_partial_load))]
+        # a load of whole parts (the model alone, then the optimizer: PyTorch's documented FSDP recipe
+        # with load_sharded_optimizer_state_dict) leaves the top-level entries it does not ask for at
+        # all unread; within an entry it asks for, every stored key must be asked for
+        paths = getattr(self._metadata, "planner_data", None)
+        asked = {_entry_of(k, paths) for k in requested}
+        unread = [k for k in unread if _entry_of(k, paths) in asked]
         if unread:
             shown = ", ".join(repr(k) for k in unread[:20]) + (" ..." if len(unread) > 20 else "")
+            entries = sorted({_entry_of(k, paths) for k in unread})
             raise StateDictKeysError(
-                f"version {self.version!r} holds {len(unread)} key(s) that no rank's state dict asks for: {shown}. "
+                f"version {self.version!r} holds {len(unread)} key(s) that no rank's state dict asks for, under "
+                f"{', '.join(repr(e) for e in entries)} which the load asks for other keys of: {shown}. "
                 "They would be dropped silently (e.g. per-rank entries saved on more ranks than are loading). "
-                "Load them explicitly, or pass allow_partial_load=True to StorageReader"
+                "Load them explicitly, or pass allow_partial_load=True (or a tuple of key prefixes that may stay "
+                "unread) to StorageReader"
                 + (_OPTIM_HINT if any(".state." in k for k in unread) else "")
             )
         return plans
@@ -397,6 +411,18 @@ class StorageReader(_DCPStorageReader):
             h.update(p)
         with self._alt_lock:
             self.item_digests[item_key(ri.storage_index)] = (h.intdigest(), loc)
+
+
+def _entry_of(fqn: str, paths) -> str:
+    """The top-level entry of the state dict a stored key belongs to: the first element of its
+    object path (DCP's ``planner_data``; ``"model"`` for ``{"model": {...}}``), up to its first ``.``
+    or ``/`` (``"layers"`` for a flattened ``"layers.0.w"``, ``"rng"`` for ``"rng/rank3"``)."""
+    path = paths.get(fqn) if isinstance(paths, dict) else None
+    first = str(path[0]) if isinstance(path, (tuple, list)) and path else fqn
+    for i, ch in enumerate(first):
+        if ch in "./":
+            return first[:i]
+    return first
 
 
 _OPTIM_HINT = (
