@@ -50,7 +50,7 @@ from ._manager.sink import EventSink
 from ._manager.state import StateDicts
 from ._state_keys import canonical_fqn  # noqa: F401 - public here
 from .dcp import StorageWriter
-from .errors import CkptStoreError
+from .errors import CkptStoreError, JobBrokenError
 from .events import process_start_time
 
 log = logging.getLogger("ckptstore")
@@ -560,6 +560,8 @@ class CheckpointManager:
         try:  # the loop already failed: finish what can be finished, never hide its error
             self._close(exc)
         except BaseException as e:  # noqa: BLE001
+            if isinstance(exc, JobBrokenError) and isinstance(e, JobBrokenError):
+                return  # the loop's own error says it (once)
             log.error("ckptstore: CheckpointManager.close() after %s: %s", exc_type.__name__, e)
 
 

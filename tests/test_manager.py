@@ -115,7 +115,7 @@ def _readme_example() -> str:
 
 def test_readme_training_loop_example_runs_as_written(tmp_path):
     """The README's 5-line example (save in the loop + resume), run as written inside a tiny
-    training script, twice: the second run restores step 6 and continues from step 7."""
+    training script, twice: the second run restores step 1000 and continues from step 1001."""
     example = _readme_example()
     lines = [ln for ln in example.strip().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert len(lines) <= 5, example
@@ -126,16 +126,17 @@ def test_readme_training_loop_example_runs_as_written(tmp_path):
         "def train_step():\n"
         "    model(torch.randn(4, 8)).sum().backward(); optimizer.step(); optimizer.zero_grad()\n"
         f"root = {str(tmp_path)!r}\n"
-        "steps = 7\n" + example + "\nprint('latest', mgr.latest(), 'last step', step, 'restored', mgr.last_restore)\n"
+        "import sys\nsteps = int(sys.argv[1])\n" + example
+        + "\nprint('latest', mgr.latest(), 'last step', step, 'restored', mgr.last_restore)\n"
     )
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    p = subprocess.run([sys.executable, "-c", script, "1001"], env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "latest step-6 last step 7 restored None" in p.stdout, p.stdout  # saved at 2, 4, 6
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert "latest step-1000 last step 1001 restored None" in p.stdout, p.stdout  # saved at 500, 1000
+    p = subprocess.run([sys.executable, "-c", script, "1002"], env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    # the second run restored step 6 and ran only step 7
-    assert "latest step-6 last step 7 restored RestoreInfo(version='step-6', step=6" in p.stdout, p.stdout
+    # the second run restored step 1000 and ran only steps 1001 and 1002
+    assert "latest step-1000 last step 1002 restored RestoreInfo(version='step-1000', step=1000" in p.stdout, p.stdout
 
 
 def test_advise_young_daly_and_command():
