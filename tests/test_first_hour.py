@@ -85,3 +85,33 @@ def test_key_file_is_accepted_by_writer_reader_store_and_manager(tmp_path):
         ckptstore.StorageWriter(str(root), key=key, key_file=kf)
     with pytest.raises(ckptstore.KeyMismatchError, match="cannot read key file"):
         ckptstore.StorageReader(str(root), key_file=tmp_path / "missing.key")
+
+
+# -- one spelling of version names; order never depends on it ------------------------------------------------------
+def test_unpadded_names_order_by_step_everywhere(tmp_path):
+    """``step-N`` unpadded (the manager's, torchtitan's and the README's spelling) in a store saved out
+    of name order: ``list`` (text and JSON), ``latest()``, retention (``gc --keep-last``), ``scrub``
+    and the near misses follow the steps, never the names' string order (``step-100`` < ``step-9``)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ckptstore.cli import main
+
+    def cli(*args):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    for step in (100, 9, 10):
+        _save(tmp_path, f"step-{step}", float(step), step=step)
+    assert [r.version for r in ckptstore.Store(str(tmp_path)).versions()] == ["step-9", "step-10", "step-100"]
+    assert ckptstore.Store(str(tmp_path)).latest().version == "step-100"
+    listed = [v["version"] for v in json.loads(cli("list", tmp_path, "--json").stdout)["versions"]]
+    assert listed == ["step-9", "step-10", "step-100"]
+    text = cli("list", tmp_path).stdout
+    assert text.index("step-9 ") < text.index("step-10 ") < text.index("step-100 "), text
+    r = cli("scrub", tmp_path)
+    assert r.exit_code == 0 and r.stdout.index("step-9") < r.stdout.index("step-100"), r.stdout
+    plan = json.loads(cli("gc", tmp_path, "--keep-last", "2", "--dry-run", "--json").stdout)["plan"]
+    assert [a["version"] for a in plan["actions"] if a["op"] == "uncommit"] == ["step-9"]
+    e = _load_error(tmp_path, "step-1000")
+    assert "did you mean one of 'step-100', 'step-10'?" in str(e), e  # closest first
