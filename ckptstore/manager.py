@@ -286,7 +286,7 @@ class CheckpointManager:
         state = self.state if state is None else state
         if state is None:
             raise TypeError("no state: pass CheckpointManager(root, state) or state= to this call")
-        if callable(state) and not isinstance(state, dict):
+        if callable(state) and not isinstance(state, dict) and not hasattr(state, "state_dict"):
             state = state()  # built only when a save starts (save(step, lambda: ...))
         return state
 

@@ -160,3 +160,25 @@ def test_advise_young_daly_and_command():
     assert r.exit_code == 0 and "checkpoint every" in r.output and "steps" in r.output, r.output
     r = CliRunner().invoke(cli_main, ["advise", "--mtbf", "soon", "--cost", "2"])
     assert r.exit_code == 2 and "not a duration" in r.output
+
+
+def test_interval_none_saves_only_when_forced_and_builds_a_callable_state_only_then(tmp_path):
+    """``interval_steps=None`` (a framework decides when to save, as torchtitan's checkpointer): a
+    plain ``save(step)`` saves nothing and does not build the state it is given as a callable;
+    ``force=True`` builds it once and saves."""
+    import torch
+
+    import ckptstore
+
+    built = []
+
+    def state():
+        built.append(1)
+        return {"w": torch.ones(3)}
+
+    with ckptstore.CheckpointManager(str(tmp_path), interval_steps=None, save_rng=False) as mgr:
+        assert [mgr.save(s, state) for s in (1, 2, 100)] == [False] * 3 and built == []
+        assert mgr.save(3, state, force=True) and built == [1]
+    assert [r.version for r in ckptstore.Store(str(tmp_path)).versions()] == ["step-3"]
+    with pytest.raises(ValueError, match="or None"):
+        ckptstore.CheckpointManager(str(tmp_path / "x"), interval_steps=0)

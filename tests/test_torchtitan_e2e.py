@@ -1,6 +1,6 @@
 """torchtitan's own trainer checkpointing through ckptstore, end to end (opt-in).
 
-Skipped unless torchtitan is installed (``pip install 'ckptstore[torchtitan]'``; on a CPU-only
+Skipped unless torchtitan is installed (``pip install -e '.[torchtitan]'`` in the clone; on a CPU-only
 torch also ``triton``, which torchtitan imports: docs/TESTING.md, "torchtitan"). Real ``torchrun``
 jobs of ``torchtitan.train`` (through ``tests/titan_cpu.py``, the CPU launcher) training the
 ``llama3_debugmodel`` (6.2 M parameters) with ``--override.imports
@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
-    reason="torchtitan is not installed (pip install 'ckptstore[torchtitan]'; see docs/TESTING.md, 'torchtitan')",
+    reason="torchtitan is not installed (pip install -e '.[torchtitan]' triton; see docs/TESTING.md, 'torchtitan')",
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
