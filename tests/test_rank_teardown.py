@@ -120,12 +120,10 @@ def test_results_over_a_pipe_buffer_and_tensors_come_back_and_unpicklable_ones_f
     import torch
 
     t0 = time.monotonic()
-    with pytest.raises(RankFailure) as ei:
-        run_ranks(teardown_ranks.big_results, 2, 4 << 20, timeout=120)
-    assert time.monotonic() - t0 < 110
-    assert set(ei.value.failures) == {1} and "could not be pickled" in ei.value.failures[1], ei.value.failures
     job = Ranks(teardown_ranks.big_results, 2, 4 << 20)
     assert job.wait(120) == {0: 0, 1: 1}
+    assert time.monotonic() - t0 < 110 and not job.timed_out
+    assert job.results[1][0] == "err" and "could not be pickled" in job.results[1][1], job.results[1]
     out = job.results[0][1]
     assert out["blob"] == bytes(range(256)) * (4 << 12)
     assert torch.equal(out["t"], torch.arange(1 << 20, dtype=torch.int32))
