@@ -9,8 +9,11 @@ from .errors import (  # noqa: E402
     DtypeMismatchError,
     IntegrityError,
     InvalidNameError,
+    FencedError,
     JobBrokenError,
     KeyMismatchError,
+    KeyServiceError,
+    KeyServiceUnavailableError,
     ManifestError,
     Preempted,
     StateDictKeysError,
@@ -22,6 +25,7 @@ from .errors import (  # noqa: E402
     VersionExistsError,
     VersionNotFoundError,
 )
+from .kms import KmsKey  # noqa: E402
 from .manifest.catalogue import VersionRecord  # noqa: E402
 from .store import Store  # noqa: E402
 
@@ -48,6 +52,7 @@ __all__ = [
     "StorageWriter",
     "StorageReader",
     "Store",
+    "KmsKey",
     "VersionRecord",
     "CkptStoreError",
     "IntegrityError",
@@ -56,6 +61,8 @@ __all__ = [
     "VersionExistsError",
     "DamagedVersionError",
     "KeyMismatchError",
+    "KeyServiceError",
+    "KeyServiceUnavailableError",
     "InvalidNameError",
     "StateDictKeysError",
     "DtypeMismatchError",
@@ -65,6 +72,7 @@ __all__ = [
     "ConditionalWritesError",
     "UnsupportedFormatError",
     "UnsupportedStateError",
+    "FencedError",
     "JobBrokenError",
     "Preempted",
 ]

@@ -10,7 +10,8 @@ A report (one per rank, in group-rank order)::
 
     {"rank": 3, "root": "/nvme/ckpt",
      "committed": {version: {"attempt", "created", "seq", "step", "damaged", "objects": [names],
-                             "world_size", "nbytes", "supersedes": [attempts], "md5"}},
+                             "world_size", "nbytes", "supersedes": [attempts], "md5",
+                             "nonfinite": None | {"count", "items", "first"}}},
      "parts":     {version: {attempt: [object names present in this root]}},
      "remote": None | {version: {"attempt": str | None (None: not read), "damaged", ...as committed}},
      "remote_error": None | "why the remote tier could not be read",
@@ -29,6 +30,8 @@ The rules, in order, for each version name, newest first (docs/FORMAT.md, "Order
    be committed and unmarked; otherwise skipped.
 7. **Restart loop.** With ``fall_back_after=K``, a version restored K times in a row with nothing
    newer committed in between is skipped.
+8. **Numerical health.** Unless ``allow_nonfinite``, a version whose manifest records NaN/Inf values
+   (``nonfinite.count > 0``) is skipped; one whose values were not counted is not.
 
 Every skipped version is recorded with its reason (:class:`Skipped`); an explicit ``version``
 skips nothing: it is loaded or the reason is raised.
@@ -43,6 +46,7 @@ from typing import Mapping
 from .errors import (CkptStoreError, DamagedVersionError, IntegrityError, ManifestError, TransientStorageError,
                      VersionNotFoundError, version_not_found)
 from .manifest.order import order_key, resolve
+from .manifest.schema import nonfinite_text
 
 #: kinds of :attr:`Skipped.kind`
 DAMAGED = "damaged"
@@ -50,13 +54,14 @@ MISSING = "missing"
 UNVERIFIED = "unverified"
 SHAPE = "shape"
 RESTARTS = "restarts"
+NONFINITE = "nonfinite"
 
 
 @dataclasses.dataclass(frozen=True)
 class Skipped:
     """A version the restore passed over: ``kind`` (``damaged``, ``missing``, ``unverified``,
-    ``shape``, ``restarts``), a sentence ``reason``, and where known the ``object`` and the place
-    (``where``: a root or the remote tier) it concerns."""
+    ``shape``, ``restarts``, ``nonfinite``), a sentence ``reason``, and where known the ``object``
+    and the place (``where``: a root or the remote tier) it concerns."""
 
     version: str
     attempt: str
@@ -304,8 +309,9 @@ class _Choice:
         return version_not_found(version, f"any root of this job or the {where}" if where else "any root of this job",
                                  in_scope)
 
-    def walk(self, *, world_size: int | None, reshard: bool, fall_back_after: int | None) -> tuple[View | None, list]:
-        """Rules 3-7 for each version, newest first: the view of the first loadable one (None: none
+    def walk(self, *, world_size: int | None, reshard: bool, fall_back_after: int | None,
+             allow_nonfinite: bool = False) -> tuple[View | None, list]:
+        """Rules 3-8 for each version, newest first: the view of the first loadable one (None: none
         is), and every version passed over before it with its reason."""
         skipped: list[Skipped] = []
         newer: dict[str, list] = {}  # every version ordered before the current one was skipped
@@ -318,6 +324,9 @@ class _Choice:
             if why is None and fall_back_after and vw.restore_count >= fall_back_after:
                 why = Skipped(v, f["attempt"], RESTARTS, f"restored {vw.restore_count} times in a row and the job ended "
                               f"each time before committing anything newer (fall_back_after={fall_back_after})")
+            if why is None and not allow_nonfinite and (f.get("nonfinite") or {}).get("count"):
+                why = Skipped(v, f["attempt"], NONFINITE, f"its tensors hold {nonfinite_text(f['nonfinite'])} "
+                              "(recorded at save; allow_nonfinite=True or naming the version loads it)")
             if why is None:
                 vw.skipped, vw.newer = skipped, newer
                 return vw, skipped
@@ -365,6 +374,7 @@ def decide(
     empty_ok: bool = False,
     bad: frozenset | set = frozenset(),
     notes: Mapping[tuple, object] | None = None,
+    allow_nonfinite: bool = False,
 ) -> View | None:
     """The :class:`View` of a load (see the module docstring). Raises the same error on every rank
     when nothing can be loaded: :class:`VersionNotFoundError` (nothing committed, or no version
@@ -381,12 +391,14 @@ def decide(
     that rank's root does not serve that object, so the view routes it to another root that holds a
     copy (a replica, the primary) or the remote tier (rule 4 at the level of one copy); ``notes``:
     ``{(name, attempt): reason or (reason, object)}`` — why copies of that version are in ``bad``
-    (reported as ``unverified`` when no other copy is left).
+    (reported as ``unverified`` when no other copy is left); ``allow_nonfinite``: do not skip versions
+    that hold NaN/Inf values (rule 8).
     """
     choice = _Choice(reports, exclude=exclude, scope=scope, bad=bad, notes=notes)
     if version is not None:
         return choice.explicit(version, where)
-    view, skipped = choice.walk(world_size=world_size, reshard=reshard, fall_back_after=fall_back_after)
+    view, skipped = choice.walk(world_size=world_size, reshard=reshard, fall_back_after=fall_back_after,
+                                allow_nonfinite=allow_nonfinite)
     if view is not None:
         return view
     return choice.nothing_loadable(skipped, where, empty_ok)
@@ -418,4 +430,4 @@ def version_pattern(prefix: str = "", version_format: str | None = None) -> str:
 
 
 __all__ = ["Skipped", "View", "decide", "restore_count", "version_pattern", "DAMAGED", "MISSING", "UNVERIFIED",
-           "SHAPE", "RESTARTS"]
+           "SHAPE", "RESTARTS", "NONFINITE"]

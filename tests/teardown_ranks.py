@@ -25,7 +25,13 @@ def _abort() -> None:
 
 
 def killed_or_aborted(rank, world):
-    """Rank 0 returns; rank 1 is SIGKILLed before returning; rank 2 returns, then dies by SIGABRT at exit."""
+    """Rank 0 returns; rank 1 is SIGKILLed before returning; rank 2 returns, then dies by SIGABRT at exit.
+
+    A barrier first: gloo connects its full mesh lazily per pair, and a rank killed before its peers
+    connected to it fails them too ("Connection closed by peer")."""
+    import torch.distributed as dist
+
+    dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 2:

@@ -50,7 +50,7 @@ def _facts(m, damaged: bool) -> dict:
     return {"attempt": m.attempt, "created": m.created, "seq": m.seq, "step": m.step, "damaged": damaged,
             "objects": sorted(o.name for o in m.all_objects()), "world_size": m.world_size, "nbytes": m.nbytes,
             "supersedes": sorted(m.superseded_attempts), "groups": len(m.placement or ()) or 1,
-            "refs": sorted([r.name, r.version, r.attempt] for r in m.refs)}
+            "refs": sorted([r.name, r.version, r.attempt] for r in m.refs), "nonfinite": m.nonfinite}
 
 
 def _report(local, first: bool, rank: int) -> dict:

@@ -42,8 +42,8 @@ def object_result(rep: ObjectReport, nbytes: int) -> WriteResult:
     return WriteResult(MetadataIndex(SENTINEL + f"object/{rep.rank}"), nbytes, rep)
 
 
-def root_result(rank: int, group: tuple) -> WriteResult:
-    return WriteResult(MetadataIndex(SENTINEL + f"root/{rank}"), 0, RootReport(rank, group))
+def root_result(rank: int, group: tuple, domain: str = "") -> WriteResult:
+    return WriteResult(MetadataIndex(SENTINEL + f"root/{rank}"), 0, RootReport(rank, group, domain))
 
 
 def upload_failure_result(failed: UploadFailure) -> WriteResult:
