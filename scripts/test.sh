@@ -16,4 +16,4 @@ fi
 . .venv/bin/activate
 MARK=(-m "not slow")
 if [ "${CKPTSTORE_FULL:-0}" = "1" ]; then MARK=(); fi
-exec python -m pytest -q -p no:logging "${MARK[@]}" "$@"
+exec python -m pytest -q -p no:logging --durations=25 "${MARK[@]}" "$@"
