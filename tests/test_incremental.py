@@ -310,7 +310,7 @@ def test_read_repair_rewrites_a_damaged_referenced_object_of_an_encrypted_store(
     assert open(path, "rb").read() == good
 
 
-# -- an in-flight save's references (docs/FORMAT.md, "References", Delete rule 12) ---------------------------
+# -- an in-flight save's references (docs/FORMAT.md, "References", Delete rule 13) ---------------------------
 class _Gated(__import__("torch.distributed.checkpoint.default_planner", fromlist=["x"]).DefaultSavePlanner):
     """Calls ``hook(fqn)`` before DCP hands each write item's data to the writer."""
 

@@ -21,7 +21,7 @@ writer's scope committed in its root — its manifest and DCP metadata object, w
 each such rank its own items in its global plan (:func:`store_baseline`), so no rank reads more than
 its share.
 
-**What the save references stays until it commits** (docs/FORMAT.md, "References", Delete rule 12):
+**What the save references stays until it commits** (docs/FORMAT.md, "References", Delete rule 13):
 at its first reference, a rank writes its lease on every object its baseline may name into its root
 (``manifest/leases.py``), *then* checks that the baseline is still committed there — if not (a
 ``drop`` or ``gc`` removed it since), the save references nothing and writes every item whole. gc and

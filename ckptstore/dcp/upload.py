@@ -403,7 +403,7 @@ class Uploader:
             mk = seen[r]
             if mk.get("size") != o.size or mk.get("digest") != o.digest:
                 raise UploadError(f"version {v!r}: rank {r}'s uploaded object does not match the manifest")
-        if m.refs:  # a remote gc must not remove them before this commit names them (docs/FORMAT.md, Delete rule 12)
+        if m.refs:  # a remote gc must not remove them before this commit names them (docs/FORMAT.md, Delete rule 13)
             leases.write(self.remote, v, m.attempt, "remote", [layout.object_key(r.version, r.name) for r in m.refs])
         try:
             self._ensure_refs(m)  # every referenced object in the remote tier before it commits there

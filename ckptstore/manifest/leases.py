@@ -1,5 +1,5 @@
 """Leases: what a save in flight references of earlier versions (docs/FORMAT.md, "References",
-Delete rule 12).
+Delete rule 13).
 
 A manifest protects what it names only once it is committed; an incremental save references frames
 of an earlier version (its *baseline*) long before that. So a save protects them itself, across
