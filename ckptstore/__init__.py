@@ -4,6 +4,7 @@ from ._version import __version__  # noqa: E402,F401
 
 from .errors import (  # noqa: E402
     CkptStoreError,
+    CommitRefusedError,
     ConditionalWritesError,
     DamagedVersionError,
     DtypeMismatchError,
@@ -15,6 +16,7 @@ from .errors import (  # noqa: E402
     KeyServiceError,
     KeyServiceUnavailableError,
     ManifestError,
+    PlacementError,
     Preempted,
     StateDictKeysError,
     StorageError,
@@ -74,5 +76,7 @@ __all__ = [
     "UnsupportedStateError",
     "FencedError",
     "JobBrokenError",
+    "CommitRefusedError",
+    "PlacementError",
     "Preempted",
 ]

@@ -49,6 +49,8 @@ __all__ = [
     "StateDictKeysError",
     "UnsupportedStateError",
     "JobBrokenError",
+    "CommitRefusedError",
+    "PlacementError",
     "Preempted",
 ]
 
@@ -231,6 +233,17 @@ class UnsupportedStateError(CkptStoreError, TypeError):
     before anything is committed)."""
 
     exit_code = 1
+
+
+class CommitRefusedError(CkptStoreError):
+    """A save built a manifest the reader would refuse (its placement, references, replicas or
+    metadata; docs/FORMAT.md, Save rule 11): it is not committed, and nothing blocks a retry."""
+
+    exit_code = 1
+
+
+class PlacementError(CommitRefusedError):
+    """The ranks of a save disagree on which of them share a root (docs/FORMAT.md, "Placement")."""
 
 
 class JobBrokenError(CkptStoreError):

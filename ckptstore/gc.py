@@ -1,4 +1,4 @@
-"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-12).
+"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-13).
 
 ``ckptstore gc`` works in three steps:
 
@@ -64,7 +64,7 @@ from typing import Callable, Iterable, Mapping
 
 from . import _faults
 from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError, version_not_found
-from .manifest import catalogue, layout, placement
+from .manifest import catalogue, layout, leases, placement
 from .manifest.order import order_key
 from .manifest.schema import Manifest, parse
 from .retention import Decision, RetentionPolicy, across_tiers, format_duration
@@ -106,6 +106,7 @@ class TierSnapshot:
     uploads: list[Upload] = dataclasses.field(default_factory=list)
     empty_dirs: list[ObjectInfo] = dataclasses.field(default_factory=list)  # local only
     probes: list[ObjectInfo] = dataclasses.field(default_factory=list)  # probes/ (root-sharing probes)
+    leases: list = dataclasses.field(default_factory=list)  # leases/ of saves in flight (manifest.leases.Lease)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +238,7 @@ def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
         uploads.sort(key=lambda u: (u.key, u.upload_id))
     empty_dirs = sorted(tier.list_empty_dirs(layout.VERSIONS + "/"), key=lambda i: i.key)
     probes = sorted(tier.list(PROBES + "/"), key=lambda i: i.key)
-    return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs, probes)
+    return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs, probes, leases.read(tier))
 
 
 def _upload(u) -> Upload:
@@ -316,17 +317,20 @@ def plan(
         decisions[s.name] = ds = policy.decide(s.name, recs, now, protect=protect)
         sizes = {i.key: i for i in s.listing}
         kept_refs = catalogue.referenced(s.entries, exclude={d.version for d in ds if not d.keep})
+        leased = leases.live(s.leases, now.timestamp(), leases.ttl_for(grace))
         for d in ds:
             if not d.keep:
                 acts = version_actions(s.name, d.version, s.entries[d.version].manifest, "; ".join(d.reasons), sizes,
-                                       referenced=kept_refs)
+                                       referenced=kept_refs, leased=leased)
                 parts.add_version(acts)
-                parts.survivors.extend(_kept_references(s.name, d.version, s.entries[d.version].manifest, kept_refs, sizes))
+                parts.survivors.extend(_kept_references(s.name, d.version, s.entries[d.version].manifest, kept_refs, sizes,
+                                                        leased))
         elsewhere = _split_parts_elsewhere(s, snaps)
         _plan_garbage(s, {layout.version_dir(d.version) + "/" for d in ds if not d.keep}, now.timestamp(), grace, parts,
-                      elsewhere)
+                      elsewhere, leased)
         _plan_uploads_and_dirs(s, now.timestamp(), grace, parts)
         _plan_probes(s, now.timestamp(), grace, parts)
+        _plan_leases(s, now.timestamp(), grace, parts)
     return GcPlan(now=now, grace=float(grace), policy=policy, tiers=[s.name for s in snaps], decisions=decisions,
                   actions=parts.actions(), survivors=parts.survivors, problems=parts.problems)
 
@@ -376,12 +380,13 @@ def _split_parts_elsewhere(s: TierSnapshot, snaps: list[TierSnapshot]) -> dict[s
 
 
 def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace: float, parts: _Parts,
-                  elsewhere: Mapping[str, tuple[str, str]] | None = None) -> None:
+                  elsewhere: Mapping[str, tuple[str, str]] | None = None, leased: Mapping[str, list] | None = None) -> None:
     """Objects no committed manifest references: deleted once older than ``grace``, else survivors.
 
     ``elsewhere``: attempt directories of split versions another tier commits (see
     :func:`_split_parts_elsewhere`): their objects here are this root's part of a committed version
-    whose manifest copy has not arrived (Delete rule 10) and are left alone.
+    whose manifest copy has not arrived (Delete rule 10) and are left alone. ``leased``: objects a
+    save in flight references (``leases.live``): left alone (Delete rule 13).
     """
     committed = _Committed.of(s, {i.key: i for i in s.listing})
     skip_dirs = set()
@@ -399,6 +404,8 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
                                                 f"referenced by {by}; kept", info.size))
             continue
         left_alone = _left_alone(info.key, skip_dirs)
+        if left_alone is None and leased and info.key in leased:
+            left_alone = f"{leased[info.key][0].describe()}; kept"
         if left_alone is None and elsewhere:
             adir = info.key.rsplit("/", 1)[0] + "/"
             if adir in elsewhere:
@@ -525,15 +532,32 @@ def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) ->
                                             f"(age {format_duration(age)} < {format_duration(grace)})", info.size))
 
 
+def _plan_leases(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
+    """Leases older than the lease time (``leases.ttl_for(grace)``: their save is gone) are deleted;
+    younger ones protect what they name (Delete rule 13)."""
+    ttl = leases.ttl_for(grace)
+    for lease in s.leases:
+        age = now_ts - lease.mtime
+        if age >= ttl:
+            parts.garbage.append(Action(s.name, DELETE, lease.key, "lease",
+                                        f"lease of a save that is gone; age {format_duration(age)} >= "
+                                        f"{format_duration(ttl)}", size=lease.size, mtime=lease.mtime))
+        else:
+            parts.survivors.append(Survivor(s.name, lease.key, f"lease of a save in flight ({lease.version!r}, "
+                                            f"{lease.holder}; age {format_duration(age)} < {format_duration(ttl)})",
+                                            lease.size))
+
+
 def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
                     listing: Mapping[str, ObjectInfo] | None = None, *, force: bool = False,
-                    referenced: Mapping[str, list] | None = None) -> list[Action]:
+                    referenced: Mapping[str, list] | None = None, leased: Mapping[str, list] | None = None) -> list[Action]:
     """The actions that delete one committed version: un-commit, then its objects and damage mark
     (with ``force``, a pinned version too: the un-commit ignores the pin, and the pin goes last).
     Objects in ``referenced`` (``{key: [versions]}``: frames another committed manifest of the tier
-    references, docs/FORMAT.md "References") are kept; they become garbage once no committed
-    manifest references them."""
+    references, docs/FORMAT.md "References") or ``leased`` (``{key: [Lease]}``: frames a save in flight
+    references, Delete rule 13) are kept; they become garbage once nothing references them."""
     referenced = referenced or {}
+    leased = leased or {}
     d = layout.version_dir(version) + "/"
 
     def size(key: str) -> int:
@@ -546,8 +570,8 @@ def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
         key = d + o.name
         if listing is not None and key not in listing:
             continue  # already missing: nothing to delete
-        if key in referenced:
-            continue  # frames of it are referenced by a version that stays
+        if key in referenced or key in leased:
+            continue  # frames of it are referenced by a version that stays, or by a save in flight
         out.append(Action(tier, DELETE, key, "version-object", f"object of deleted version {version!r}", version=version,
                           attempt=manifest.attempt, size=size(key) if listing is not None else o.size))
     adir = d + layout.attempt_dir(manifest.attempt) + "/"
@@ -576,12 +600,22 @@ def apply(
     Never raises for storage errors: they are collected in :attr:`GcResult.failed`.
     """
     actions = the_plan.actions if isinstance(the_plan, GcPlan) else list(the_plan)
+    now = the_plan.now if isinstance(the_plan, GcPlan) else _dt.datetime.now(_dt.timezone.utc)
+    ttl = leases.ttl_for(the_plan.grace if isinstance(the_plan, GcPlan) else 0.0)
     res = GcResult()
     blocked: set[tuple[str, str]] = set()  # (tier, version) whose un-commit did not happen
+    leased: dict[str, dict] = {}  # tier -> what the leases protect, read after the run's un-commits
     for a in actions:
         tier = tiers.get(a.tier)
         try:
-            why = f"no {a.tier} tier in this store" if tier is None else _apply_one(tier, a, tiers, blocked)
+            if tier is not None and a.op == DELETE and a.kind in ("version-object", "garbage") and a.tier not in leased:
+                # after every un-commit of this run, before its first deletion (docs/FORMAT.md, Delete rule 13)
+                leased[a.tier] = leases.live(leases.read(tier), now.timestamp(), ttl)
+            lease = leased.get(a.tier, {}).get(a.key) if a.op == DELETE else None
+            if lease:
+                why = f"{lease[0].describe()}; kept"
+            else:
+                why = f"no {a.tier} tier in this store" if tier is None else _apply_one(tier, a, tiers, blocked)
         except (CkptStoreError, OSError) as e:
             if a.op == UNCOMMIT:
                 blocked.add((a.tier, a.version))
@@ -744,6 +778,9 @@ def _reclaim_superseded(tier: Tier, name: str, entries: Mapping, referenced: Map
     try:
         listing = [i for d in dirs for i in tier.list(d)]
         acts = superseded_actions(name, entries, listing, referenced, policy.in_scope)
+        if acts:  # read before the first deletion: what a save in flight references stays (Delete rule 13)
+            leased = leases.live(leases.read(tier), _dt.datetime.now(_dt.timezone.utc).timestamp(), leases.TTL)
+            acts = [a for a in acts if a.key not in leased]
     except Exception as e:  # noqa: BLE001 - the save is committed; this is best effort
         log.warning("retention: could not list superseded attempts in the %s tier: %s", name, e)
         return
@@ -807,8 +844,11 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
             continue
         why = REASON_DROP + (" (marked damaged)" if e.damaged else "")
         refs_here = catalogue.referenced(catalogue.scan(t), exclude={version})
-        parts.add_version(version_actions(n, version, e.manifest, why, listing, force=force, referenced=refs_here))
-        parts.survivors.extend(_kept_references(n, version, e.manifest, refs_here, listing))
+        now_ts = (now or _dt.datetime.now(_dt.timezone.utc)).timestamp()
+        leased = leases.live(leases.read(t), now_ts, leases.TTL)
+        parts.add_version(version_actions(n, version, e.manifest, why, listing, force=force, referenced=refs_here,
+                                          leased=leased))
+        parts.survivors.extend(_kept_references(n, version, e.manifest, refs_here, listing, leased))
         m = e.manifest
         decisions[n] = [Decision(version, False, (why,), m.created_dt, m.step, m.attempt, e.pinned, e.damaged)]
     if pinned_in and not force:
@@ -824,15 +864,21 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
 
 
 def _kept_references(tier: str, version: str, manifest: Manifest, referenced: Mapping[str, list],
-                     listing: Mapping[str, ObjectInfo]) -> list[Survivor]:
-    """The objects of a deleted ``version`` that stay because other versions reference them."""
+                     listing: Mapping[str, ObjectInfo], leased: Mapping[str, list] | None = None) -> list[Survivor]:
+    """The objects of a deleted ``version`` that stay because other versions, or saves in flight
+    (``leased``), reference them."""
     d = layout.version_dir(version) + "/"
     out = []
     for o in manifest.all_objects():
         key = d + o.name
-        if key in referenced and key in listing:
+        if key not in listing:
+            continue
+        if key in referenced:
             by = ", ".join(repr(v) for v in sorted(referenced[key]))
             out.append(Survivor(tier, key, f"object of deleted version {version!r} referenced by {by}; kept",
+                                listing[key].size))
+        elif leased and key in leased:
+            out.append(Survivor(tier, key, f"object of deleted version {version!r} {leased[key][0].describe()}; kept",
                                 listing[key].size))
     return out
 

@@ -265,6 +265,8 @@ class CheckpointManager:
         self._reader_options = {k: writer_options[k] for k in ("endpoint_url", "threads") if k in writer_options}
         # the writer refuses any save by another number of ranks (docs/FORMAT.md, Save rule 6)
         writer_options.setdefault("world_size", world_size())
+        # an incremental save without a baseline in memory takes the newest version of this scope
+        writer_options.setdefault("scope", self.scope)
         self._writer = StorageWriter(self.root, remote=self.remote, key=key, durability=durability, retention=retention,
                                      max_staged=max_pending + 1, **writer_options)
         self._job = Job(group_timeout_s)
@@ -330,7 +332,10 @@ class CheckpointManager:
         has learnt it saves ``step`` whether due or not, waits for the commit within the grace period
         and raises :class:`~ckptstore.errors.Preempted` (exit status 143 for SIGTERM when not caught;
         ``saved=False`` when it could not save in time). Call ``save(step)`` at every step, on every
-        rank, for the signal to be noticed within a step."""
+        rank, for the signal to be noticed within a step. With several managers in the process (a
+        model manager and a ``prefix="loader-"`` one) every one of them hears the signal and saves the
+        same step; the last one called at that step raises, the others return True (their next
+        ``save()`` raises) — see :mod:`ckptstore._manager.signals`."""
         t0 = time.monotonic()
         self._note_step(step, t0)
         if self._preempt.preempted is not None:
@@ -339,9 +344,10 @@ class CheckpointManager:
         if self._closed:
             raise CkptStoreError("CheckpointManager is closed")
         if self._preempt.due():
-            pre = self._preempt.poll()
+            pre = self._preempt.check(step)
             if pre is not None:
-                self._preempt_save(step, state, metadata, pre, t0)  # raises Preempted
+                self._preempt_save(step, state, metadata, pre, t0)  # raises Preempted (the process's last manager)
+                return True
         if not (force or self.due(step)):
             self._events.progress(step, t0, None)
             return False
@@ -391,7 +397,9 @@ class CheckpointManager:
 
     # -- preemption (ckptstore._manager.preempt) ---------------------------------------------------
     def _preempt_save(self, step: int, state, metadata, pre: tuple, t0: float) -> None:
-        """The forced save of ``step`` after a preemption signal; always raises :class:`Preempted`."""
+        """The forced save of ``step`` after a preemption signal; raises :class:`Preempted` when this is
+        the last manager of the process to save that step (``signals.SignalHub``: every manager saves
+        the same step), else returns (the next ``save()`` call raises it)."""
         self._preempt.adopt(pre)
         version = self.version_name(step)
         in_flight = self._in_flight()
@@ -405,7 +413,11 @@ class CheckpointManager:
         last = self._preempt.save_last(step, version, pre, start, lambda: self._committed_locally(version),
                                        self.remote is not None)
         self._events.progress(step, t0, version if last.info is not None else None)
-        raise self._preempt.stop_loop(step, version, pre, last, in_flight)
+        exc = self._preempt.stop_loop(step, version, pre, last, in_flight)
+        if self._preempt.last_of_process():
+            raise exc
+        log.warning("ckptstore: %s saved step %d; the process stops once its other managers saved it too",
+                    self.version_name(step), step)
 
     def _save_here(self, step: int, state, metadata, t0: float, deadline: float | None) -> SaveInfo:
         """PROCESS executor, the last save before exiting: once the save in flight has finished (its

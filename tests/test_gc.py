@@ -646,6 +646,32 @@ def test_gc_s3_only(tmp_path, monkeypatch, request):
     assert not [i.key for i in st.remote.list("versions/") if not i.key.startswith("versions/s6/")]
 
 
+def test_a_lease_keeps_what_a_save_in_flight_references_until_it_expires(tmp_path):
+    """Delete rule 13: ``drop`` un-commits a version but keeps the objects a live lease names (and says
+    why in its plan); once the lease is older than the lease time, gc deletes it and those objects."""
+    from ckptstore.manifest import leases
+
+    root = str(tmp_path)
+    for v in ("v1", "v2"):
+        dcp.save({"w": torch.randn(1000)}, checkpoint_id=v, storage_writer=ckptstore.StorageWriter(root))
+    t = LocalTier(root)
+    m1 = catalogue.read_manifest(t, "v1").manifest
+    obj = layout.object_key("v1", m1.objects[0].name)
+    lease = leases.write(t, "v3", "20261201T000000-000000000000-00001", "r00000", [obj])
+    st = ckptstore.Store(root)
+    plan = G.plan_drop(st, "v1")
+    assert obj not in {a.key for a in plan.actions}
+    assert any(s.key == obj and "leased by the save of 'v3' in flight" in s.reason for s in plan.survivors), plan.survivors
+    assert G.apply(st.tiers, plan).ok
+    assert [r.version for r in ckptstore.Store(root).versions()] == ["v2"] and t.exists(obj)
+    _plan, res = G.run(st.tiers, None, grace=0)  # the lease is younger than the lease time: kept
+    assert res.ok and t.exists(obj) and t.exists(lease)
+    old = t.stat(lease).mtime - leases.TTL - 1
+    os.utime(t.local_path(lease), (old, old))  # its save died more than the lease time ago
+    _plan, res = G.run(st.tiers, None, grace=0)
+    assert res.ok and not t.exists(obj) and not t.exists(lease)
+
+
 # -- superseded attempts (docs/FORMAT.md, Delete rule 12) -------------------------------------------------
 def _attempt_dirs(root: str) -> dict[str, list[str]]:
     """``{version dir name: [attempt dirs]}`` on disk."""

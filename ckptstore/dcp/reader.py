@@ -49,9 +49,9 @@ from torch.futures import Future
 from .. import _groups
 from .._names import check_version
 from ..codec import FrameCodec
-from ..codec.crypto import key_or_file
+from ..codec.crypto import RawKey, key_or_file
 from ..codec.stages import env_threads
-from ..errors import CkptStoreError, IntegrityError, StateDictKeysError, TransientStorageError
+from ..errors import CkptStoreError, IntegrityError, KeyMismatchError, StateDictKeysError, TransientStorageError
 from ..keys import resolve_master
 from ..manifest import layout
 from ..manifest.schema import Manifest, ObjectEntry
@@ -207,7 +207,7 @@ class StorageReader(_DCPStorageReader):
         self._alt_lock = threading.Lock()
         self.rank = 0
         self.is_coordinator = True
-        self._joined: tuple | None = None  # (view, group rank, manifest file, metadata bytes) or (exception,)
+        self._joined: tuple | None = None  # (view, group rank, manifest file, metadata bytes, from where) or (exception,)
         self._peer: dict = {}  # {(object, offset): stored bytes} the exchange brought (docs/FORMAT.md, Read rule 11)
         self._peer_from: dict = {}  # {(object, offset): (origin, relayed by)} of those bytes
         self._drop_group()
@@ -241,17 +241,20 @@ class StorageReader(_DCPStorageReader):
         """The load's decisions (:func:`ckptstore.choice.decide` over every rank's report, ``_job``):
         in a job made once per load by every rank together — before anything that can fail on one
         rank only, and never again for DCP's retry of ``read_metadata``; outside a job from this
-        process's own report. Returns ``(view, group rank, manifest file, metadata bytes or None)``."""
+        process's own report. Returns ``(view, group rank, manifest file, metadata bytes or None,
+        where the manifest came from)``."""
         if self._joined is None:
             try:
-                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version, bad=self.avoid,
+                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version,
+                                         key_id=_raw_key_id(self._keys.master), bad=self.avoid,
                                          allow_nonfinite=self.allow_nonfinite)
                 if (_job.in_job(self._pg) and not view.holders and view.remote_ok and self._store.remote is not None
                         and self._can_relay()):
                     body, meta = self._manifest_once(view, me)  # no root holds it: one rank reads it
+                    where = f"the remote tier ({self._store.remote.url})"
                 else:
-                    body, meta = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
-                self._joined = (view, me, body, meta)
+                    body, meta, where = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
+                self._joined = (view, me, body, meta, where)
             except Exception as e:  # noqa: BLE001 - raised again, the same on every call
                 self._joined = (e,)
         if len(self._joined) == 1:
@@ -349,14 +352,17 @@ class StorageReader(_DCPStorageReader):
     def _read_metadata(self) -> Metadata:
         if self._metadata is not None:
             return self._metadata
-        view, me, body, meta = self._join()
+        view, me, body, meta, where = self._join()
         self.version = view.version
         tier = self._store.local if view.has_manifest(me) or not view.remote_ok else self._store.remote
         parsed = parse_manifest(body, expect_version=view.version)
         if parsed.manifest.attempt != view.attempt:  # re-committed between the listing and this read
             raise TransientStorageError(f"version {view.version!r} was committed again while this load started "
                                         f"(attempt {parsed.manifest.attempt}, chose {view.attempt}); load again")
-        opened = OpenVersion(parsed, self._keys, self.allow_unencrypted)
+        try:
+            opened = OpenVersion(parsed, self._keys, self.allow_unencrypted)
+        except KeyMismatchError as e:
+            raise _key_mismatch(e, parsed.manifest, self._keys.master, where, self._store) from None
         self._opened = opened
         self.manifest, self.tier, self.codec = opened.manifest, tier, opened.codec
         self._sources = Sources(self._store, view, me, opened, self._peer, self.stats, self.read_repair)
@@ -584,6 +590,34 @@ class StorageReader(_DCPStorageReader):
             h.update(p)
         with self._alt_lock:
             self.item_digests[item_key(ri.storage_index)] = (h.intdigest(), loc)
+
+
+EMPTY_ROOT = "\"\""  # the command line's "no local tier"
+
+
+def _raw_key_id(master) -> str | None:
+    """The key id of a raw master key, which every rank reports for Read rule 12 (docs/FORMAT.md);
+    None without a key or with an AWS KMS key (knowing its id may take a KMS request, and a
+    multi-Region key's replicas wrap under other ids: the copy is opened and KMS decides)."""
+    return master.key_id if isinstance(master, RawKey) else None
+
+
+def _key_mismatch(e: KeyMismatchError, m: Manifest, master, where: str, store) -> KeyMismatchError:
+    """The error of a manifest copy wrapped by another raw master key than the one given, when no copy
+    of the job opens with it (docs/FORMAT.md, Read rule 12): names the copy and, since a key rotation
+    that missed this copy looks the same as a wrong key, the command that re-wraps it."""
+    kid = (m.encryption or {}).get("key_id")
+    mine = _raw_key_id(master)
+    if mine is None or kid is None or kid == mine or (m.encryption or {}).get("kms"):
+        return e
+    remote = getattr(store.remote, "url", None)
+    root = store.local.url if store.local is not None else None
+    cmd = (f"'ckptstore rekey {root or EMPTY_ROOT} --key-file OLD --new-key-file NEW"
+           + (f" --remote {remote}" if remote else "") + "'")
+    return KeyMismatchError(
+        f"version {m.version!r}: its manifest in {where} is wrapped by master key id {kid}, the key given has id "
+        f"{mine}, and no other copy this job can read opens with it. If the master key was rotated, "
+        f"this copy was missed: run {cmd} (OLD: the key of id {kid}); otherwise supply the right key")
 
 
 def _entry_of(fqn: str, paths) -> str:
