@@ -183,9 +183,17 @@ class Ranks:
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | list | None = None, timeout: float = 240,
               start_method: str = "spawn", preload: Sequence[str] = ()) -> list:
-    """Every rank's return value, in rank order; :class:`RankFailure` if any rank failed."""
-    job = Ranks(fn, world_size, *args, env=env, start_method=start_method, preload=preload)
-    codes = job.wait(timeout)
+    """Every rank's return value, in rank order; :class:`RankFailure` if any rank failed.
+
+    A job whose rank 0 could not listen on the rendezvous port (another process took the free port
+    between :func:`free_port` and the TCPStore: ``EADDRINUSE``) never ran ``fn`` on any rank (they all
+    wait for that store) and is started once more on another port."""
+    for _try in range(2):
+        job = Ranks(fn, world_size, *args, env=env, start_method=start_method, preload=preload)
+        codes = job.wait(timeout)
+        first = job.results.get(0)
+        if not (first and first[0] != "ok" and "EADDRINUSE" in str(first[1]) and "init_process_group" in str(first[1])):
+            break
     failures = {r: val for r, (status, val) in job.results.items() if status != "ok"}
     for r, code in codes.items():
         if r in job.timed_out:
