@@ -9,6 +9,12 @@ durable in S3 (``save()`` to ``wait()``); then the load time of the 10th version
 root and from S3 alone, incremental vs full. Prints a table and writes ``--out`` JSON.
 
     python benchmarks/incremental_bench.py [--base-mib 256] [--adapter-mib 1] [--saves 10] [--out f.json]
+
+``--writers``: instead, the README's pattern of a new ``StorageWriter(incremental=True)`` for every
+``dcp.save`` against one writer kept for all of them (plain DCP, local root only, no S3): bytes
+stored after ``--saves`` saves as a multiple of one save, and seconds per save::
+
+    python benchmarks/incremental_bench.py --writers --base-mib 64 --saves 6
 """
 
 from __future__ import annotations
@@ -87,13 +93,59 @@ def run(args, work: str, url: str, incremental: bool) -> dict:
             "list": [(r.version, r.stored_bytes, r.unique_bytes) for r in st.versions()]}
 
 
+def writers(args, work: str, per_save: bool) -> dict:
+    """``args.saves`` plain ``dcp.save`` calls of the frozen-base state into a fresh root, with a new
+    ``StorageWriter(incremental=True)`` per save (``per_save``) or one kept; bytes stored and seconds."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptstore
+
+    root = os.path.join(work, "per-save" if per_save else "kept")
+    model = FineTune(args.base_mib, args.adapter_mib)
+    w = None
+    secs, stored = [], []
+    for i in range(1, args.saves + 1):
+        with torch.no_grad():  # a trained adapter: new values at every save
+            model.adapter.copy_(torch.randn(model.adapter.shape, generator=torch.Generator().manual_seed(i)))
+        t0 = time.perf_counter()
+        if w is None or per_save:
+            w = ckptstore.StorageWriter(root, incremental=True)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=f"step-{i}", storage_writer=w)
+        secs.append(time.perf_counter() - t0)
+        stored.append(sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(root) for f in fs
+                          if f.endswith(".ckd")))
+    return {"seconds": secs, "stored": stored}
+
+
+def main_writers(args) -> int:
+    work = tempfile.mkdtemp(prefix="ckpt-incwriters-")
+    try:
+        res = {k: writers(args, work, k == "per-save") for k in ("kept", "per-save")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    one = res["kept"]["stored"][0]
+    print(f"frozen base {args.base_mib} MiB bf16 + adapter {args.adapter_mib} MiB fp32, {args.saves} dcp.save calls, "
+          "StorageWriter(incremental=True), local root")
+    for k in ("kept", "per-save"):
+        r = res[k]
+        print(f"{'one writer kept' if k == 'kept' else 'a new writer per save':>22}: stored {r['stored'][-1] / one:.2f} x "
+              f"one save; seconds per save {' '.join(f'{x:.2f}' for x in r['seconds'])}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), **res}, f, indent=2)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base-mib", type=int, default=256)
     ap.add_argument("--adapter-mib", type=float, default=1.0)
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--writers", action="store_true", help="a writer per save against one kept (local, no S3)")
     args = ap.parse_args()
+    if args.writers:
+        return main_writers(args)
     from ckptstore.testing.seaweed import SeaweedServer
 
     work = tempfile.mkdtemp(prefix="ckpt-incbench-")

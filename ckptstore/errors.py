@@ -49,6 +49,8 @@ __all__ = [
     "StateDictKeysError",
     "UnsupportedStateError",
     "JobBrokenError",
+    "CommitRefusedError",
+    "PlacementError",
     "Preempted",
 ]
 
@@ -102,7 +104,7 @@ class VersionNotFoundError(CkptStoreError, FileNotFoundError):
 def version_not_found(version: str, where: str, committed=()) -> VersionNotFoundError:
     """The one "not found" of a named version (``show``, ``pin``, ``drop``, ``scrub --version``,
     ``Store.get``): where it was looked for, the closest committed names when there are near misses
-    (``step-00018`` → "did you mean 'step-000180'?"), and where to see the versions."""
+    (``step-18`` → "did you mean 'step-180'?"), and where to see the versions."""
     import difflib
 
     close = difflib.get_close_matches(str(version), sorted(set(committed)), n=3, cutoff=0.75)
@@ -231,6 +233,17 @@ class UnsupportedStateError(CkptStoreError, TypeError):
     before anything is committed)."""
 
     exit_code = 1
+
+
+class CommitRefusedError(CkptStoreError):
+    """A save built a manifest the reader would refuse (its placement, references, replicas or
+    metadata; docs/FORMAT.md, Save rule 11): it is not committed, and nothing blocks a retry."""
+
+    exit_code = 1
+
+
+class PlacementError(CommitRefusedError):
+    """The ranks of a save disagree on which of them share a root (docs/FORMAT.md, "Placement")."""
 
 
 class JobBrokenError(CkptStoreError):

@@ -1,4 +1,4 @@
-"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-9).
+"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-13).
 
 ``ckptstore gc`` works in three steps:
 
@@ -20,10 +20,12 @@
      their un-commit failed or was skipped. All un-commits of the plan come before any object
      deletion, so a crash mid-gc never leaves a committed version with missing objects.
    * garbage: objects under ``versions/`` that no committed manifest references — objects of
-     aborted or superseded attempts, ``.tmp-*`` files, rank upload markers, leftovers of deleted
-     versions — deleted only when older than the grace period (age from the object's mtime; for a
-     superseded attempt of a committed version, from the newer of the object and the manifest), and
-     only when their size and mtime are still what was planned (a growing file is skipped).
+     aborted attempts, ``.tmp-*`` files, rank upload markers, leftovers of deleted versions —
+     deleted only when older than the grace period (age from the object's mtime; for an attempt of
+     a committed version that its manifest does not name, from the newer of the object and the
+     manifest), and only when their size and mtime are still what was planned (a growing file is
+     skipped). Objects of an attempt that a committed manifest lists in ``supersedes`` go at once
+     (Delete rule 12: retired by that commit, nothing writes to them any more).
      Fault point ``gc.delete`` before each object deletion.
    * stale incomplete multipart uploads (tiers that declare ``supports_multipart``) older than grace
      are aborted; empty local directories older than grace are removed; root-sharing probes
@@ -56,13 +58,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import logging
-import os
 import re
 from typing import Callable, Iterable, Mapping
 
 from . import _faults
+from ._gc_types import ABORT_UPLOAD, DELETE, RMDIR, UNCOMMIT, Action, GcPlan, GcResult, Survivor, TierSnapshot, Upload
 from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError, version_not_found
-from .manifest import catalogue, layout, placement
+from .manifest import catalogue, layout, leases, placement
 from .manifest.order import order_key
 from .manifest.schema import Manifest, parse
 from .retention import Decision, RetentionPolicy, across_tiers, format_duration
@@ -77,148 +79,6 @@ DEFAULT_GRACE = 3600.0
 #: than the grace period and leaves anything else in it alone
 PROBES = "probes"
 _PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+")
-
-UNCOMMIT = "uncommit"
-DELETE = "delete"
-ABORT_UPLOAD = "abort-upload"
-RMDIR = "rmdir"
-
-
-@dataclasses.dataclass(frozen=True)
-class Upload:
-    """An incomplete multipart upload: ``key``, ``upload_id``, ``initiated`` (POSIX seconds)."""
-
-    key: str
-    upload_id: str
-    initiated: float
-
-
-@dataclasses.dataclass
-class TierSnapshot:
-    """What :func:`plan` needs to know about one tier (gathered by :func:`collect`)."""
-
-    name: str
-    listing: list[ObjectInfo]
-    entries: dict  # version -> catalogue.TierEntry (valid manifests only)
-    invalid: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (manifest key, why)
-    uploads: list[Upload] = dataclasses.field(default_factory=list)
-    empty_dirs: list[ObjectInfo] = dataclasses.field(default_factory=list)  # local only
-    probes: list[ObjectInfo] = dataclasses.field(default_factory=list)  # probes/ (root-sharing probes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One step of a plan. ``op``: ``uncommit`` | ``delete`` | ``abort-upload`` | ``rmdir``.
-
-    ``kind`` says what is removed: ``manifest``, ``version-object`` (object or marker of a version
-    deleted by retention), ``garbage``, ``upload``, ``dir``. ``mtime``/``size``: as planned
-    (checked again before a garbage deletion). ``attempt``: the attempt the manifest must still
-    name for an un-commit.
-    """
-
-    tier: str
-    op: str
-    key: str
-    kind: str
-    reason: str
-    version: str | None = None
-    attempt: str | None = None
-    size: int = 0
-    mtime: float | None = None
-    upload_id: str | None = None
-    force: bool = False  # an un-commit that goes ahead although the version is pinned (drop --force)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        if not self.force:
-            del d["force"]
-        return d
-
-
-@dataclasses.dataclass(frozen=True)
-class Survivor:
-    """A garbage candidate (or upload/dir) that the plan leaves alone, and why."""
-
-    tier: str
-    key: str
-    reason: str
-    size: int = 0
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class GcPlan:
-    """The full, ordered plan of one gc run. ``to_json()`` is what ``gc --json`` prints as ``plan``."""
-
-    now: _dt.datetime
-    grace: float
-    policy: RetentionPolicy
-    tiers: list[str]
-    decisions: dict[str, list[Decision]]
-    actions: list[Action]
-    survivors: list[Survivor]
-    problems: list[tuple[str, str, str]]  # (tier, key, why)
-
-    @property
-    def deleted_versions(self) -> dict[str, list[str]]:
-        return {t: [d.version for d in ds if not d.keep] for t, ds in self.decisions.items()}
-
-    @property
-    def bytes_removed(self) -> int:
-        return sum(a.size for a in self.actions if a.op in (DELETE, UNCOMMIT))
-
-    def counts(self) -> dict[str, int]:
-        c = {UNCOMMIT: 0, DELETE: 0, ABORT_UPLOAD: 0, RMDIR: 0}
-        for a in self.actions:
-            c[a.op] += 1
-        return c
-
-    def to_json(self) -> dict:
-        return {
-            "now": self.now.isoformat().replace("+00:00", "Z"),
-            "grace_seconds": self.grace,
-            "policy": self.policy.to_json(),
-            "tiers": {
-                t: {
-                    "rules": self.policy.describe(t),
-                    "decisions": [d.to_json() for d in self.decisions.get(t, [])],
-                }
-                for t in self.tiers
-            },
-            "actions": [a.to_json() for a in self.actions],
-            "survivors": [s.to_json() for s in self.survivors],
-            "problems": [list(p) for p in self.problems],
-            "counts": self.counts(),
-            "bytes_removed": self.bytes_removed,
-        }
-
-
-@dataclasses.dataclass
-class GcResult:
-    """What :func:`apply` did: ``applied`` actions, ``skipped`` (action, why), ``failed`` (action, error)."""
-
-    applied: list[Action] = dataclasses.field(default_factory=list)
-    skipped: list[tuple[Action, str]] = dataclasses.field(default_factory=list)
-    failed: list[tuple[Action, Exception]] = dataclasses.field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
-
-    def exit_code(self) -> int:
-        for _a, e in self.failed:
-            return getattr(e, "exit_code", 1) or 1
-        return 0
-
-    def to_json(self) -> dict:
-        return {
-            "applied": [a.to_json() for a in self.applied],
-            "skipped": [{"action": a.to_json(), "why": w} for a, w in self.skipped],
-            "failed": [{"action": a.to_json(), "error": f"{type(e).__name__}: {e}"} for a, e in self.failed],
-        }
-
 
 # -- collect -----------------------------------------------------------------------------------------
 def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
@@ -235,7 +95,7 @@ def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
         uploads.sort(key=lambda u: (u.key, u.upload_id))
     empty_dirs = sorted(tier.list_empty_dirs(layout.VERSIONS + "/"), key=lambda i: i.key)
     probes = sorted(tier.list(PROBES + "/"), key=lambda i: i.key)
-    return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs, probes)
+    return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs, probes, leases.read(tier))
 
 
 def _upload(u) -> Upload:
@@ -314,17 +174,20 @@ def plan(
         decisions[s.name] = ds = policy.decide(s.name, recs, now, protect=protect)
         sizes = {i.key: i for i in s.listing}
         kept_refs = catalogue.referenced(s.entries, exclude={d.version for d in ds if not d.keep})
+        leased = leases.live(s.leases, now.timestamp(), leases.ttl_for(grace))
         for d in ds:
             if not d.keep:
                 acts = version_actions(s.name, d.version, s.entries[d.version].manifest, "; ".join(d.reasons), sizes,
-                                       referenced=kept_refs)
+                                       referenced=kept_refs, leased=leased)
                 parts.add_version(acts)
-                parts.survivors.extend(_kept_references(s.name, d.version, s.entries[d.version].manifest, kept_refs, sizes))
+                parts.survivors.extend(_kept_references(s.name, d.version, s.entries[d.version].manifest, kept_refs, sizes,
+                                                        leased))
         elsewhere = _split_parts_elsewhere(s, snaps)
         _plan_garbage(s, {layout.version_dir(d.version) + "/" for d in ds if not d.keep}, now.timestamp(), grace, parts,
-                      elsewhere)
+                      elsewhere, leased)
         _plan_uploads_and_dirs(s, now.timestamp(), grace, parts)
         _plan_probes(s, now.timestamp(), grace, parts)
+        _plan_leases(s, now.timestamp(), grace, parts)
     return GcPlan(now=now, grace=float(grace), policy=policy, tiers=[s.name for s in snaps], decisions=decisions,
                   actions=parts.actions(), survivors=parts.survivors, problems=parts.problems)
 
@@ -337,6 +200,7 @@ class _Committed:
     manifest_mtime: dict[str, float]  # version dir -> mtime of its manifest
     attempt: dict[str, str]  # version dir -> the committed attempt
     referenced: dict = dataclasses.field(default_factory=dict)  # key -> versions whose manifests reference it
+    superseded: dict = dataclasses.field(default_factory=dict)  # version dir -> attempts its manifest supersedes
 
     @classmethod
     def of(cls, s: TierSnapshot, sizes: Mapping[str, ObjectInfo]) -> "_Committed":
@@ -344,6 +208,9 @@ class _Committed:
         for v, e in s.entries.items():
             d = layout.version_dir(v) + "/"
             c.attempt[d] = e.manifest.attempt
+            gone = e.manifest.superseded_attempts - {e.manifest.attempt}
+            if gone:
+                c.superseded[d] = gone
             c.claimed.update((d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED))
             c.claimed.update(d + o.name for o in e.manifest.all_objects())
             c.claimed.update(layout.object_key(r.version, r.name) for r in e.manifest.refs)  # referenced objects
@@ -370,12 +237,13 @@ def _split_parts_elsewhere(s: TierSnapshot, snaps: list[TierSnapshot]) -> dict[s
 
 
 def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace: float, parts: _Parts,
-                  elsewhere: Mapping[str, tuple[str, str]] | None = None) -> None:
+                  elsewhere: Mapping[str, tuple[str, str]] | None = None, leased: Mapping[str, list] | None = None) -> None:
     """Objects no committed manifest references: deleted once older than ``grace``, else survivors.
 
     ``elsewhere``: attempt directories of split versions another tier commits (see
     :func:`_split_parts_elsewhere`): their objects here are this root's part of a committed version
-    whose manifest copy has not arrived (Delete rule 10) and are left alone.
+    whose manifest copy has not arrived (Delete rule 10) and are left alone. ``leased``: objects a
+    save in flight references (``leases.live``): left alone (Delete rule 13).
     """
     committed = _Committed.of(s, {i.key: i for i in s.listing})
     skip_dirs = set()
@@ -393,6 +261,8 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
                                                 f"referenced by {by}; kept", info.size))
             continue
         left_alone = _left_alone(info.key, skip_dirs)
+        if left_alone is None and leased and info.key in leased:
+            left_alone = f"{leased[info.key][0].describe()}; kept"
         if left_alone is None and elsewhere:
             adir = info.key.rsplit("/", 1)[0] + "/"
             if adir in elsewhere:
@@ -403,6 +273,11 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
         if left_alone is not None:
             parts.survivors.append(Survivor(s.name, info.key, left_alone, info.size))
             continue
+        attempt = layout.attempt_of_key(info.key)
+        if attempt is not None and attempt in committed.superseded.get(layout.version_dir_of(info.key), ()):
+            parts.garbage.append(Action(s.name, DELETE, info.key, "garbage", _superseded_reason(attempt),
+                                        version=layout.version_of_key(info.key), size=info.size, mtime=info.mtime))
+            continue
         what, ref_t = _describe_garbage(info, committed, deleted_dirs)
         age = now_ts - ref_t
         if age >= grace:
@@ -412,6 +287,34 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
         else:
             parts.survivors.append(Survivor(s.name, info.key, f"{what}; younger than the grace period "
                                             f"(age {format_duration(age)} < {format_duration(grace)})", info.size))
+
+
+def _superseded_reason(attempt: str) -> str:
+    return (f"object of attempt {attempt}, which the committed manifest supersedes: retired by that commit, "
+            "not in flight, so no grace period (Delete rule 12)")
+
+
+def superseded_actions(tier: str, entries: Mapping, listing: Iterable[ObjectInfo], referenced: Mapping[str, list],
+                       scope: Callable[[str], bool] = lambda v: True) -> list[Action]:
+    """The deletion of every object of an attempt that a committed manifest of ``entries`` (``{version:
+    TierEntry}``, one tier) supersedes (docs/FORMAT.md, Delete rule 12): keys under
+    ``versions/<v>/attempts/<a>/`` of ``listing`` for each ``a`` in ``v``'s ``supersedes`` (never
+    ``v``'s own attempt), except objects in ``referenced`` (``{key: [versions]}``: frames a committed
+    manifest references). No grace period: such an attempt was committed before it was superseded,
+    so nothing writes to it any more. ``scope(version)``: the versions considered."""
+    gone: dict[str, frozenset] = {}
+    for v, e in entries.items():
+        atts = e.manifest.superseded_attempts - {e.manifest.attempt}
+        if atts and scope(v):
+            gone[layout.version_dir(v) + "/"] = atts
+    out = []
+    for info in listing:
+        vd = layout.version_dir_of(info.key)
+        attempt = layout.attempt_of_key(info.key)
+        if vd in gone and attempt in gone[vd] and info.key not in referenced:
+            out.append(Action(tier, DELETE, info.key, "garbage", _superseded_reason(attempt),
+                              version=layout.version_of_key(info.key), size=info.size, mtime=info.mtime))
+    return out
 
 
 def _left_alone(key: str, skip_dirs: set[str]) -> str | None:
@@ -464,16 +367,19 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
 
 
 def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
-    """Root-sharing probes (``probes/r<rank>.<nonce>``) and conditional-write probes left by a killed
-    process (``probes/put-if-absent.<nonce>``) older than ``grace`` are deleted; younger ones (a save
+    """Root-sharing probes (``probes/r<rank>.<nonce>``), conditional-write probes left by a killed
+    process (``probes/put-if-absent.<nonce>``) and the temporary files of a probe write a killed
+    process left (``probes/.tmp-<random>``) older than ``grace`` are deleted; younger ones (a save
     setting up now) and anything else under ``probes/`` survive."""
     for info in s.probes:
         base = info.key[len(PROBES) + 1:]
-        if not _PROBE_NAME.fullmatch(base):
+        temporary = "/" not in base and layout.is_temporary(base)  # a probe being written, or a killed writer's
+        if not (_PROBE_NAME.fullmatch(base) or temporary):
             parts.survivors.append(Survivor(s.name, info.key, "not a root-sharing probe; left alone", info.size))
             continue
         age = now_ts - info.mtime
-        what = "conditional-write probe" if base.startswith(layout.CONDITIONAL_PROBE) else "root-sharing probe"
+        what = ("temporary file of a probe" if temporary else
+                "conditional-write probe" if base.startswith(layout.CONDITIONAL_PROBE) else "root-sharing probe")
         if age >= grace:
             parts.garbage.append(Action(s.name, DELETE, info.key, "probe",
                                         f"{what}; age {format_duration(age)} >= grace {format_duration(grace)}",
@@ -483,15 +389,32 @@ def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) ->
                                             f"(age {format_duration(age)} < {format_duration(grace)})", info.size))
 
 
+def _plan_leases(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
+    """Leases older than the lease time (``leases.ttl_for(grace)``: their save is gone) are deleted;
+    younger ones protect what they name (Delete rule 13)."""
+    ttl = leases.ttl_for(grace)
+    for lease in s.leases:
+        age = now_ts - lease.mtime
+        if age >= ttl:
+            parts.garbage.append(Action(s.name, DELETE, lease.key, "lease",
+                                        f"lease of a save that is gone; age {format_duration(age)} >= "
+                                        f"{format_duration(ttl)}", size=lease.size, mtime=lease.mtime))
+        else:
+            parts.survivors.append(Survivor(s.name, lease.key, f"lease of a save in flight ({lease.version!r}, "
+                                            f"{lease.holder}; age {format_duration(age)} < {format_duration(ttl)})",
+                                            lease.size))
+
+
 def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
                     listing: Mapping[str, ObjectInfo] | None = None, *, force: bool = False,
-                    referenced: Mapping[str, list] | None = None) -> list[Action]:
+                    referenced: Mapping[str, list] | None = None, leased: Mapping[str, list] | None = None) -> list[Action]:
     """The actions that delete one committed version: un-commit, then its objects and damage mark
     (with ``force``, a pinned version too: the un-commit ignores the pin, and the pin goes last).
     Objects in ``referenced`` (``{key: [versions]}``: frames another committed manifest of the tier
-    references, docs/FORMAT.md "References") are kept; they become garbage once no committed
-    manifest references them."""
+    references, docs/FORMAT.md "References") or ``leased`` (``{key: [Lease]}``: frames a save in flight
+    references, Delete rule 13) are kept; they become garbage once nothing references them."""
     referenced = referenced or {}
+    leased = leased or {}
     d = layout.version_dir(version) + "/"
 
     def size(key: str) -> int:
@@ -504,8 +427,8 @@ def version_actions(tier: str, version: str, manifest: Manifest, reason: str,
         key = d + o.name
         if listing is not None and key not in listing:
             continue  # already missing: nothing to delete
-        if key in referenced:
-            continue  # frames of it are referenced by a version that stays
+        if key in referenced or key in leased:
+            continue  # frames of it are referenced by a version that stays, or by a save in flight
         out.append(Action(tier, DELETE, key, "version-object", f"object of deleted version {version!r}", version=version,
                           attempt=manifest.attempt, size=size(key) if listing is not None else o.size))
     adir = d + layout.attempt_dir(manifest.attempt) + "/"
@@ -534,12 +457,22 @@ def apply(
     Never raises for storage errors: they are collected in :attr:`GcResult.failed`.
     """
     actions = the_plan.actions if isinstance(the_plan, GcPlan) else list(the_plan)
+    now = the_plan.now if isinstance(the_plan, GcPlan) else _dt.datetime.now(_dt.timezone.utc)
+    ttl = leases.ttl_for(the_plan.grace if isinstance(the_plan, GcPlan) else 0.0)
     res = GcResult()
     blocked: set[tuple[str, str]] = set()  # (tier, version) whose un-commit did not happen
+    leased: dict[str, dict] = {}  # tier -> what the leases protect, read after the run's un-commits
     for a in actions:
         tier = tiers.get(a.tier)
         try:
-            why = f"no {a.tier} tier in this store" if tier is None else _apply_one(tier, a, tiers, blocked)
+            if tier is not None and a.op == DELETE and a.kind in ("version-object", "garbage") and a.tier not in leased:
+                # after every un-commit of this run, before its first deletion (docs/FORMAT.md, Delete rule 13)
+                leased[a.tier] = leases.live(leases.read(tier), now.timestamp(), ttl)
+            lease = leased.get(a.tier, {}).get(a.key) if a.op == DELETE else None
+            if lease:
+                why = f"{lease[0].describe()}; kept"
+            else:
+                why = f"no {a.tier} tier in this store" if tier is None else _apply_one(tier, a, tiers, blocked)
         except (CkptStoreError, OSError) as e:
             if a.op == UNCOMMIT:
                 blocked.add((a.tier, a.version))
@@ -685,7 +618,38 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
             log.info("retention: deleted version %r from the %s tier (%s)", d.version, name, "; ".join(d.reasons))
         except Exception as ex:  # noqa: BLE001
             log.warning("retention: could not delete version %r from the %s tier: %s", d.version, name, ex)
+    _reclaim_superseded(tier, name, entries, kept_refs, policy)
     return decisions
+
+
+def _reclaim_superseded(tier: Tier, name: str, entries: Mapping, referenced: Mapping[str, list],
+                        policy: RetentionPolicy) -> None:
+    """Retention's second half (docs/FORMAT.md, Delete rule 12): the objects of the attempts that the
+    committed manifests in scope supersede — the abandoned ``step-6`` after a rewind to ``step-4`` —
+    once no kept manifest references them (also when retention just deleted the superseding version).
+    Best effort, like the rest of :func:`apply_after_commit`: failures are logged."""
+    dirs = [layout.version_dir(v) + "/" for v, e in entries.items()
+            if policy.in_scope(v) and e.manifest.superseded_attempts - {e.manifest.attempt}]
+    if not dirs:
+        return
+    try:
+        listing = [i for d in dirs for i in tier.list(d)]
+        acts = superseded_actions(name, entries, listing, referenced, policy.in_scope)
+        if acts:  # read before the first deletion: what a save in flight references stays (Delete rule 13)
+            leased = leases.live(leases.read(tier), _dt.datetime.now(_dt.timezone.utc).timestamp(), leases.TTL)
+            acts = [a for a in acts if a.key not in leased]
+    except Exception as e:  # noqa: BLE001 - the save is committed; this is best effort
+        log.warning("retention: could not list superseded attempts in the %s tier: %s", name, e)
+        return
+    for a in acts:
+        try:
+            _faults.point("gc.delete")
+            tier.delete(a.key)
+        except Exception as e:  # noqa: BLE001
+            log.warning("retention: could not delete %s of a superseded attempt from the %s tier: %s", a.key, name, e)
+            return
+    if acts:
+        log.info("retention: deleted %d object(s) of superseded attempts from the %s tier", len(acts), name)
 
 
 def _records_or_none(tier: Tier, name: str):
@@ -737,8 +701,11 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
             continue
         why = REASON_DROP + (" (marked damaged)" if e.damaged else "")
         refs_here = catalogue.referenced(catalogue.scan(t), exclude={version})
-        parts.add_version(version_actions(n, version, e.manifest, why, listing, force=force, referenced=refs_here))
-        parts.survivors.extend(_kept_references(n, version, e.manifest, refs_here, listing))
+        now_ts = (now or _dt.datetime.now(_dt.timezone.utc)).timestamp()
+        leased = leases.live(leases.read(t), now_ts, leases.TTL)
+        parts.add_version(version_actions(n, version, e.manifest, why, listing, force=force, referenced=refs_here,
+                                          leased=leased))
+        parts.survivors.extend(_kept_references(n, version, e.manifest, refs_here, listing, leased))
         m = e.manifest
         decisions[n] = [Decision(version, False, (why,), m.created_dt, m.step, m.attempt, e.pinned, e.damaged)]
     if pinned_in and not force:
@@ -754,15 +721,21 @@ def plan_drop(store, version: str, *, tiers: Iterable[str] | None = None, force:
 
 
 def _kept_references(tier: str, version: str, manifest: Manifest, referenced: Mapping[str, list],
-                     listing: Mapping[str, ObjectInfo]) -> list[Survivor]:
-    """The objects of a deleted ``version`` that stay because other versions reference them."""
+                     listing: Mapping[str, ObjectInfo], leased: Mapping[str, list] | None = None) -> list[Survivor]:
+    """The objects of a deleted ``version`` that stay because other versions, or saves in flight
+    (``leased``), reference them."""
     d = layout.version_dir(version) + "/"
     out = []
     for o in manifest.all_objects():
         key = d + o.name
-        if key in referenced and key in listing:
+        if key not in listing:
+            continue
+        if key in referenced:
             by = ", ".join(repr(v) for v in sorted(referenced[key]))
             out.append(Survivor(tier, key, f"object of deleted version {version!r} referenced by {by}; kept",
+                                listing[key].size))
+        elif leased and key in leased:
+            out.append(Survivor(tier, key, f"object of deleted version {version!r} {leased[key][0].describe()}; kept",
                                 listing[key].size))
     return out
 

@@ -20,6 +20,7 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "ckptstore_saves": ("counter", "Saves finished, by outcome (committed, committed-local: the upload failed, failed, skipped: a due save while the previous one still ran, with on_busy='skip')."),
     "ckptstore_save_blocked_seconds": ("counter", "Seconds the training loop spent inside save() (staging, back-pressure)."),
     "ckptstore_saved_bytes": ("counter", "Bytes of committed saves: logical (tensors), stored (after compression), uploaded."),
+    "ckptstore_replica_gaps": ("counter", "Committed saves with replicas some of which were not made (a redundancy gap until the next restore copies them)."),
     "ckptstore_restores": ("counter", "Restores, by outcome (restored, none: nothing to restore, failed)."),
     "ckptstore_restore_skipped_versions": ("counter", "Versions a restore passed over, by kind (damaged, missing, unverified, shape, restarts, nonfinite)."),
     "ckptstore_gc_runs": ("counter", "Retention / gc runs that deleted something or failed, by source."),
@@ -82,6 +83,8 @@ class Metrics:
             elif kind == "save":
                 outcome = str(e.get("outcome") or "unknown")
                 self._inc("ckptstore_saves", outcome=outcome)
+                if e.get("replicas") is not None:  # the family is shown once replicas are in use
+                    self._inc("ckptstore_replica_gaps", 1.0 if e.get("replicas") == "gap" else 0.0)
                 self._set("ckptstore_last_save_step", _num(e.get("step")))
                 self._set("ckptstore_last_save_timestamp_seconds", _num(e.get("t")))
                 for p in _PHASES:

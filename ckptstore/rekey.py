@@ -15,7 +15,8 @@ for every encrypted version committed in a tier, :func:`rekey`
    verifies), re-reads the stored manifest to make sure it did not change meanwhile, and replaces
    it atomically with ``tier.put`` (local: temporary file, fsync, ``os.replace``, fsync of the
    directory; S3: one PUT);
-4. checks that the version's objects are still there; if a concurrent retention/gc un-committed
+4. checks that the version's objects are still there (on a node-local root, its part of them); if a
+   concurrent retention/gc un-committed
    the version in between (so the put re-created a manifest whose objects are being deleted), the
    manifest written is removed again and the version reported as ``changed``.
 
@@ -63,7 +64,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .keys import resolve_master
-from .manifest import catalogue, layout
+from .manifest import catalogue, layout, placement
 from .manifest.schema import canonical, parse, seal
 from .tiers.base import tiers_of
 
@@ -279,7 +280,11 @@ def rekey_tier(tier, tier_name: str, old_key, new_key, report: RekeyReport, *, v
                 e.status, e.detail = CHANGED, "the manifest changed while it was being re-wrapped; run rekey again"
                 continue
             tier.put(mkey, new)
-            missing = [o.name for o in entries[v].manifest.all_objects() if not tier.exists(layout.object_key(v, o.name))]
+            # the objects this tier holds of the version: all of them, or on a node-local root of a
+            # version split over several roots its part (docs/FORMAT.md, "Placement") — another
+            # root's objects are not missing here
+            part = placement.part_held(tier, entries[v].manifest, remote=tier_name == "remote")
+            missing = [o.name for o in part.objects if not tier.exists(layout.object_key(v, o.name))]
             if missing:
                 try:
                     if tier.get(mkey) == new:

@@ -204,3 +204,43 @@ if __name__ == "__main__":  # a torchrun worker: python tests/preempt_ranks.py [
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def two_managers(rank: int, world: int, root: str, cfg: dict) -> dict:
+    """The README's two managers in one process: the model's (``step-``, every ``model_interval``
+    steps) and the data loader's (``prefix="loader-"``, every step). Rank 0 sends itself SIGTERM after
+    the training of step ``kill_at`` (None: no signal). Returns where each manager resumed and what
+    the preemption saved."""
+    torch.set_num_threads(1)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = Position()
+    seed_rank(rank)
+    out: dict = {"rank": rank, "preempted": None, "saved_by": []}
+    common = dict(grace_s=cfg.get("grace_s", 30), save_on_signal=cfg.get("save_on_signal", "auto"), progress_s=0.0)
+    try:
+        with ckptstore.CheckpointManager(root, {"model": model, "optim": opt}, interval_steps=cfg.get("model_interval", 5),
+                                         **common) as mm, \
+                ckptstore.CheckpointManager(root, {"data": data}, prefix="loader-", per_rank_keys=("data",),
+                                            save_rng=False, interval_steps=1, **common) as lm:
+            out["model_start"], out["loader_start"] = mm.resume(), lm.resume()
+            out["pos_start"] = data.pos
+            for step in range(min(out["model_start"], out["loader_start"]), cfg["steps"] + 1):
+                loss = _loss(model, rank, data.pos)
+                opt.zero_grad()
+                loss.backward()
+                for p in model.parameters():
+                    if world > 1:
+                        dist.all_reduce(p.grad)
+                    p.grad /= world
+                opt.step()
+                data.pos += 1
+                if cfg.get("kill_at") == step and rank == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                for name, m in (("model", mm), ("loader", lm)):
+                    if m.save(step) and m._preempt.preempted is not None:
+                        out["saved_by"].append((name, step))
+            out["finished"] = True
+    except ckptstore.Preempted as e:
+        out["preempted"] = {"step": e.step, "saved": e.saved, "version": e.version}
+    return out

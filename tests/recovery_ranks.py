@@ -94,8 +94,9 @@ def job(rank, world, base, saves, remote=None, mgr=None, version=None, attempts=
             out["close_error"] = f"{type(e).__name__}: {e}"
     out["saved"] = saved
     out["replica_stats"] = None if m._writer._replicator is None else dict(m._writer._replicator.stats)
-    st = Store(root_of(base, rank, per_node))
-    out["versions"] = [(r.version, r.attempt, [a for a, _ in r.supersedes]) for r in st.versions()]
+    root = root_of(base, rank, per_node)  # a root a restore-only job never wrote is no store (nothing in it)
+    out["versions"] = ([(r.version, r.attempt, [a for a, _ in r.supersedes]) for r in Store(root).versions()]
+                       if os.path.isdir(root) else [])
     dist.barrier()
     return out
 

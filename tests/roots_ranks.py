@@ -28,14 +28,15 @@ def save_versions(rank, world, roots, versions, remote=None, retention=None, dur
     return placements
 
 
-def load(rank, world, roots, version=None, remote=None):
-    """Load ``version`` (None: the agreed newest) into a blank state; check every byte."""
+def load(rank, world, roots, version=None, remote=None, expect=None):
+    """Load ``version`` (None: the agreed newest) into a blank state; check every byte (against the
+    state of the version name ``expect``, default the version loaded)."""
     r = ckptstore.StorageReader(roots[rank], remote=remote, version=version)
     sd = sharded_state(world, 0, blank=True)
     sd["meta"] = {"epoch": 0, "args": {"lr": 0.0, "name": "", "tags": [], "note": 1}}
     dcp.load(sd, storage_reader=r)
     v = r.version
-    full = full_state(_seed(v))
+    full = full_state(_seed(expect or v))
     ok = torch.equal(sd["dt"].full_tensor(), full["w"]) and torch.equal(
         sd["dbig"].full_tensor().view(torch.int16), full["big"].view(torch.int16)) and sd["meta"] == full["meta"]
     return {"version": v, "ok": bool(ok), "stats": dict(r.stats), "remote_keys": sorted(r.remote_keys)}
@@ -62,3 +63,110 @@ def load_then_destroy(rank, world, roots, remote=None):
     out = load(rank, world, roots, None, remote)
     dist.destroy_process_group()
     return out
+
+
+def save_replicated(rank, world, roots, versions):
+    """Save ``versions`` with one replica per root group and ``durability="replicated"``; returns the
+    placements the commits recorded (the coordinator's) and the roots' group as this rank saw it."""
+    from ckptstore.dcp import _roots
+
+    w = ckptstore.StorageWriter(roots[rank], replicas=1, durability="replicated", frame_size=65536)
+    placements = []
+    try:
+        for v in versions:
+            dcp.save(sharded_state(world, _seed(v)), checkpoint_id=v, storage_writer=w)
+            if w.last_manifest is not None:
+                placements.append(w.last_manifest.placement)
+    finally:
+        w.close()
+    return {"placements": placements, "nonce": _roots.process_nonce() if hasattr(_roots, "process_nonce")
+            else _roots.PROCESS_NONCE}
+
+
+def save_with_stale_probe(rank, world, roots, version, durability, replicas):
+    """Rank 1 leaves its probe in root 0 too (a root it does not write to: the ranks then disagree on
+    who shares root 0), then every rank saves ``version``; returns what the save raised ("" if none)."""
+    from ckptstore.dcp import _roots
+    from ckptstore.tiers import LocalTier
+
+    if rank == 1:
+        _roots.write_probe(LocalTier(roots[0]), 1, _roots.process_nonce())
+    dist.barrier()
+    w = ckptstore.StorageWriter(roots[rank], replicas=replicas, durability=durability, frame_size=65536)
+    try:
+        dcp.save(sharded_state(world, _seed(version)), checkpoint_id=version, storage_writer=w)
+        return ""
+    except BaseException as e:  # CheckpointException is a BaseException
+        return f"{type(e).__name__}: {e}"
+    finally:
+        w.close()
+
+
+def save_keyed(rank, world, roots, version, remote=None, replicas=0):
+    """Save ``version`` (encrypted with the key in ``CKPTSTORE_KEY``) into node-local ``roots``, with
+    ``replicas`` and an optional remote tier (uploaded before the save returns)."""
+    w = ckptstore.StorageWriter(roots[rank], remote=remote, replicas=replicas, frame_size=65536,
+                                durability="remote" if remote else ("replicated" if replicas else "local"))
+    try:
+        dcp.save(sharded_state(world, _seed(version)), checkpoint_id=version, storage_writer=w)
+    finally:
+        w.close()
+    return True
+
+
+def load_or_error(rank, world, roots, version=None, remote=None):
+    """:func:`load`, or the text of what it raised."""
+    try:
+        return load(rank, world, roots, version, remote)
+    except BaseException as e:  # CheckpointException is a BaseException
+        return f"{type(e).__name__}: {e}"
+
+
+def manager_with_replica_gap(rank, world, roots, nbytes):
+    """A ``CheckpointManager(replicas=1)`` (``durability="local"``) saves step 1 of a per-rank state of
+    ``nbytes`` random bytes; rank 0's root is too small for the replica of rank 1's object. Returns
+    what ``close()`` raised ("" if nothing), this rank's metrics and, on rank 0, the save events."""
+    from ckptstore import events
+
+    g = torch.Generator().manual_seed(rank)
+    state = {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=g)}
+    mgr = ckptstore.CheckpointManager(roots[rank], state, replicas=1, per_rank_keys=("w",), save_rng=False,
+                                      save_on_signal=None)
+    mgr.save(1)
+    err = ""
+    try:
+        mgr.close()
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {e}"
+    saves = [e for e in events.read_events(events.default_path(roots[rank])) if e["kind"] == "save"] if rank == 0 else []
+    return {"close": err, "metrics": mgr.metrics_text(), "saves": saves}
+
+
+def incremental_drop_race(rank, world, roots):
+    """Node-local roots, ``StorageWriter(incremental=True)``: ``v1``, then ``v2`` (same state, so every
+    item references ``v1``) while, on rank 1, ``ckptstore drop ROOT v1`` runs on rank 1's root (another
+    process) after rank 1's first item was matched. Returns the leases left in this rank's root."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from ckptstore.tiers import LocalTier
+
+    class Gated(DefaultSavePlanner):
+        ran = []
+
+        def resolve_data(self, write_item):
+            if rank == 1 and len(self.ran) == 0 and write_item.index.fqn == "i32":
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+                self.ran.append(subprocess.run([sys.executable, "-m", "ckptstore.cli", "drop", roots[rank], "v1", "--yes"],
+                                               env=env, capture_output=True, text=True, timeout=120).returncode)
+            return super().resolve_data(write_item)
+
+    w = ckptstore.StorageWriter(roots[rank], incremental=True, frame_size=65536)
+    dcp.save(sharded_state(world, _seed("v1")), checkpoint_id="v1", storage_writer=w)
+    dcp.save(sharded_state(world, _seed("v1")), checkpoint_id="v2", storage_writer=w, planner=Gated())
+    w.close()
+    dist.barrier()
+    return {"leases": sorted(i.key for i in LocalTier(roots[rank]).list("leases/")), "drop": Gated.ran}

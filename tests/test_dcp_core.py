@@ -23,7 +23,8 @@ from helpers import bits_equal, failures, load, load_error, save
 
 # ---------------------------------------------------------------------------------------------
 # Case 1: 2-rank DTensor save, load on 1, 2, 3 ranks
-@pytest.mark.parametrize("key", [None, os.urandom(32)], ids=["plain", "encrypted"])
+# the plain case in the slow set: the encrypted one runs the same layout through every stage (suite time)
+@pytest.mark.parametrize("key", [pytest.param(None, marks=pytest.mark.slow), os.urandom(32)], ids=["plain", "encrypted"])
 def test_dtensor_save_2_load_1_2_3(tmp_path, key):
     root = str(tmp_path)
     run_ranks(dcp_ranks.save_sharded, 2, root, "v1", 11, key)

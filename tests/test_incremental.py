@@ -5,6 +5,8 @@ written or uploaded again. A frozen bf16 base (8 MiB) + a trained adapter and it
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -57,6 +59,7 @@ def test_ten_saves_of_a_frozen_base_store_it_once(tmp_path):
     for i in (1, 5, 10):  # every version loads bit-exact
         assert ir.load(0, 1, root, f"step-{i}") == fps[i]
     assert cli("scrub", root, "--deep").exit_code == 0
+    assert not list(LocalTier(root).list(layout.LEASES + "/"))  # every save's lease went at its commit
 
 
 def test_two_ranks_incremental_then_resharded_load_on_one(tmp_path):
@@ -121,6 +124,7 @@ def test_incremental_uploads_only_what_changed_and_loads_from_s3_alone(tmp_path,
             per_version[layout.version_of_key(info.key)] += info.size
     for i in range(2, 11):
         assert per_version[f"step-{i}"] <= 0.05 * full, (i, per_version[f"step-{i}"], full)
+    assert not list(remote.list("leases/"))  # each remote commit's lease went with it
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
     assert ir.load(0, 1, empty, "step-10", s3_url) == fps[10]  # from S3 alone
@@ -278,3 +282,131 @@ def test_dropping_the_first_version_keeps_the_shared_base(tmp_path):
     assert LocalTier(root).exists(key) and ir.load(0, 1, root, "step-3") == fps[3]
     out = cli("gc", root, "--grace", "0", "--dry-run").output
     assert "referenced by 'step-2', 'step-3'" in out, out
+
+
+@pytest.mark.s3
+def test_read_repair_rewrites_a_damaged_referenced_object_of_an_encrypted_store(tmp_path, s3_url):
+    """A referenced object is repaired with its origin's codec (its frames are bound to the origin's
+    version, attempt and data key), not the loaded version's: the damaged local copy is rewritten from
+    the verified remote one."""
+    key = os.urandom(32)
+    root = str(tmp_path / "root")
+    base = torch.randn(1 << 16)
+    w = ckptstore.StorageWriter(root, remote=s3_url, key=key, incremental=True, durability="remote")
+    for i in (1, 2):
+        dcp.save({"base": base, "a": torch.full((8,), float(i))}, checkpoint_id=f"v{i}", storage_writer=w)
+    w.close()
+    ref = catalogue.read_manifest(LocalTier(root), "v2").manifest.refs[0]
+    path = os.path.join(root, *layout.object_key(ref.version, ref.name).split("/"))
+    good = open(path, "rb").read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF  # inside a frame's payload
+    open(path, "wb").write(bytes(bad))
+    r = ckptstore.StorageReader(root, remote=s3_url, key=key, read_repair=True)
+    tgt = {"base": torch.zeros(1 << 16), "a": torch.zeros(8)}
+    dcp.load(tgt, checkpoint_id="v2", storage_reader=r)
+    assert torch.equal(tgt["base"], base) and tgt["a"][0].item() == 2.0
+    assert r.stats["fallback_reads"] >= 1 and r.stats["repaired"] == 1, r.stats
+    assert open(path, "rb").read() == good
+
+
+# -- an in-flight save's references (docs/FORMAT.md, "References", Delete rule 13) ---------------------------
+class _Gated(__import__("torch.distributed.checkpoint.default_planner", fromlist=["x"]).DefaultSavePlanner):
+    """Calls ``hook(fqn)`` before DCP hands each write item's data to the writer."""
+
+    def __init__(self, hook):
+        super().__init__()
+        self._hook = hook
+
+    def resolve_data(self, write_item):
+        self._hook(write_item.index.fqn)
+        return super().resolve_data(write_item)
+
+
+def _cli_process(*args) -> subprocess.CompletedProcess:
+    """``ckptstore ARGS`` in another process (as an operator or a cron job runs it)."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, "-m", "ckptstore.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("who", ["drop", "gc", "rm"])
+def test_gc_or_drop_while_an_incremental_save_references_the_version_it_removes(tmp_path, who):
+    """kopia #1949's race: ``step-2`` references ``step-1``'s frozen base; while it is written, another
+    process removes ``step-1`` — ``ckptstore drop`` on request, or a cron ``gc --keep-last 1`` (default
+    grace) on a root shared with a ``loader-`` writer, whose newest version is the one kept. The save
+    in flight holds a lease on what it references: the removal un-commits ``step-1`` and keeps those
+    frames; ``step-2`` commits and loads bit for bit; once it is gone too, gc frees them. Something
+    that ignores leases (``rm`` of the frozen base's object) is caught when the rank's object is
+    written: that rank writes every item whole, and the version commits without references."""
+    import datetime as dt
+
+    root = str(tmp_path / "root")
+    base = torch.randn(1 << 16)
+    w = ckptstore.StorageWriter(root, incremental=True, frame_size=1 << 14)
+    dcp.save({"base": base, "adapter": torch.zeros(64)}, checkpoint_id="step-1", storage_writer=w)
+    if who == "gc":  # the loader's writer: its newest version is what keep-last 1 keeps
+        dcp.save({"pos": torch.tensor([7])}, checkpoint_id="loader-1", storage_writer=ckptstore.StorageWriter(root))
+    ran = []
+
+    def hook(fqn):
+        if fqn == "base" or ran:
+            return
+        if who == "rm":
+            m1 = catalogue.read_manifest(LocalTier(root), "step-1").manifest
+            os.remove(os.path.join(root, *layout.object_key("step-1", m1.objects[0].name).split("/")))
+            ran.append(subprocess.CompletedProcess([], 0, "", ""))
+            return
+        args = ["drop", root, "step-1", "--yes"] if who == "drop" else ["gc", root, "--keep-last", "1"]
+        ran.append(_cli_process(*args))  # after 'base' was matched to step-1's frames, before the commit
+
+    adapter = torch.ones(64)
+    dcp.save({"base": base, "adapter": adapter}, checkpoint_id="step-2", storage_writer=w, planner=_Gated(hook))
+    w.close()
+    assert ran and ran[0].returncode == 0, ran[0].stderr[-2000:]
+    st = ckptstore.Store(root)
+    m = st.manifest("step-2").manifest
+    if who == "rm":
+        assert not m.refs and m.nbytes == m.objects[0].nbytes  # written whole after the re-check
+        gc.apply(st.tiers, gc.plan_drop(st, "step-1"))  # (its object is gone: scrub would say so)
+    else:
+        assert {r.version for r in m.refs} == {"step-1"}  # it did reference the removed version
+    assert "step-1" not in [r.version for r in ckptstore.Store(root).versions()]
+    tgt = {"base": torch.zeros(1 << 16), "adapter": torch.zeros(64)}
+    dcp.load(tgt, checkpoint_id="step-2", storage_reader=ckptstore.StorageReader(root))
+    assert torch.equal(tgt["base"], base) and torch.equal(tgt["adapter"], adapter)
+    assert cli("scrub", root, "--deep").exit_code == 0
+    assert not list(LocalTier(root).list("leases/"))  # released at the commit
+    # nothing is left behind: once step-2 goes, gc past the grace period frees step-1's frames too
+    gc.apply(st.tiers, gc.plan_drop(st, "step-2"))
+    gc.run(st.tiers, None, now=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2))
+    assert not [i.key for i in LocalTier(root).list(layout.VERSIONS + "/") if "step-" in i.key], \
+        list(LocalTier(root).list(layout.VERSIONS + "/"))
+
+
+def _frozen_base_saves(root: str, n: int, *, writer_per_save: bool, incremental: bool = True) -> int:
+    """``n`` saves of a frozen 4 MiB base and a changing adapter; returns the bytes stored."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(1 << 20, generator=g)
+    w = None
+    for i in range(1, n + 1):
+        if w is None or writer_per_save:
+            w = ckptstore.StorageWriter(root, incremental=incremental)
+        dcp.save({"base": base, "adapter": torch.full((256,), float(i))}, checkpoint_id=f"step-{i}", storage_writer=w)
+    return stored_locally(root)
+
+
+def test_a_new_writer_for_every_save_takes_its_baseline_from_the_store(tmp_path):
+    """The README's pattern builds a ``StorageWriter`` for every save; with ``incremental=True`` its
+    baseline is the newest version of its scope committed in its root (``step-\\d+``), not the writer
+    object's memory: six saves store the frozen base once, as one kept writer does, and each loads."""
+    one = _frozen_base_saves(str(tmp_path / "one"), 1, writer_per_save=True)
+    per_save = _frozen_base_saves(str(tmp_path / "per"), 6, writer_per_save=True)
+    kept = _frozen_base_saves(str(tmp_path / "kept"), 6, writer_per_save=False)
+    assert per_save <= 1.2 * one and kept <= 1.2 * one, (one, per_save, kept)
+    st = ckptstore.Store(str(tmp_path / "per"))
+    for i in range(2, 7):
+        assert {r.version for r in st.manifest(f"step-{i}").manifest.refs} == {"step-1"}
+    tgt = {"base": torch.zeros(1 << 20), "adapter": torch.zeros(256)}
+    dcp.load(tgt, checkpoint_id="step-6", storage_reader=ckptstore.StorageReader(str(tmp_path / "per")))
+    assert tgt["adapter"][0].item() == 6.0 and torch.equal(tgt["base"], torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)))

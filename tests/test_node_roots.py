@@ -151,3 +151,62 @@ def test_replaced_node_loads_then_destroy_repeatedly(tmp_path, s3_url):
         replaced = [roots[0], str(tmp_path / f"new{i}")]
         out = run_ranks(roots_ranks.load_then_destroy, 2, replaced, s3_url, timeout=120, **FAST)
         assert all(o["ok"] for o in out), out
+
+
+@pytest.mark.slow  # the default set has the root-group disagreement test below (the same stale probe)
+def test_ranks_forked_from_one_process_then_moved_between_roots(tmp_path):
+    """Ranks forked from one process that imported ckptstore (a forkserver, ``mp`` fork) draw their own
+    root-probe nonce: a rank that wrote to root ``a`` in one job and to root ``b`` in the next is not
+    taken for a member of ``a``'s group by its old probe. The replicated save of the second job records
+    one group per root, its replicas are in place and both roots load it."""
+    import ckptstore.dcp  # noqa: F401 - the parent has imported the writer before it forks its ranks
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    fork = dict(start_method="fork")
+    first = run_ranks(roots_ranks.save_replicated, 2, [a, a], ["v1"], **fork)
+    assert first[0]["placements"] == [None]
+    assert first[0]["nonce"] != first[1]["nonce"]  # forked ranks: one nonce each
+    second = run_ranks(roots_ranks.save_replicated, 2, [a, b], ["v2"], **fork)
+    assert second[0]["placements"] == [[[0], [1]]], second
+    for root in (a, b):  # both roots hold a valid copy of v2 (its own part + a replica of the other)
+        assert "v2" in _versions(root), (root, _versions(root))
+        st = ckptstore.Store(root)
+        assert not st.problems, st.problems
+        m = st.manifest("v2").manifest
+        t = LocalTier(root)
+        assert all(t.exists(f"versions/v2/{o.name}") for o in m.objects), root
+    out = run_ranks(roots_ranks.load, 2, [a, b], "v2", **FAST)
+    assert all(o["ok"] and o["version"] == "v2" for o in out), out
+
+
+@pytest.mark.parametrize("durability,replicas", [pytest.param("local", 0, marks=pytest.mark.slow), ("replicated", 1)])
+def test_a_save_whose_ranks_disagree_on_root_groups_commits_nothing(tmp_path, durability, replicas):
+    """A placement the reader would refuse is never committed (docs/FORMAT.md, Save rule 11): rank 1's
+    stale probe in root ``a`` makes rank 0 see {0, 1} there while rank 1 sees only itself in ``b``.
+    The save fails on every rank naming the disagreement, no root lists the name, and the same name
+    saves once the stale probe is gone."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    errs = run_ranks(roots_ranks.save_with_stale_probe, 2, [a, b], "v1", durability, replicas, **FAST)
+    assert all("disagree on which of them share a root" in e for e in errs), errs
+    assert _versions(a) == [] and _versions(b) == []
+    import shutil
+
+    shutil.rmtree(os.path.join(a, "probes"))
+    placements = run_ranks(roots_ranks.save_versions, 2, [a, b], ["v1"], **FAST)
+    assert placements[0] == [[[0], [1]]]
+    assert _versions(a) == ["v1"] and _versions(b) == ["v1"]
+
+
+@pytest.mark.slow
+def test_drop_on_one_node_while_an_incremental_save_references_what_it_removes(tmp_path):
+    """Node-local roots: while ``v2`` (every item a reference to ``v1``) is written, an operator drops
+    ``v1`` on rank 1's node. Rank 1's lease keeps ``v1``'s frames there; ``v2`` commits on both roots
+    and loads, and no lease is left once the manifest copy reached rank 1's root."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    out = run_ranks(roots_ranks.incremental_drop_race, 2, [a, b], **FAST)
+    assert out[1]["drop"] == [0], out
+    assert out[0]["leases"] == [] and out[1]["leases"] == [], out
+    assert _versions(a) == ["v1", "v2"] and _versions(b) == ["v2"]
+    assert ckptstore.Store(b).manifest("v2").manifest.refs  # v2 references v1's frames, also on b
+    res = run_ranks(roots_ranks.load, 2, [a, b], "v2", None, "v1", **FAST)  # (v2 holds v1's state)
+    assert all(o["ok"] for o in res), res

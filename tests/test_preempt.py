@@ -307,3 +307,24 @@ def test_two_crashes_under_torchrun_count_as_two_restarts(tmp_path):
     assert rep["attempts"] == 3 and rep["restarts"] == 2 and rep["failures"] == 2, rep
     assert [w["kept_to_step"] for w in rep["lost_work"]] == [10, 25] and [w["lost_steps"] for w in rep["lost_work"]] == [3, 2]
     assert rep["steps"] == 40 and rep["lost_s"] > 0 and rep["restart_s"] > 0
+
+
+def test_one_sigterm_makes_every_manager_of_the_process_save_the_same_step(tmp_path):
+    """The README's two managers (model: ``step-`` every 5 steps; data loader: ``prefix="loader-"``
+    every step) in each rank of a 2-rank job; SIGTERM at step 7 on rank 0. Every manager of every rank
+    saves one and the same step (``step-S`` and ``loader-S``), the last one called raises
+    ``Preempted``, and the next run resumes the model and the data loader at the same step."""
+    root = str(tmp_path / "root")
+    fast = dict(start_method="forkserver", preload=["preempt_ranks"])
+    first = run_ranks(preempt_ranks.two_managers, 2, root, {"steps": 20, "kill_at": 7}, timeout=240, **fast)
+    steps = {r["preempted"]["step"] for r in first if r["preempted"]}
+    assert len(steps) == 1 and all(r["preempted"] and r["preempted"]["saved"] for r in first), first
+    (s,) = steps
+    assert s >= 7
+    assert all(r["saved_by"] == [("model", s)] for r in first), first  # the model saved it, then returned
+    names = {r.version for r in ckptstore.Store(root).versions()}
+    assert f"step-{s}" in names and f"loader-{s}" in names, sorted(names)
+    again = run_ranks(preempt_ranks.two_managers, 2, root, {"steps": s + 2, "save_on_signal": None}, timeout=240, **fast)
+    for r in again:
+        assert r["model_start"] == r["loader_start"] == s + 1, r
+        assert r["pos_start"] == s  # the data loader's position of the step the model resumes after

@@ -185,6 +185,7 @@ def _listing_loop(root, remote, stop, stats, errors):
 def test_listing_while_committing(tmp_path, tier, request):
     remote = request.getfixturevalue("s3_url") if tier == "s3" else None
     root = str(tmp_path / "root")
+    os.makedirs(root)  # made by the launcher: an empty directory is an empty store (a missing one is refused)
     n = 6
     jobs = [dict(root=root, version=f"v{i}", seed=i, remote=remote, durability="remote" if remote else "local") for i in range(n)]
     stop = threading.Event()

@@ -202,3 +202,35 @@ def test_rekey_never_reseals_a_tampered_manifest(tmp_path):
     rep = rekey(st, OLD, NEW)
     assert [(e.version, e.status) for e in rep.entries] == [("t", "damaged-manifest")] and rep.exit_code == 4
     assert st.local.get(k) == tampered
+
+
+# -- a rekey that missed one root -----------------------------------------------------------------------
+@pytest.mark.parametrize("with_s3", [pytest.param(True, marks=[pytest.mark.s3, pytest.mark.slow]), False],
+                         ids=["s3", "replicas"])
+def test_a_rekey_that_missed_one_root_loads_from_the_copies_that_open(tmp_path, request, with_s3):
+    """Node-local roots ``a`` (rank 0) and ``b`` (rank 1); ``a`` (and S3) rekeyed, ``b`` not. A load with
+    the new key uses the manifest copies that open with it (``a``'s, S3's): the data keys did not
+    change, so ``b``'s objects decode as before. Only when no copy opens does the load fail, naming
+    the root and the command that fixes it. (The rekey of ``a``, which holds a part of the version,
+    keeps its copy: another root's objects are not missing there.)"""
+    from ckptstore.testing.dist import run_ranks
+
+    import roots_ranks
+
+    remote = request.getfixturevalue("s3_url") if with_s3 else None
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    old = {"CKPTSTORE_KEY": base64.b64encode(OLD).decode()}
+    new = {"CKPTSTORE_KEY": base64.b64encode(NEW).decode()}
+    fast = dict(start_method="forkserver", preload=["roots_ranks"])
+    run_ranks(roots_ranks.save_keyed, 2, [a, b], "v1", remote, 0 if with_s3 else 1, env=old, **fast)
+    assert rekey(ckptstore.Store(a, remote=remote), OLD, NEW).exit_code == 0  # ... and not b
+    out = run_ranks(roots_ranks.load_or_error, 2, [a, b], "v1", remote, env=new, **fast)
+    assert all(isinstance(o, dict) and o["ok"] for o in out), out
+    # b alone (it holds its part, and with replicas a's part too): with S3 the remote copy opens; without
+    # it no copy does, and the error names b and the command to run
+    got = run_ranks(roots_ranks.load_or_error, 1, [b], "v1", remote, env=new, **fast)[0]
+    if with_s3:
+        assert isinstance(got, dict) and got["ok"], got
+    else:
+        assert isinstance(got, str) and "KeyMismatchError" in got and b in got and f"ckptstore rekey {b}" in got, got
+    assert "v1" in ckptstore.Store(a).versions()[0].version  # the rekey of a split root kept a's copy

@@ -357,3 +357,26 @@ def test_closing_a_writer_releases_its_replica_group(tmp_path):
         assert o["raised"] is not None and "replica copies were closed" in o["raised"], o["raised"]
     for v in ("v0", "v5"):
         assert objects_in(node(tmp_path, 0), v) == all_objects(node(tmp_path, 0), v)  # replicas were made
+
+
+def test_a_replica_that_was_never_made_is_reported(tmp_path):
+    """``durability="local"``: the receiver's root is full (a real 2 MiB tmpfs) when rank 1's object
+    is copied to rank 0's node. The save commits (its primaries stand), but the redundancy gap is
+    known before a node is lost: ``close()`` raises ``ReplicaError`` naming the version and the
+    replica, the save event says ``replicas: "gap"`` with the error, and the metrics count it."""
+    from helpers import small_tmpfs
+
+    import roots_ranks
+
+    b = str(tmp_path / "b")
+    with small_tmpfs(tmp_path / "a", size="2m") as a:
+        out = run_ranks(roots_ranks.manager_with_replica_gap, 2, [a, b], 1 << 20, timeout=240,
+                        start_method="forkserver", preload=["roots_ranks"])
+        assert "step-1" in catalogue.scan(LocalTier(a)) and "step-1" in catalogue.scan(LocalTier(b))
+    for o in out:
+        assert o["close"].startswith("ReplicaError") and "step-1" in o["close"] and "r00001.ckd" in o["close"], o["close"]
+        assert 'ckptstore_replica_gaps_total{rank=' in o["metrics"] and "} 1" in o["metrics"].split(
+            "ckptstore_replica_gaps_total{")[1].splitlines()[0], o["metrics"]
+    (save,) = out[0]["saves"]
+    assert save["outcome"] == "committed" and save["replicas"] == "gap", save
+    assert "StorageFullError" in save["error"] and "r00001.ckd" in save["error"], save

@@ -33,7 +33,7 @@ def _incomplete_uploads(url):
 
 
 # Case 1: save 2 ranks with remote, delete local root, load on 1 and 3 ranks from S3 only
-@pytest.mark.s3_both
+@pytest.mark.s3_both(moto_slow=True)  # moto in the slow set (suite time); SeaweedFS in the default one
 def test_remote_only_restore_after_local_loss(tmp_path, s3_url):
     root = str(tmp_path / "nvme")
     key = os.urandom(32)

@@ -349,8 +349,8 @@ def test_transient_error_on_a_manifest_is_not_damage(tmp_path):
     save(root, "v1", 1)
     save(root, "v2", 2)
     flaky = FaultyTier.transient_get(LocalTier(root), layout.manifest_key("v2"))
-    st = ckptstore.Store(None, remote=None)
-    st.local = flaky
+    st = ckptstore.Store(root)
+    st.local = flaky  # its reads of v2's manifest fail transiently
     with pytest.raises(TransientStorageError):
         st.latest()
     with pytest.raises(TransientStorageError):

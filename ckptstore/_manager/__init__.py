@@ -13,7 +13,7 @@ work to handlers and policies, and torchtitan's ``BaseCheckpointManager`` to ``_
   unverifiable copies and versions, the restore log, re-replication, ``RestoreInfo``;
 - :mod:`.preempt` — :class:`~.preempt.Preemption`: the agreement round, the last save, the watchdog;
 - :mod:`.signals` — :data:`~.signals.HUB`: the process's signal handlers and wakeup fd, which every
-  manager of the process registers with;
+  manager of the process registers with, and the one step every manager saves after a signal;
 - :mod:`.sink` — :class:`~.sink.EventSink`: event log lines, metrics, ``on_event``;
 - :mod:`.registry` — the open managers of the process ("one manager per root").
 

@@ -23,6 +23,10 @@ class SaveInfo:
     local_commit_s: float | None = None
     remote_commit_s: float | None = None
     error: str | None = None
+    #: with ``replicas``: ``"made"`` (every replica of the version in place) or ``"gap"`` (some were
+    #: not made: ``replica_error`` names them; the version is committed on its own roots)
+    replicas: str | None = None
+    replica_error: str | None = None
 
 
 @dataclasses.dataclass

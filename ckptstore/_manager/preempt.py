@@ -17,8 +17,11 @@ watchdog.
   (queue order) or die with the process: a manifest commits a version whole or not at all.
 
 The handlers and the wakeup fd are the process's (:mod:`.signals`: every manager registers with its
-:data:`~.signals.HUB`); what one manager learns, agrees and saves is its :class:`Preemption`'s. The
-save itself is the manager's: :meth:`Preemption.save_last` gets it as a callable.
+:data:`~.signals.HUB`, and every manager hears a signal); what one manager learns, agrees and saves
+is its :class:`Preemption`'s, and the step every manager of the process saves is the hub's: the
+first agreement sets it (:meth:`Preemption.check`), every manager saves it, the last one to save
+raises ``Preempted``. The save itself is the manager's: :meth:`Preemption.save_last` gets it as a
+callable.
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ class Preemption:
         self.grace_s = grace_s
         self.rank = rank
         self._emit = emit
+        #: how to resume, in the words of the loop's framework (``{step}``, ``{version}`` filled in)
+        self.resume_hint = "Resume with mgr.resume()"
         wanted, explicit = wanted_signals(save_on_signal)
         #: a signal was asked for (whether or not this rank could install a handler for it)
         self.wanted = bool(wanted)
@@ -119,6 +124,7 @@ class Preemption:
         self._round = None  # (work, tensor): the all-reduce issued at the last save() call
         self.ctl = None
         if wanted:
+            HUB.join(self)  # every manager of the process saves the same step after a signal
             self._listen(wanted, explicit)
         self.rounds = False
         if wanted and multi_rank:
@@ -152,9 +158,10 @@ class Preemption:
         if self._wake is not None:
             self._wake.uninstall()
             self._wake = None
-        self.signals, self.rounds = (), False
+        self.signals, self.rounds, self.wanted = (), False, False
 
     def _leave(self) -> None:
+        HUB.leave(self)
         if threading.current_thread() is not threading.main_thread():
             return
         HUB.unlisten(self)
@@ -240,8 +247,32 @@ class Preemption:
 
     # -- the agreement round (at every save() call) ------------------------------------------------
     def due(self) -> bool:
-        """:meth:`poll` has anything to do at this ``save()`` call."""
-        return self.rounds or self.sig is not None
+        """:meth:`check` has anything to do at this ``save()`` call."""
+        return self.rounds or self.sig is not None or (self.wanted and HUB.stop(self) is not None)
+
+    def check(self, step: int) -> tuple | None:
+        """At the ``save(step)`` call: ``(signal, its wall time, why not to save or None)`` when this
+        manager saves ``step`` as the process's last save, else None. The process's stop step is the
+        hub's (:meth:`SignalHub.stop_at <.signals.SignalHub.stop_at>`): set by the first manager of
+        the process whose agreement (:meth:`poll`) found a signal, and saved by every manager."""
+        if not self.wanted:
+            return None
+        HUB.called(self, step)
+        stop = HUB.stop(self)
+        if stop is None:
+            if not (self.rounds or self.sig is not None):
+                return None
+            pre = self.poll()
+            if pre is None:
+                return None
+            stop = HUB.stop_at(self, step, pre)
+        target, pre = stop
+        return pre if step >= target else None
+
+    def last_of_process(self) -> bool:
+        """This manager saved the process's stop step: True when it is the last manager of the process
+        to do so (it ends the loop; the others return from ``save()``)."""
+        return HUB.saved(self) if self.wanted else True
 
     def poll(self) -> tuple | None:
         """At a ``save()`` call: ``(signal, its wall time, why not to save or None)`` when the job is to stop here —
@@ -356,7 +387,8 @@ class Preemption:
         if last.saved:
             msg = (f"{name}: saved step {step} ({version}) {seconds:.1f} s after the signal, committed "
                    f"{'remotely' if last.durability == 'remote' else 'locally'}"
-                   + (f" ({last.reason})" if last.reason else "") + f"; exiting with status {code}. Resume with mgr.resume()")
+                   + (f" ({last.reason})" if last.reason else "") + f"; exiting with status {code}. "
+                   + self.resume_hint.format(step=step, version=version))
         else:
             msg = f"{name}: step {step} not saved ({last.reason}); exiting with status {code}"
         exc = Preempted(msg, signal=signum, step=int(step), version=version if last.saved else None, saved=last.saved,

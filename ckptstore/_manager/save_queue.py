@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import CkptStoreError, JobBrokenError
-from .job import group_failure
+from .job import group_failure, short_cause
 
 log = logging.getLogger("ckptstore")
 
@@ -144,19 +144,44 @@ class SaveQueue:
 
     # -- finished saves ----------------------------------------------------------------------------
     def _track_remote(self, info, t0: float) -> None:
-        fut = self._writer.remote_commit_future(info.version)
-        if fut is None:
+        """Report ``info`` once its remote commit (the coordinator's, when there is one) and its replica
+        exchange (with ``replicas``) are done: the save's line says whether it reached the remote tier
+        and whether every replica was made (``info.replicas``: ``"made"`` / ``"gap"``)."""
+        rf = self._writer.remote_commit_future(info.version)
+        pf = self._writer.replica_future(info.version)
+        waiting = [f for f in (rf, pf) if f is not None]
+        if not waiting:
             self._report(info)
             return
+        left = [len(waiting)]
+        lock = threading.Lock()
 
-        def done(f):
+        def remote_done(f):
             if f.exception() is None:
                 info.remote_commit_s = time.monotonic() - t0
             else:
                 info.error = f"remote commit failed: {f.exception()}"  # close() raises UploadError for it
-            self._report(info)
 
-        fut.add_done_callback(done)
+        def replicas_done(f):
+            from ..dcp.replicas import outcome
+
+            gaps = outcome(f)
+            info.replicas = "gap" if gaps else "made"
+            if gaps:  # close() raises ReplicaError for it (a redundancy gap, the version stands)
+                info.replica_error = "replicas not made: " + "; ".join(gaps)
+
+        def done(f, what):
+            what(f)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._report(info)
+
+        if rf is not None:
+            rf.add_done_callback(lambda f: done(f, remote_done))
+        if pf is not None:
+            pf.add_done_callback(lambda f: done(f, replicas_done))
 
     def _process_done(self, f, info, t0: float) -> None:
         self._writer._options_for.pop(info.version, None)  # the subprocess used its pickled copy
@@ -170,9 +195,13 @@ class SaveQueue:
         self._report(info)
 
     def _failed(self, info, e: BaseException) -> None:
-        if group_failure(e):
-            self._job.lose(f"the save of step {info.step} ({info.version}) failed in a collective: {type(e).__name__}: {e}")
         info.error = f"{type(e).__name__}: {e}"
+        if group_failure(e):
+            # the job lost ranks: the JobBrokenError that the next call raises says so, with this cause,
+            # once (a queued save that did not run because of it adds nothing)
+            self._job.lose(f"the save of step {info.step} ({info.version}) failed in a collective: {short_cause(e)}")
+            self._report(info)
+            return
         if self.raise_errors_later:
             with self.lock:
                 self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")

@@ -5,13 +5,19 @@ the one place that installs ckptstore's handler for a signal and passes each sig
 :class:`~.preempt.Preemption` of the manager that listens for it; managers register with it when
 created (:meth:`SignalHub.listen`) and leave when closed (:meth:`SignalHub.unlisten`).
 
-- **Which manager hears a signal.** One listener per signal: a manager created later takes the
-  signal over from an earlier one of the process (which keeps what it had learnt); the program's
-  previous handler comes back when the listening manager closes. With ``save_on_signal="auto"``
-  a signal that has a handler of the program's own (not ckptstore's) is left alone. (The hub is
-  where a signal would be passed on to every registered manager instead, for all of them to save
-  the same step.)
-- **The handler only records** the signal (the listener's ``on_signal``); the saving happens at
+- **Every manager hears a signal.** A signal is passed to every manager of the process that listens
+  for it (a model manager and a ``prefix="loader-"`` manager, as the README suggests); the program's
+  previous handler comes back when the last of them closes. With ``save_on_signal="auto"`` a signal
+  that has a handler of the program's own (not ckptstore's) is left alone.
+- **One step for the whole process** (:meth:`SignalHub.stop_at`). The first manager whose
+  ``save()`` call agrees on a signal sets the process's stop step: that call's step when no other
+  listening manager has been called at that step yet (they are called after it in the loop), else
+  the next step (one of them already passed this one). Every manager saves that step at its
+  ``save()`` call of it; the last one to save raises :class:`~ckptstore.errors.Preempted`, the
+  others return (:meth:`SignalHub.saved`). A resumed run then finds model and data loader at the
+  same step. In a job every rank calls its managers in the same order and every manager's agreement
+  is a collective, so every rank picks the same step.
+- **The handler only records** the signal (the listeners' ``on_signal``); the saving happens at
   the next ``save()`` call of the training loop.
 - **The wakeup fd** (:class:`Wakeup`): Python's ``signal.set_wakeup_fd``, written by the C-level
   handler at once, so that a watchdog thread hears the signal even when the main thread never gets
@@ -88,20 +94,28 @@ class Wakeup:
 
 
 class SignalHub:
-    """ckptstore's signal handlers of this process (one instance: :data:`HUB`).
+    """ckptstore's signal handlers of this process (one instance: :data:`HUB`), and the process's
+    stop step once a signal was agreed on (see the module docstring).
 
     A listener has ``on_signal(signum)`` (called from the handler: it must only record) and
     ``forked()`` (called in a forked child: forget the signals and the wakeup fd)."""
 
     def __init__(self) -> None:
-        self._owner: dict[int, Any] = {}  # signal -> the listener it is passed to
+        self._owners: dict[int, list] = {}  # signal -> the listeners it is passed to, in order
         self._prev: dict[int, Any] = {}  # signal -> the program's handler before ckptstore's
         self._listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()  # all that listened (reset in children)
+        self._lock = threading.Lock()
+        self._managers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every manager that asked for signals
+        self._calls: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # manager -> last save() step
+        self._stop: tuple | None = None  # (step, agreed signal tuple): the step every manager saves
+        self._members: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the managers the stop step is for
+        self._saved: "weakref.WeakSet[Any]" = weakref.WeakSet()  # members that saved the stop step
 
     def listen(self, listener, wanted: tuple[int, ...], explicit: bool) -> tuple[int, ...]:
-        """Pass the signals ``wanted`` to ``listener`` from now on; return those it gets. Only in the
-        main thread (else none: a warning when ``explicit``); without ``explicit`` (``"auto"``), a
-        signal with a handler of the program's own is left alone."""
+        """Pass the signals ``wanted`` to ``listener`` from now on (and to every other manager that
+        listens for them); return those it gets. Only in the main thread (else none: a warning when
+        ``explicit``); without ``explicit`` (``"auto"``), a signal with a handler of the program's own
+        is left alone."""
         if threading.current_thread() is not threading.main_thread():
             if explicit:
                 log.warning("ckptstore: save_on_signal needs the manager to be created in the main thread; "
@@ -110,7 +124,7 @@ class SignalHub:
         got: dict[int, None] = {}
         for signum in wanted:
             prev = _signal.getsignal(signum)
-            if getattr(prev, "__self__", None) is self:  # an earlier manager's: take over from it
+            if getattr(prev, "__self__", None) is self:  # another manager's: this one hears it too
                 self._prev.setdefault(signum, _signal.SIG_DFL)
             elif not explicit and prev not in (_signal.SIG_DFL, None):
                 log.info("ckptstore: %s has a handler of the program's own; CheckpointManager leaves it alone",
@@ -119,36 +133,105 @@ class SignalHub:
             else:
                 _signal.signal(signum, self._handle)
                 self._prev[signum] = prev
-            self._owner[signum] = listener
+            with self._lock:
+                self._owners[signum] = [x for x in self._owners.get(signum, []) if x is not listener] + [listener]
             got[signum] = None
         if got:
             self._listeners.add(listener)
         return tuple(got)
 
     def unlisten(self, listener) -> None:
-        """Give the signals ``listener`` still gets their previous handlers back (main thread only)."""
-        for signum, owner in list(self._owner.items()):
-            if owner is not listener:
-                continue
+        """Stop passing signals to ``listener``; a signal no manager listens for any more gets its
+        previous handler back (main thread only)."""
+        with self._lock:
+            gone = []
+            for signum, owners in list(self._owners.items()):
+                if listener not in owners:
+                    continue
+                owners = [x for x in owners if x is not listener]
+                if owners:
+                    self._owners[signum] = owners
+                else:
+                    del self._owners[signum]
+                    gone.append(signum)
+        for signum in gone:
             prev = self._prev.pop(signum, _signal.SIG_DFL)
-            del self._owner[signum]
             if getattr(_signal.getsignal(signum), "__self__", None) is self:
                 _signal.signal(signum, prev if prev is not None else _signal.SIG_DFL)
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal handler: records only
-        owner = self._owner.get(signum)
-        if owner is not None:
+        for owner in list(self._owners.get(signum, ())):
             owner.on_signal(signum)
+
+    # -- one stop step for every manager of the process ---------------------------------------------
+    def join(self, manager) -> None:
+        """``manager`` (a manager's preemption) takes part in the process's stop step — every manager
+        that asked for signals, also on a rank where no handler could be installed (its peers may hear
+        the signal)."""
+        with self._lock:
+            self._managers.add(manager)
+
+    def leave(self, manager) -> None:
+        """``manager`` closed; the stop step is forgotten once no manager is left."""
+        with self._lock:
+            self._managers.discard(manager)
+            self._members.discard(manager)
+            self._calls.pop(manager, None)
+            if not len(self._members):
+                self._stop = None
+                self._saved = weakref.WeakSet()
+
+    def called(self, listener, step: int) -> None:
+        """``listener``'s manager is at its ``save(step)`` call."""
+        with self._lock:
+            self._calls[listener] = int(step)
+
+    def stop(self, manager=None) -> tuple | None:
+        """``(step, agreed signal)`` once a manager of the process agreed on a signal, else None (also
+        for a ``manager`` created after that: the stop step is not its)."""
+        st = self._stop
+        if st is None or (manager is not None and manager not in self._members):
+            return None
+        return st
+
+    def stop_at(self, listener, step: int, pre: tuple) -> tuple:
+        """``listener``'s manager agreed on the signal ``pre`` at its ``save(step)`` call: the process's
+        stop step (set once; see the module docstring), as ``(step, pre)``."""
+        with self._lock:
+            if self._stop is None or listener not in self._members:
+                self._members = weakref.WeakSet(self._managers)
+                self._members.add(listener)
+                self._saved = weakref.WeakSet()
+                others = [x for x in self._members if x is not listener]
+                late = any(self._calls.get(x, -1) >= step for x in others)
+                self._stop = (int(step) + 1 if late else int(step), pre)
+                if late:
+                    log.warning("ckptstore: a signal was agreed on at step %d, after another manager of this process "
+                                "passed that step: every manager saves step %d", step, step + 1)
+            return self._stop
+
+    def saved(self, listener) -> bool:
+        """``listener``'s manager saved the stop step; True when it is the last of the process's
+        listening managers to do so (it raises ``Preempted``; the others returned)."""
+        with self._lock:
+            self._saved.add(listener)
+            return all(x in self._saved for x in self._members)
 
     def _reset_in_child(self) -> None:
         try:
-            for signum in list(self._owner):
+            for signum in list(self._owners):
                 if getattr(_signal.getsignal(signum), "__self__", None) is self:
                     prev = self._prev.get(signum)
                     _signal.signal(signum, prev if prev is not None else _signal.SIG_DFL)
         except (ValueError, OSError):  # forked from a thread other than the main one
             pass
-        self._owner.clear()
+        self._owners.clear()
+        self._managers = weakref.WeakSet()
+        self._members = weakref.WeakSet()
+        self._calls = weakref.WeakKeyDictionary()
+        self._stop = None
+        self._saved = weakref.WeakSet()
+        self._lock = threading.Lock()
         for listener in list(self._listeners):
             listener.forked()
 

@@ -18,11 +18,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import _faults
 from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
-from ..errors import FencedError, StateDictKeysError
-from ..manifest import layout
+from ..errors import (CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
+                      StateDictKeysError, UnsupportedFormatError)
+from ..manifest import layout, leases, placement
 from ..manifest.commit import commit_manifest
 from ..manifest.placement import group_domains
-from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, utcnow
+from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, parse, utcnow
 from . import _roots
 from ._checks import check_metadata_loads, value_digest
 from ._frames import NONFINITE_FIRST, tensor_bytes, write_small_object
@@ -87,13 +88,16 @@ class Committer(OwnLock):
         reports, digests, tables, extras = collect(results)
         upload_failures = [x for x in extras if isinstance(x, UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
-        split = _roots.placement([r.group for r in roots])
-        # the failure domain of each root group: its leader's (docs/FORMAT.md, "Replicas")
-        doms = group_domains(split, {r.rank: r.domain for r in roots}) if split else None
         try:
             self.guard.check_world(len(results), f"the commit of {s.version!r}")
             _check_same_values(digests)
+            if roots:  # the ranks must agree on the root groups the placement records
+                _roots.check_groups({r.rank: r.group for r in roots})
+            split = _roots.placement([r.group for r in roots])
+            # the failure domain of each root group: its leader's (docs/FORMAT.md, "Replicas")
+            doms = group_domains(split, {r.rank: r.domain for r in roots}) if split else None
             m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split, domains=doms)
+            self.check_committable(s, m, body)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
             self.check_owner(s.version)
             commit_manifest(
@@ -102,9 +106,12 @@ class Committer(OwnLock):
                 hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
             )
         except BaseException:
-            if split:
+            if len({tuple(r.group) for r in roots}) > 1:
                 self.publisher.publish(s.attempt, b"", None)  # the other roots stop waiting
+            leases.release(self.tier, s.attempt)  # the save failed: its references need no protection
             raise
+        # committed here: the manifest now names what the ranks of this root referenced (their leases go)
+        leases.release(self.tier, s.attempt)
         _faults.point("commit.after_manifest")
         timed(s.version, commit_s=time.monotonic() - t0)
         if m.nonfinite_count:
@@ -115,6 +122,41 @@ class Committer(OwnLock):
             self.publisher.publish(s.attempt, body, self.tier.get(layout.object_key(s.version, m.metadata_object.name)))
             timed(s.version, replicate_s=time.monotonic() - t1)
         return m, body, upload_failures
+
+    def check_committable(self, s, m: Manifest, body: bytes) -> None:
+        """Refuse to commit a manifest the reader would refuse (docs/FORMAT.md, Save rule 11): its
+        bytes parse under the reader's rules (placement, references, replicas, every field), every
+        object of a saving rank belongs to a root group of ``placement``, and every object of an
+        earlier version it references that this root should hold (the objects of its own group's
+        ranks) is here with its size — a ``gc``/``drop`` that removed one while the save ran
+        (docs/FORMAT.md, "References") fails the save instead of committing what cannot load.
+        Raises :class:`CommitRefusedError`; nothing is committed, a retry of the name works."""
+        try:
+            parse(body, expect_version=s.version)
+        except (ManifestError, UnsupportedFormatError, InvalidNameError) as e:
+            raise CommitRefusedError(f"version {s.version!r}: this save built a manifest a reader would refuse ({e}); "
+                                     "nothing was committed") from e
+        groups = placement.groups(m)
+        in_groups = {r for g in groups for r in g}
+        stray = sorted({o.rank for o in m.objects if o.rank is not None and o.rank not in in_groups})
+        if m.placement and stray:
+            raise CommitRefusedError(f"version {s.version!r}: ranks {stray} wrote objects but belong to no root group "
+                                     f"of {m.placement}; nothing was committed")
+        mine = next((set(g) for g in groups if s.rank in g), None)
+        gone = []
+        for ref in m.refs:
+            if mine is not None and m.placement and ref.rank not in mine:
+                continue  # held by another root (checked by the rank that references it)
+            try:
+                if self.tier.stat(layout.object_key(ref.version, ref.name)).size != ref.size:
+                    gone.append(f"{ref.name} of {ref.version!r} (changed)")
+            except ObjectNotFoundError:
+                gone.append(f"{ref.name} of {ref.version!r}")
+        if gone:
+            raise CommitRefusedError(
+                f"version {s.version!r} references objects of earlier versions that are no longer in {self.tier.url}: "
+                f"{', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''} (deleted by gc or drop while the save ran); "
+                "nothing was committed. Save again: the next save writes those items whole")
 
     def check_owner(self, version: str) -> None:
         """The writer's ``commit_check`` right before the commit point (docs/FORMAT.md, Save rule 9):

@@ -36,6 +36,7 @@ class WriterConfig:
     world_size: int | None
     replicas: int
     incremental: bool
+    scope: str | None = None  # the version names an incremental save takes its baseline from (regex)
     count_nonfinite: bool = True
     #: ``commit_check(version) -> reason or None``, called right before the local commit point
     commit_check: Any = None

@@ -225,16 +225,22 @@ class ShardWriter:
         return FrameCodec(version, pd.attempt, cipher, compress=self.cfg.compression, level=self.cfg.level)
 
     def write(self, version: str, rank: int, plan, planner, pd: PlanData, staged: list,
-              stream=None, codec: FrameCodec | None = None) -> tuple[list, ObjectReport]:
+              stream=None, codec: FrameCodec | None = None, *,
+              whole: bool = False) -> tuple[list, ObjectReport, "Any"]:
         """Write the rank's object (``stream``: its streamed upload, or None; ``codec``: the save's
         :meth:`codec`, made here when not given); returns the write results (the packed item table
-        and the object's report) and the report. ``staged`` receives the storage address of the
-        first staged tensor (which host copy to free)."""
+        and the object's report), the report and the save's ``_incremental.SaveRefs`` (None unless
+        incremental). ``staged`` receives the storage address of the first staged tensor (which host
+        copy to free). ``whole``: reference nothing (every item written), with an incremental writer
+        still recording the items' digests."""
         cfg = self.cfg
         if codec is None:
             codec = self.codec(version, rank, pd)
         name = self.name(pd)
-        refs = self.inc.for_save(self.tier, pd.key_id) if cfg.incremental else None
+        refs = None
+        if cfg.incremental:
+            self.inc.adopt(pd.baseline)  # a baseline the coordinator read from the store for this rank
+            refs = self.inc.for_save(self.tier, pd.key_id, version, pd.attempt, pd.rank, whole=whole)
         count = cfg.count_nonfinite
         # (item, refs list or location, nbytes, dtype, shape, Scan or None)
         per_item: list[tuple[Any, Any, int, str | None, tuple | None, Scan | None]] = []
@@ -265,10 +271,15 @@ class ShardWriter:
                 per_item.append((item, frames, len(mv), dtype, shape, scan))
                 yield from split(mv, frame_size, width, frames, scan)
 
-        sink = ObjectSink(self.tier, layout.object_key(version, name), "write.frame", stream=stream)
-        with cf.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
-            write_frames(sink, codec, name, chunks(), pool, window=max(2, 2 * cfg.threads))
-            _faults.point("write.commit")
+        try:
+            sink = ObjectSink(self.tier, layout.object_key(version, name), "write.frame", stream=stream)
+            with cf.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
+                write_frames(sink, codec, name, chunks(), pool, window=max(2, 2 * cfg.threads))
+                _faults.point("write.commit")
+        except BaseException:
+            if refs is not None:
+                refs.release()  # the save failed on this rank: nothing of it to protect
+            raise
         locs = [f if isinstance(f, ItemLocation) else ItemLocation(name, tuple(f), n, dtype, shape)
                 for _item, f, n, dtype, shape, _sc in per_item]
         total_raw = sum(x[2] for x in per_item)
@@ -277,9 +288,11 @@ class ShardWriter:
         rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw - ref_raw,
                            tuple(sorted(sink.codecs)), refs.refs() if refs is not None else (), ref_raw,
                            nonfinite=_nonfinite_of(per_item) if count else None)
+        digests = None
         if refs is not None:
             refs.remember(version, pd.attempt, indexes, locs)
-        return [items_result(pd.rank, total_raw, indexes, locs), object_result(rep, total_raw)], rep
+            digests = refs.digests(indexes)
+        return [items_result(pd.rank, total_raw, indexes, locs, digests), object_result(rep, total_raw)], rep, refs
 
 
 def _nonfinite_of(per_item: list) -> tuple:

@@ -35,7 +35,7 @@ from ._roots import copy_into
 
 log = logging.getLogger("ckptstore")
 
-__all__ = ["View", "exchange", "fetch_manifest", "in_job", "append_restore_log", "read_restore_log"]
+__all__ = ["View", "exchange", "fetch_manifest", "opens", "in_job", "append_restore_log", "read_restore_log"]
 
 #: restore-log entries read back (the restart-loop rule needs only the last run of entries)
 _RESTORE_LOG_TAIL = 64
@@ -50,11 +50,13 @@ def _facts(m, damaged: bool) -> dict:
     return {"attempt": m.attempt, "created": m.created, "seq": m.seq, "step": m.step, "damaged": damaged,
             "objects": sorted(o.name for o in m.all_objects()), "world_size": m.world_size, "nbytes": m.nbytes,
             "supersedes": sorted(m.superseded_attempts), "groups": len(m.placement or ()) or 1,
-            "refs": sorted([r.name, r.version, r.attempt] for r in m.refs), "nonfinite": m.nonfinite}
+            "refs": sorted([r.name, r.version, r.attempt] for r in m.refs), "nonfinite": m.nonfinite,
+            "key_id": (m.encryption or {}).get("key_id")}
 
 
-def _report(local, first: bool, rank: int) -> dict:
-    """What this rank's root holds (and, on the first rank, the restore log)."""
+def _report(local, first: bool, rank: int, key_id: str | None = None) -> dict:
+    """What this rank's root holds (and, on the first rank, the restore log); ``key_id``: the id of
+    the master key this rank loads with (None: no key)."""
     committed: dict[str, dict] = {}
     parts: dict[str, dict[str, list]] = {}
     problems: list = []
@@ -73,7 +75,8 @@ def _report(local, first: bool, rank: int) -> dict:
         if v is not None:
             invalid[v] = f"{why} (in {local.url})"
     rep: dict[str, Any] = {"rank": rank, "root": None if local is None else local.url, "committed": committed,
-                           "parts": parts, "remote": None, "remote_error": None, "restores": [], "invalid": invalid}
+                           "parts": parts, "remote": None, "remote_error": None, "restores": [], "invalid": invalid,
+                           "key_id": key_id}
     if first:
         rep["restores"] = read_restore_log(local)
     return rep
@@ -188,19 +191,19 @@ def append_restore_log(local, entry: dict) -> None:
         os.close(fd)
 
 
-def exchange(local, remote, pg, version: str | None, **choice) -> tuple[View, int]:
-    """Gather every rank's report and decide (see the module docstring; ``choice``: keyword arguments
-    of :func:`ckptstore.choice.decide`); returns the view and this rank's index in the group. Outside
-    a job of more than one rank, the one report is this process's. Raises the same error on every
-    rank when nothing can be loaded."""
+def exchange(local, remote, pg, version: str | None, key_id: str | None = None, **choice) -> tuple[View, int]:
+    """Gather every rank's report and decide (see the module docstring; ``key_id``: the id of the
+    master key this rank loads with; ``choice``: keyword arguments of :func:`ckptstore.choice.decide`);
+    returns the view and this rank's index in the group. Outside a job of more than one rank, the one
+    report is this process's. Raises the same error on every rank when nothing can be loaded."""
     if not in_job(pg):
-        reports = [_report(local, True, 0)]
+        reports = [_report(local, True, 0, key_id)]
         if remote is not None:
             _add_remote(reports, remote, version)
         return _said(_decide(reports, version, local, remote, None, 0, choice)), 0
     me = dist.get_rank(pg)
     try:
-        mine: Any = _report(local, me == 0, dist.get_rank())
+        mine: Any = _report(local, me == 0, dist.get_rank(), key_id)
     except Exception as e:  # noqa: BLE001 - every rank must reach the collective; raised below
         mine = {"error": e}
     reports: list = [None] * dist.get_world_size(pg)
@@ -279,13 +282,27 @@ def _where(local, remote) -> str:
     return " or ".join(f"{t.name} tier {t.url}" for t in (local, remote) if t is not None)
 
 
-def fetch_manifest(view: View, me: int, local, remote, pg) -> tuple[bytes, bytes | None]:
-    """The manifest file of the view's version for rank ``me`` and, when it came from another
-    rank, the stored bytes of its metadata object. Ranks whose root lacks the manifest get both from
-    a root that has them (one broadcast, made by every rank when any rank needs it), else from the
-    remote tier; a root holding objects of the attempt without its manifest is repaired on the way."""
-    holder = view.holders[0] if view.holders else None
-    need = [i for i in range(len(view.reports)) if not view.has_manifest(i) and holder is not None]
+def opens(view: View, i: int) -> bool:
+    """Group rank ``i``'s copy of the view's manifest opens with the master key rank ``i`` loads with:
+    it is not encrypted, or wrapped by that key (by key id). A copy wrapped by another key — a root a
+    ``ckptstore rekey`` missed — is not used while another copy opens (docs/FORMAT.md, Read rule 12).
+    Without a key nothing opens an encrypted copy: the reader says so."""
+    kid = (view.reports[i]["committed"].get(view.version) or {}).get("key_id")
+    mine = view.reports[i].get("key_id")
+    return kid is None or mine is None or kid == mine
+
+
+def fetch_manifest(view: View, me: int, local, remote, pg) -> tuple[bytes, bytes | None, str]:
+    """The manifest file of the view's version for rank ``me``, the stored bytes of its metadata
+    object when it came from another rank (else None), and where it came from (for messages). Ranks
+    whose root lacks the manifest — or holds a copy wrapped by another master key than theirs
+    (:func:`opens`) — get both from a root whose copy opens (one broadcast, made by every rank when
+    any rank needs it), else from the remote tier; a root holding objects of the attempt without its
+    manifest is repaired on the way (a copy under another key is left for ``ckptstore rekey``)."""
+    usable = [h for h in view.holders if opens(view, h)]
+    holder = usable[0] if usable else (view.holders[0] if view.holders else None)
+    need = [i for i in range(len(view.reports)) if holder is not None and i != holder
+            and (not view.has_manifest(i) or (not opens(view, i) and opens(view, holder)))]
     got: tuple[bytes, bytes | None] | None = None
     if need:
         obj = [None, None]
@@ -296,13 +313,31 @@ def fetch_manifest(view: View, me: int, local, remote, pg) -> tuple[bytes, bytes
         dist.broadcast_object_list(obj, src=view.global_rank(holder), group=pg)
         if me in need:
             got = (obj[0], obj[1])
-            if view.present(me) and local is not None:
+            if not view.has_manifest(me) and view.present(me) and local is not None:
                 _repair(local, view, got)
-    if view.has_manifest(me):
-        return local.get(layout.manifest_key(view.version)), None
+    from_holder = f"the root of rank {view.global_rank(holder)} ({view.reports[holder].get('root')})" \
+        if holder is not None else ""
+    mine = f"the root of rank {view.global_rank(me)} ({view.reports[me].get('root')})"
+    if view.has_manifest(me) and opens(view, me):
+        return local.get(layout.manifest_key(view.version)), None, mine
     if got is not None:
-        return got
-    return remote.get(layout.manifest_key(view.version)), None
+        if view.has_manifest(me):
+            _rekey_missed(view, me, from_holder)
+        return got[0], got[1], from_holder
+    if view.has_manifest(me) and not (view.remote_ok and remote is not None):
+        return local.get(layout.manifest_key(view.version)), None, mine  # the reader names the key problem
+    if view.has_manifest(me):
+        _rekey_missed(view, me, f"the remote tier ({remote.url})")
+    return remote.get(layout.manifest_key(view.version)), None, f"the remote tier ({remote.url})"
+
+
+def _rekey_missed(view: View, me: int, used: str) -> None:
+    kid = (view.reports[me]["committed"].get(view.version) or {}).get("key_id")
+    root = view.reports[me].get("root")
+    log.warning("ckptstore: the manifest of version %r in %s is wrapped by master key id %s, not by the key given "
+                "(id %s): a key rotation missed this root. Loading with the copy of %s (the data keys are the "
+                "same). Run 'ckptstore rekey %s --key-file OLD --new-key-file NEW' on that node",
+                view.version, root, kid, view.reports[me].get("key_id"), used, root)
 
 
 def _repair(local, view: View, got: tuple) -> None:

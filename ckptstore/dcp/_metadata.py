@@ -68,6 +68,15 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "chunk.sizes": ("<i8", "flat"),
 }
 
+#: columns a writer may add (one value per item, in the same order); a reader that does not know
+#: them ignores them. ``item.xxh128_lo``/``_hi``: the XXH3-128 of each item's raw bytes, low and high
+#: 64 bits — written by incremental writers (docs/FORMAT.md, "References": the baseline of a save
+#: that starts without one in memory comes from the store)
+OPTIONAL_COLUMNS: dict[str, tuple[str, str]] = {
+    "item.xxh128_lo": ("<u8", "items"),
+    "item.xxh128_hi": ("<u8", "items"),
+}
+
 _G = operator.attrgetter
 
 
@@ -128,9 +137,10 @@ _TABLE_COLUMNS = ("item.fqn", "item.offset_ndim", "item.offsets", "item.index", 
 assert set(_TABLE_COLUMNS) == {k for k in COLUMNS if k.startswith(("item.", "frame."))}
 
 
-def pack_items(idx: list, locs: list) -> ItemTable:
+def pack_items(idx: list, locs: list, digests: list | None = None) -> ItemTable:
     """The :class:`ItemTable` of ``MetadataIndex`` keys ``idx`` and their ``ItemLocation`` ``locs``
-    (same length, in order). Raises ``TypeError`` for anything else."""
+    (same length, in order), with ``digests`` (the XXH3-128 of each item's raw bytes, ints) as the
+    optional ``item.xxh128_*`` columns. Raises ``TypeError`` for anything else."""
     n = len(locs)
     if len(idx) != n or not (_only(locs, ItemLocation) and _only(idx, MetadataIndex)):
         raise TypeError("storage_data must map MetadataIndex to ItemLocation")
@@ -157,6 +167,12 @@ def pack_items(idx: list, locs: list) -> ItemTable:
     nf = len(frames)
     for field in ("offset", "length", "raw_len", "xxh3", "index"):
         cols["frame." + field] = _col(map(_G(field), frames), COLUMNS["frame." + field][0], nf)
+    if digests is not None:
+        if len(digests) != n:
+            raise TypeError("one digest per item")
+        mask = (1 << 64) - 1
+        cols["item.xxh128_lo"] = _col((d & mask for d in digests), "<u8", n)
+        cols["item.xxh128_hi"] = _col((d >> 64 for d in digests), "<u8", n)
     return ItemTable(tuple(names.table), n, nf, cols)
 
 
@@ -187,6 +203,10 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, bytes], int, i
         nf += t.frames
     cols = {k: (np.concatenate(v).astype(COLUMNS[k][0], copy=False) if v else np.empty(0, COLUMNS[k][0])).tobytes()
             for k, v in parts.items()}
+    for k, (dt, _per) in OPTIONAL_COLUMNS.items():  # kept only when every table has it
+        raws = [t.columns.get(k) for t in tables]
+        if tables and all(type(r) is bytes and len(r) == t.items * np.dtype(dt).itemsize for r, t in zip(raws, tables)):
+            cols[k] = b"".join(raws)
     return cols, n, nf
 
 
@@ -250,11 +270,13 @@ def pickled_part(blob: bytes | memoryview) -> memoryview:
     return mv[len(MAGIC):] if bytes(mv[: len(MAGIC)]) == MAGIC else mv
 
 
-def unpack(blob: bytes | memoryview, loads: Callable[[memoryview], Any], what: str) -> Any:
+def unpack(blob: bytes | memoryview, loads: Callable[[memoryview], Any], what: str, digests: list | None = None) -> Any:
     """The DCP ``Metadata`` held by a *verified* metadata object's bytes (format 1 or 2).
 
     ``loads`` is the allow-list unpickler. Raises :class:`IntegrityError` when a format 2 object
-    is inconsistent (wrong types, column lengths that do not add up, names out of range).
+    is inconsistent (wrong types, column lengths that do not add up, names out of range). With
+    ``digests`` (a list), the items' XXH3-128 (``item.xxh128_*``, in ``storage_data`` order) are
+    appended to it when the object has them.
     """
     mv = memoryview(blob)
     if bytes(mv[: len(MAGIC)]) != MAGIC:
@@ -263,7 +285,10 @@ def unpack(blob: bytes | memoryview, loads: Callable[[memoryview], Any], what: s
     paused = gc.isenabled()
     gc.disable()  # hundreds of thousands of new objects, no cycles: skip the collector's passes
     try:
-        return _rebuild(head)
+        md = _rebuild(head)
+        if digests is not None:
+            digests.extend(_digests(head))
+        return md
     except IntegrityError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
@@ -275,6 +300,15 @@ def unpack(blob: bytes | memoryview, loads: Callable[[memoryview], Any], what: s
 
 def _bad(msg: str):
     raise ValueError(msg)
+
+
+def _digests(head: dict) -> list:
+    """The items' XXH3-128 from the optional ``item.xxh128_*`` columns (``[]`` when absent)."""
+    cols, n = head["columns"], head["items"]
+    lo, hi = cols.get("item.xxh128_lo"), cols.get("item.xxh128_hi")
+    if type(lo) is not bytes or type(hi) is not bytes or len(lo) != 8 * n or len(hi) != 8 * n:
+        return []
+    return [(h << 64) | low for low, h in zip(np.frombuffer(lo, "<u8").tolist(), np.frombuffer(hi, "<u8").tolist())]
 
 
 def _rebuild(head: Any) -> Metadata:
@@ -410,4 +444,5 @@ def _split_flat(ndims: list[int], flat: list[int]) -> list:
     return out
 
 
-__all__ = ["MAGIC", "FORMAT", "ItemTable", "ItemTables", "pack", "pack_items", "unpack", "pickled_part"]
+__all__ = ["MAGIC", "FORMAT", "OPTIONAL_COLUMNS", "ItemTable", "ItemTables", "pack", "pack_items", "unpack",
+           "pickled_part"]

@@ -19,6 +19,7 @@ from ..errors import (CkptStoreError, InvalidNameError, ManifestError, Transient
                       VersionExistsError, VersionNotFoundError)
 from ..manifest import layout
 from ..manifest.order import next_seq
+from . import _roots
 from ._config import multi_rank
 from ._types import LocalPlanData, PlanData
 
@@ -55,17 +56,17 @@ class Save:
 class Planner:
     """Set-up checks and plans of the writer's saves. ``cfg``: the writer's settings; ``tier`` /
     ``remote``: this rank's root and the remote tier (None); ``keys``: ``_keys.DataKeys``;
-    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``; ``probe``: this process's
-    root probe nonce."""
+    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``. The root probe nonce is
+    this process's (``_roots.process_nonce``), read when the plan is made: a writer pickled into
+    DCP's checkpoint subprocess, or used in a forked child, probes with the nonce of that process."""
 
-    def __init__(self, cfg, tier, remote, keys, guard, uploads, probe: int) -> None:
+    def __init__(self, cfg, tier, remote, keys, guard, uploads) -> None:
         self.cfg = cfg
         self.tier = tier
         self.remote = remote
         self.keys = keys
         self.guard = guard
         self.uploads = uploads
-        self.probe = probe
         self._remote_down_until = 0.0  # monotonic time before which set-up does not wait for the remote tier
 
     def begin(self, s: Save, is_coordinator: bool, kwargs: dict) -> None:
@@ -125,16 +126,17 @@ class Planner:
     def _may_replace(self, s: Save, attempt: str) -> bool:
         return self.cfg.overwrite or attempt in s.supersede
 
-    def local_plan(self, s: Save, plan: SavePlan) -> SavePlan:
-        """``prepare_local_plan``: this rank, its probe, its root's commit sequence and existing copy."""
+    def local_plan(self, s: Save, plan: SavePlan, want_base: bool = False) -> SavePlan:
+        """``prepare_local_plan``: this rank, its probe, its root's commit sequence and existing copy,
+        and whether it needs an incremental baseline from the store (``want_base``)."""
         s.local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
         from ..manifest import catalogue
 
         return dataclasses.replace(plan, storage_data=LocalPlanData(
-            rank=s.rank, probe=self.probe if multi_rank() else None,
+            rank=s.rank, probe=_roots.process_nonce() if multi_rank() else None,
             # one rank per node reads its root's newest manifests for the commit sequence (docs/FORMAT.md, "Order")
             seq=catalogue.max_seq(self.tier) if os.environ.get("LOCAL_RANK", "0") == "0" else None,
-            existing=s.existing))
+            existing=s.existing, want_base=want_base))
 
     def global_plan(self, s: Save, plans: list[SavePlan]) -> list[SavePlan]:
         """``prepare_global_plan`` (coordinator): the attempt, its data key, every rank's plan data."""
@@ -149,9 +151,10 @@ class Planner:
             if isinstance(p.storage_data, LocalPlanData) and p.storage_data.probe is not None
         )
         restage = self.uploads.restage_plan(s.version, len(plans))
+        bases = self._baselines(s, ranks, plans)
         out = [
             dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank,
-                                                         restage, arn))
+                                                         restage, bases.get(r), arn))
             for r, p in zip(ranks, plans)
         ]
         s.attempt = attempt
@@ -161,6 +164,18 @@ class Planner:
         s.replaced = tuple(sorted({d.existing for d in local if d.existing is not None}
                                   | ({s.existing_remote} if s.existing_remote is not None else set())))
         return out
+
+    def _baselines(self, s: Save, ranks: list, plans: list) -> dict:
+        """``{rank: Baseline}`` for the ranks of an incremental save that have no baseline in memory,
+        read from the store (``_incremental.store_baseline``: the newest version of the writer's scope
+        committed in this root); each rank gets only its own items."""
+        want = [r for r, p in zip(ranks, plans) if isinstance(p.storage_data, LocalPlanData) and p.storage_data.want_base]
+        if not (self.cfg.incremental and want):
+            return {}
+        from ._incremental import store_baseline
+
+        _v, bases = store_baseline(self.tier, self.keys, self.cfg.scope, s.version, want)
+        return bases
 
 
 def existing_attempt(tier, version: str) -> str | None:

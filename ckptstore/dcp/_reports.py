@@ -30,12 +30,12 @@ class UploadFailure:
     error: str
 
 
-def items_result(rank: int, nbytes: int, idx: list, locs: list) -> WriteResult:
+def items_result(rank: int, nbytes: int, idx: list, locs: list, digests: list | None = None) -> WriteResult:
     """The one WriteResult that carries all of a rank's item locations (``MetadataIndex`` ``idx`` →
-    ``ItemLocation`` ``locs``), packed as an ``ItemTable`` (docs/FORMAT.md, "DCP metadata object"):
-    DCP gathers a few byte strings per rank instead of one object per item, and the coordinator's
-    ``finish`` concatenates them without touching single items."""
-    return WriteResult(MetadataIndex(SENTINEL + f"items/{rank}"), nbytes, pack_items(idx, locs))
+    ``ItemLocation`` ``locs``; with ``digests``, each item's XXH3-128), packed as an ``ItemTable``
+    (docs/FORMAT.md, "DCP metadata object"): DCP gathers a few byte strings per rank instead of one
+    object per item, and the coordinator's ``finish`` concatenates them without touching single items."""
+    return WriteResult(MetadataIndex(SENTINEL + f"items/{rank}"), nbytes, pack_items(idx, locs, digests))
 
 
 def object_result(rep: ObjectReport, nbytes: int) -> WriteResult:

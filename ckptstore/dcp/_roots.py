@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import secrets
 import threading
 from typing import Any
@@ -28,8 +29,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import _faults
-from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError
-from ..manifest import layout
+from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError, PlacementError
+from ..manifest import layout, leases
 from ..manifest.schema import parse
 from ..tiers import LocalTier
 
@@ -45,8 +46,48 @@ def new_nonce() -> int:
 
 #: one probe per process (a rank): re-written (mtime refreshed) at every save, never deleted by the
 #: writer — another save of this process may be in flight — and removed by ``ckptstore gc`` once
-#: older than the grace period.
-PROCESS_NONCE = new_nonce()
+#: older than the grace period. Drawn at import and again in every forked child: ranks forked from
+#: one process (a forkserver, ``multiprocessing``'s fork, a launcher that imported ckptstore) must
+#: not share it, or a rank's probe left in a root it no longer writes to would pass for its probe there.
+_nonce = new_nonce()
+
+
+def process_nonce() -> int:
+    """This process's root-probe nonce (see ``_nonce``)."""
+    return _nonce
+
+
+def _redraw_nonce() -> None:
+    global _nonce
+    _nonce = new_nonce()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_redraw_nonce)
+
+
+def check_groups(groups: dict) -> None:
+    """Refuse root groups the ranks disagree on: ``groups`` ``{rank: its root group}`` (every rank
+    of a save). Each rank's group holds the rank, and every member of a group saw that same group —
+    otherwise one root would be claimed by two groups (a rank's stale probe in a root it no longer
+    writes to, a root visible from one node only) and the manifest's ``placement`` would be one the
+    reader refuses (docs/FORMAT.md, "Placement"). Raises :class:`PlacementError`."""
+    bad = []
+    for r, g in sorted(groups.items()):
+        g = tuple(g)
+        if r not in g:
+            bad.append(f"rank {r} sees {list(g)} (not itself)")
+            continue
+        for x in g:
+            if x in groups and tuple(groups[x]) != g:
+                bad.append(f"rank {r} sees ranks {list(g)} in its root, rank {x} sees {list(groups[x])}")
+                break
+    if bad:
+        raise PlacementError(
+            "the ranks disagree on which of them share a root (" + "; ".join(bad[:4]) + (" ..." if len(bad) > 4 else "")
+            + "): a probe file of a rank that no longer writes to that root (probes/rNNNNN.<nonce>), or a root one "
+            "node sees and another does not. Nothing was committed; remove the stale probes ('ckptstore gc' after "
+            "the grace period, or delete ROOT/probes) and save again")
 
 
 def write_probe(tier: LocalTier, rank: int, nonce: int) -> None:
@@ -132,6 +173,7 @@ class Follower:
             self._note(f"version {version!r}: no copy of the manifest arrived ({e})")
             return
         if data == _ABORT:
+            leases.release(tier, attempt)  # the save failed: what its ranks referenced needs no lease
             return
         n = int.from_bytes(data[:8], "little")
         _faults.point("copy.manifest")
@@ -140,6 +182,8 @@ class Follower:
         except Exception as e:  # noqa: BLE001 - the commit stands elsewhere; the next load repairs this root
             self._note(f"version {version!r}: copying the manifest into {tier.url} failed ({e})")
             return
+        if m is not None:
+            leases.release(tier, attempt)  # the copy names what this root's ranks referenced
         if m is not None and after_copy is not None:
             after_copy(m)
 
@@ -152,19 +196,23 @@ class Follower:
 def copy_into(tier: LocalTier, version: str, attempt: str, manifest: bytes, metadata: bytes, ranks) -> Any:
     """Write the metadata object, then the manifest of ``version`` into ``tier`` (a root holding
     the objects of ``ranks``). Checks first that the manifest is this attempt's and that every
-    object of those ranks is present with its size; returns the manifest, or None when the root
-    does not hold the part (nothing is written then). Idempotent: a manifest already there stays."""
+    object of those ranks — and every object of an earlier version they reference — is present with
+    its size; returns the manifest, or None when the root does not hold the part (nothing is written
+    then). Idempotent: a manifest already there stays."""
     m = parse(manifest, expect_version=version).manifest
     if m.attempt != attempt:
         return None
     rs = set(ranks)
-    for o in m.objects:
-        if o.rank in rs:
-            try:
-                if tier.stat(layout.object_key(version, o.name)).size != o.size:
-                    return None
-            except ObjectNotFoundError:
+    # its group's objects, and the objects of earlier versions they reference (docs/FORMAT.md, Save rule 11)
+    for o in [*(o for o in m.objects if o.rank in rs), *(r for r in m.refs if r.rank in rs)]:
+        try:
+            if tier.stat(layout.object_key(getattr(o, "version", version), o.name)).size != o.size:
                 return None
+        except ObjectNotFoundError:
+            if getattr(o, "version", version) != version:
+                log.warning("ckptstore: version %r references %s of %r, which %s no longer holds; its manifest is "
+                            "not installed there", version, o.name, o.version, tier.url)
+            return None
     key = layout.object_key(version, m.metadata_object.name)
     if len(metadata) != m.metadata_object.size:
         raise CkptStoreError(f"metadata object copy of {version!r} has {len(metadata)} bytes, manifest says {m.metadata_object.size}")

@@ -19,6 +19,8 @@ class LocalPlanData:
     probe: int | None = None  # the nonce of this rank's root probe (docs/FORMAT.md, "Placement")
     seq: int | None = None  # the highest commit sequence in this rank's root (docs/FORMAT.md, "Order")
     existing: str | None = None  # the attempt of this version name already committed in this rank's root
+    #: an incremental writer without a baseline in memory: the coordinator reads one from the store
+    want_base: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,9 @@ class PlanData:
     #: versions committed locally but not remotely that every rank uploads its part of again in this
     #: save (a crash or an outage cut their remote commit off; docs/FORMAT.md, Save rule 8)
     restage: tuple = ()
+    #: this rank's incremental baseline read from the store by the coordinator (``_incremental.Baseline``),
+    #: when it asked for one (``LocalPlanData.want_base``)
+    baseline: object = None
     #: the AWS KMS key that wrapped ``wrapped_key`` (its ``CiphertextBlob``), None: a raw master key
     kms_key_arn: str | None = None
 

@@ -68,13 +68,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise RefusedClassError(module, name)
 
 
-def _restricted_loads(blob: bytes, what: str):
+def _restricted_loads(blob: bytes, what: str, digests: list | None = None):
     """The DCP ``Metadata`` of a *verified* metadata object (format 1: a pickle; format 2: a pickle
-    plus packed tables, ``_metadata.unpack``); everything unpickled goes through the allow-list."""
+    plus packed tables, ``_metadata.unpack``, which fills ``digests`` when given); everything
+    unpickled goes through the allow-list."""
     from ._metadata import unpack
 
     try:
-        return unpack(blob, lambda mv: _MetadataUnpickler(io.BytesIO(mv)).load(), what)
+        return unpack(blob, lambda mv: _MetadataUnpickler(io.BytesIO(mv)).load(), what, digests)
     except IntegrityError:
         raise
     except Exception as e:

@@ -88,12 +88,15 @@ class OpenVersion(OwnLock):
 
     def decode_whole(self, entry: ObjectEntry, data: bytes) -> bytes:
         """The decoded contents of the whole object ``entry`` from its stored bytes ``data``: every
-        frame, the frame count, the header digest and both sizes checked."""
+        frame, the frame count, the header digest and both sizes checked. A referenced object's frames
+        are decoded with its origin's codec (:meth:`codec_of`: the version, attempt and data key that
+        wrote them), so a read-repair of one checks it as its origin wrote it."""
         if len(data) != entry.size:
             raise IntegrityError(f"{entry.name}: size {len(data)} != {entry.size} in the manifest", object=entry.name)
         mv = memoryview(data)
         walk = FrameWalk(lambda off, n: mv[off : off + n], len(data), entry.name)
-        out = [self.codec.decode(entry.name, mv[off : off + length], None) for off, _hd, length in walk]
+        codec = self.codec_of(entry.name)
+        out = [codec.decode(entry.name, mv[off : off + length], None) for off, _hd, length in walk]
         if walk.mismatch(entry.frames, entry.digest) is not None:
             raise IntegrityError(f"{entry.name}: frames do not match the manifest (count or header digest)", object=entry.name)
         blob = b"".join(out)

@@ -104,7 +104,8 @@ class Replicator:
 
     def save(self, version: str, attempt: str, rank: int, group: tuple, held: Held | None, domain: str = "") -> cf.Future:
         """Replicate this rank's object of ``version`` (None: it has none, or its write failed); the
-        future yields True when every replica of the version is in place, False otherwise. ``domain``:
+        future yields the replicas of the version that were not made, on every rank (``[]``: every
+        replica is in place), each as ``"<object> of rank R on the root of rank T: <why>"``. ``domain``:
         this rank's failure domain (docs/FORMAT.md, "Replicas")."""
         return self._submit(self._save, version, attempt, rank, tuple(group), held, domain)
 
@@ -159,24 +160,30 @@ class Replicator:
                 fut.set_exception(e)
 
     # -- the exchanges -------------------------------------------------------------------------------
-    def _save(self, version, attempt, rank, group, held, domain, tag) -> bool:
+    def _save(self, version, attempt, rank, group, held, domain, tag) -> list[str]:
         infos: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(infos, (rank, group, held, domain), group=self.group)
+        from ._roots import check_groups
+
+        try:  # every rank has the same infos: all refuse, or none (no rank waits for a copy)
+            check_groups({r: g for r, g, _h, _d in infos})
+        except CkptStoreError as e:
+            raise ReplicaError(f"version {version!r}: no replicas made: {e}") from e
         groups = sorted({tuple(g) for _r, g, _h, _d in infos}, key=lambda g: g[0])
         doms = group_domains(groups, {r: d for r, _g, _h, d in infos})  # as the manifest records them
         entries = {r: h for r, _g, h, _d in infos if h is not None}
         plan = [(o, t, entries[o], True) for o, t in replica_assignment(groups, self.factor, set(entries), doms)]
-        ok = self._copy(version, attempt, rank, plan, tag)
+        gaps = self._copy(version, attempt, rank, plan, tag)
         verdict: list = [None] * len(infos)
-        dist.all_gather_object(verdict, ok, group=self.group)
+        dist.all_gather_object(verdict, gaps, group=self.group)  # every rank learns every gap
         if len(groups) <= 1 and rank == min(r for r, _g, _h, _d in infos):
             log.warning("ckptstore: replicas=%d but every rank writes to one root (a shared filesystem): there is "
                         "no other root to copy %r to", self.factor, version)
-        return all(verdict)
+        return [g for v in verdict for g in (v or ())]
 
     def _heal(self, version, attempt, copies, manifest, metadata, tag) -> bool:
         me = dist.get_rank()
-        ok = self._copy(version, attempt, me, list(copies), tag)
+        ok = not self._copy(version, attempt, me, list(copies), tag)
         if manifest is not None and any(r == me for _h, r, _e, _x in copies):
             from ._roots import copy_into
 
@@ -186,9 +193,10 @@ class Replicator:
                 log.warning("ckptstore: could not install the manifest of %r in %s: %s", version, self.tier.url, e)
         return ok
 
-    def _copy(self, version: str, attempt: str, me: int, plan: list, tag: int) -> bool:
+    def _copy(self, version: str, attempt: str, me: int, plan: list, tag: int) -> list[str]:
         """Run the copies of ``plan`` (``[(from rank, to rank, Held, is_replica)]``) that involve this
-        rank: sends on one thread, receives on this one. True when all of this rank's succeeded."""
+        rank: sends on one thread, receives on this one. Returns the copies of this rank that failed
+        (``[]``: all succeeded)."""
         sends = [(t, h) for o, t, h, _x in plan if o == me and t != me]
         recvs = [(o, h, x) for o, t, h, x in plan if t == me and o != me]
         base = (tag % 4096) * 64
@@ -196,7 +204,7 @@ class Replicator:
         if sends:
             sender = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptstore-replica-send")
             sent = sender.submit(self._send_all, version, sends, base)
-        ok = True
+        gaps: list[str] = []
         received = []
         try:
             for o, h, is_replica in recvs:
@@ -205,21 +213,24 @@ class Replicator:
                     if is_replica and h.version is None:  # a referenced object is recorded by nobody: its
                         received.append(h.name)  # origin's records go with the origin (docs/FORMAT.md "Replicas")
                 except (CkptStoreError, OSError) as e:
-                    ok = False
-                    self.errors.append(f"{version}: {h.name} from rank {o}: {e}")
+                    gaps.append(f"{h.name} of rank {o} on the root of rank {me} ({self.tier.url}): "
+                                f"{type(e).__name__}: {e}")
                     log.warning("ckptstore: replica %s of %r from rank %d not made: %s", h.name, version, o, e)
             if received:
                 self._record(version, attempt, me, received)
+        except (CkptStoreError, OSError) as e:  # the record: the replicas are in place but not listed
+            gaps.append(f"the replica record of rank {me} ({self.tier.url}): {type(e).__name__}: {e}")
+            log.warning("ckptstore: replica record of %r not written: %s", version, e)
         finally:
             if sender is not None:
                 try:
                     sent.result()
                 except (CkptStoreError, OSError, RuntimeError) as e:
-                    ok = False
-                    self.errors.append(f"{version}: sending: {e}")
+                    gaps.append(f"sending from rank {me}: {type(e).__name__}: {e}")
                     log.warning("ckptstore: sending replicas of %r failed: %s", version, e)
                 sender.shutdown(wait=True)
-        return ok
+        self.errors.extend(f"{version}: {g}" for g in gaps)
+        return gaps
 
     def _send_all(self, version: str, sends: list, base: int) -> None:
         for to, h in sends:
@@ -306,6 +317,20 @@ class ReplicaStage:
         self.cfg = cfg
         self.tier = tier
         self.replicator = replicator
+        self._lock = threading.Lock()
+        self._futs: dict[str, cf.Future] = {}  # version -> its exchange (handed out once: replica_future)
+        #: ``{version: [gap, ...]}``: replicas of ``durability="local"`` saves that were not made and not
+        #: reported yet (:meth:`close` raises them, as uploads that did not complete)
+        self.gaps: dict[str, list[str]] = {}
+
+    def __getstate__(self):
+        s = self.__dict__.copy()
+        s["_lock"], s["_futs"], s["gaps"] = None, {}, {}
+        return s
+
+    def __setstate__(self, s):
+        self.__dict__.update(s)
+        self._lock = threading.Lock()
 
     @classmethod
     def create(cls, cfg, tier, multi_rank: bool) -> "ReplicaStage":
@@ -331,7 +356,26 @@ class ReplicaStage:
             group = root_group(self.tier, pd.rank, pd.probes)
         except CkptStoreError:
             group = (pd.rank,)
-        return self.replicator.save(version, pd.attempt, pd.rank, group, held, self.cfg.replica_domain)
+        fut = self.replicator.save(version, pd.attempt, pd.rank, group, held, self.cfg.replica_domain)
+        with self._lock:
+            self._futs[version] = fut
+            while len(self._futs) > 64:  # nobody asked for them (a plain StorageWriter): keep the newest
+                self._futs.pop(next(iter(self._futs)))
+        if self.cfg.durability not in ("replicated", "remote"):  # the save does not wait: close() reports
+            fut.add_done_callback(lambda f, v=version: self._note_gaps(v, f))
+        return fut
+
+    def _note_gaps(self, version: str, fut: cf.Future) -> None:
+        gaps = outcome(fut)
+        if gaps:
+            with self._lock:
+                self.gaps.setdefault(version, []).extend(gaps)
+
+    def replica_future(self, version: str) -> "cf.Future | None":
+        """The future of ``version``'s replica exchange (its result: the replicas not made, ``[]``:
+        all in place), or None without replicas; handed out once."""
+        with self._lock:
+            return self._futs.pop(version, None)
 
     def settle(self, version: str, fut) -> None:
         """Wait for the exchange ``fut`` inside the save when its durability says so
@@ -340,7 +384,7 @@ class ReplicaStage:
             return
         timeout = self.cfg.upload_timeout
         try:
-            ok = fut.result(timeout)
+            gaps = fut.result(timeout)  # the replicas not made
         except cf.TimeoutError:
             raise ReplicaError(f"version {version!r}: replicas not in place within {timeout:.0f} s; "
                                "nothing was committed") from None
@@ -349,12 +393,16 @@ class ReplicaStage:
         except Exception as e:  # noqa: BLE001 - a failed exchange
             raise ReplicaError(f"version {version!r}: the replica exchange failed ({type(e).__name__}: {e}); "
                                "nothing was committed") from e
-        if not ok:
-            raise ReplicaError(f"version {version!r}: a replica could not be made on some rank (see its log); "
-                               f"durability={self.cfg.durability!r} commits only once every replica is in place")
+        if gaps:
+            raise ReplicaError(f"version {version!r}: replicas not made: {'; '.join(gaps[:4])}"
+                               f"{' ...' if len(gaps) > 4 else ''}; durability={self.cfg.durability!r} commits only once "
+                               "every replica is in place, nothing was committed")
 
     def close(self, timeout: float) -> None:
-        """Wait for the copies a ``durability="local"`` save left running, then close the replicator."""
+        """Wait for the copies a ``durability="local"`` save left running, then close the replicator.
+        Raises :class:`ReplicaError` naming every replica of such a save that was not made (a
+        redundancy gap: the version stands on its primaries; the next restore of it copies what is
+        missing, docs/FORMAT.md "Replicas"), as ``close()`` raises ``UploadError`` for uploads."""
         if self.replicator is None:
             return
         try:
@@ -364,6 +412,17 @@ class ReplicaStage:
                                "committed versions stand, their missing replicas are made at the next restore") from None
         finally:
             self.replicator.close(timeout)
+        self.raise_gaps()
+
+    def raise_gaps(self) -> None:
+        """Raise :class:`ReplicaError` for the gaps not reported yet (and forget them)."""
+        with self._lock:
+            gaps, self.gaps = self.gaps, {}
+        if gaps:
+            raise ReplicaError(
+                "replicas not made (the versions are committed on their own roots, without these copies until the "
+                "next restore of each copies them again; docs/FORMAT.md \"Replicas\"): "
+                + "; ".join(f"version {v!r}: " + "; ".join(g) for v, g in gaps.items()))
 
     def heal(self, view, manifest: bytes | None, metadata: bytes | None):
         """See ``StorageWriter.heal``."""
@@ -412,4 +471,15 @@ def heal_plan(view, manifest, factor: int) -> list:
     return out
 
 
-__all__ = ["CHUNK", "Held", "ReplicaError", "ReplicaStage", "Replicator", "heal_plan"]
+def outcome(fut: cf.Future) -> list[str]:
+    """The replicas a finished exchange ``fut`` did not make (``[]``: all in place; a failed exchange
+    is one gap, its error)."""
+    try:
+        return list(fut.result(0))
+    except cf.CancelledError:
+        return ["the replica exchange was cancelled"]
+    except Exception as e:  # noqa: BLE001 - a failed exchange (a peer gone, groups refused)
+        return [f"the replica exchange failed: {type(e).__name__}: {e}"]
+
+
+__all__ = ["CHUNK", "Held", "ReplicaError", "ReplicaStage", "Replicator", "heal_plan", "outcome"]

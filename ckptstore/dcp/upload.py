@@ -51,7 +51,7 @@ from .. import _faults
 from ..codec.frame import FrameWalk, xxh3, xxh3_stream
 from ..errors import (CkptStoreError, IntegrityError, ManifestError, ObjectNotFoundError, StorageError,
                       VersionExistsError, VersionNotFoundError)
-from ..manifest import layout
+from ..manifest import layout, leases
 from ..manifest.commit import commit_manifest
 from ..manifest.schema import Manifest, ObjectEntry
 from ..tiers.base import Tier
@@ -334,6 +334,19 @@ class Uploader:
         if self.remote.stat(key).size != ref.size:
             raise UploadError(f"remote object {key} has the wrong size after upload")
 
+    def _ensure_refs(self, m: Manifest, committed: bool = False) -> None:
+        """Every object ``m`` references in the remote tier (:meth:`_ensure_remote`), else
+        :class:`UploadError` (``committed``: checked again after the remote commit)."""
+        for ref in m.refs:
+            try:
+                self._ensure_remote(ref)
+            except (OSError, ObjectNotFoundError) as e:
+                what = ("was removed from the remote tier right after its remote commit (by something that ignores "
+                        "leases) and this root cannot upload it again" if committed else
+                        "the remote tier lacks and this root cannot upload")
+                raise UploadError(f"version {m.version!r} references {ref.name} of version {ref.version!r}, which {what} "
+                                  f"({e})" + ("" if committed else "; the remote commit was not made")) from e
+
     def _after_upload(self, version: str, entry: ObjectEntry, rank: int, key: str) -> str:
         got = self.remote.stat(key).size
         if got != entry.size:
@@ -390,23 +403,26 @@ class Uploader:
             mk = seen[r]
             if mk.get("size") != o.size or mk.get("digest") != o.digest:
                 raise UploadError(f"version {v!r}: rank {r}'s uploaded object does not match the manifest")
-        for ref in m.refs:  # every referenced object must be in the remote tier before it commits there
-            try:
-                self._ensure_remote(ref)
-            except (OSError, ObjectNotFoundError) as e:
-                raise UploadError(f"version {v!r} references {ref.name} of version {ref.version!r}, which the remote "
-                                  f"tier lacks and this root cannot upload ({e}); the remote commit was not made") from e
-        if self.guard is not None:
-            self.guard(f"the remote commit of {v!r}")
+        if m.refs:  # a remote gc must not remove them before this commit names them (docs/FORMAT.md, Delete rule 13)
+            leases.write(self.remote, v, m.attempt, "remote", [layout.object_key(r.version, r.name) for r in m.refs])
         try:
-            commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest",
-                            hint="the remote copy was not replaced")
-        except VersionExistsError:
-            # a superseding save replaces the remote copy of an attempt it supersedes, and no other
-            # (docs/FORMAT.md, "Superseding")
-            if not m.superseded_attempts or _remote_attempt(self.remote, v) not in m.superseded_attempts:
-                raise
-            commit_manifest(self.remote, v, body, overwrite=True, fault="remote.manifest", hint="")
+            self._ensure_refs(m)  # every referenced object in the remote tier before it commits there
+            if self.guard is not None:
+                self.guard(f"the remote commit of {v!r}")
+            try:
+                commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest",
+                                hint="the remote copy was not replaced")
+            except VersionExistsError:
+                # a superseding save replaces the remote copy of an attempt it supersedes, and no other
+                # (docs/FORMAT.md, "Superseding")
+                if not m.superseded_attempts or _remote_attempt(self.remote, v) not in m.superseded_attempts:
+                    raise
+                commit_manifest(self.remote, v, body, overwrite=True, fault="remote.manifest", hint="")
+            if m.refs:  # again after the commit, against a remover that ignores leases: uploaded again if gone
+                self._ensure_refs(m, committed=True)
+        finally:
+            if m.refs:
+                leases.release(self.remote, m.attempt, "remote")
         key = layout.manifest_key(v)
         log.info("ckptstore: version %s committed in %s", v, self.remote.url)
         pin = layout.pin_key(v)

@@ -37,6 +37,7 @@ come from ``_keys.DataKeys`` and the whole-job checks from ``_liveness.Guard``.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -53,9 +54,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._names import check_version
+from ..codec.crypto import key_or_file
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError
 from ..keys import resolve_master
+from ..manifest import layout
 from ..manifest.schema import Manifest, utcnow
 from ..tiers import LocalTier, make_remote
 from . import _roots
@@ -75,6 +78,8 @@ from ._types import PlanData
 from .replicas import ReplicaStage
 from .staging import Stager
 
+log = logging.getLogger("ckptstore")
+
 
 class StorageWriter(_DCPStorageWriter):
     """Write DCP checkpoints into a ckptstore.
@@ -87,6 +92,8 @@ class StorageWriter(_DCPStorageWriter):
             ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE`` / ``CKPTSTORE_KMS_KEY_ID``. With a key
             everything is encrypted; with KMS a save that cannot get its data key raises
             :class:`KeyServiceError` before anything is written.
+        key_file: instead of ``key``, a key file (32 bytes or their base64, what ``ckptstore keygen``
+            writes; the CLI's ``--key-file``). Not with ``key`` (``ValueError``).
         version: version name when ``dcp.save`` is called without ``checkpoint_id``.
         overwrite: replace an existing version atomically instead of raising
             :class:`VersionExistsError`.
@@ -130,6 +137,15 @@ class StorageWriter(_DCPStorageWriter):
             (``refs``, docs/FORMAT.md "References"), nothing of the item is written or uploaded again.
             Pays when much of the state does not change between saves (a frozen base model under a
             LoRA adapter, untouched experts); costs one XXH3-128 pass over every item. Off by default.
+            A writer with no baseline in memory — a new ``StorageWriter`` for every save, or DCP's
+            checkpoint subprocess — takes it from the store: the newest version of its ``scope``
+            committed in the coordinator's root. While a save references an earlier version it holds
+            a lease on those objects in its root, which ``gc`` and ``drop`` honour (docs/FORMAT.md,
+            "References", Delete rule 13).
+        scope: with ``incremental``, the regular expression of the version names whose newest
+            committed version is the baseline of a writer that has none in memory (default: the name
+            being saved with every run of digits standing for any digits, ``step-\\d+`` for
+            ``step-000200``; ``CheckpointManager`` passes its prefix / version format).
         count_nonfinite: count the NaN and ±Inf values of every floating tensor (bf16, fp16, fp32,
             fp64, the fp8 formats, complex) while its frames are encoded, and record them in the
             manifest (``nonfinite``: the count and the first keys, docs/FORMAT.md "Manifest"); a
@@ -201,6 +217,7 @@ class StorageWriter(_DCPStorageWriter):
     replicas = Setting()
     replica_domain = Setting()
     incremental = Setting()
+    scope = Setting()
     count_nonfinite = Setting()
     commit_check = Setting()
 
@@ -210,6 +227,7 @@ class StorageWriter(_DCPStorageWriter):
         *,
         remote: str | None = None,
         key: Any = None,
+        key_file: str | os.PathLike | None = None,
         version: str | None = None,
         overwrite: bool = False,
         step: int | None = None,
@@ -227,6 +245,7 @@ class StorageWriter(_DCPStorageWriter):
         world_size: int | None = None,
         replicas: int = 0,
         incremental: bool = False,
+        scope: str | None = None,
         count_nonfinite: bool = True,
         commit_check: Any = None,
         replica_domain: str | None = None,
@@ -242,9 +261,9 @@ class StorageWriter(_DCPStorageWriter):
             step=step, user_metadata=dict(user_metadata or {}), threads=threads or env_threads(), frame_size=frame_size,
             compression=compression, level=level, durability=durability, allow_divergent_replicas=allow_divergent_replicas,
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
-            incremental=bool(incremental), count_nonfinite=bool(count_nonfinite), commit_check=commit_check,
-            replica_domain=resolve_domain(replica_domain))
-        self._keys = DataKeys(resolve_master(key))
+            incremental=bool(incremental), scope=scope, count_nonfinite=bool(count_nonfinite),
+            commit_check=commit_check, replica_domain=resolve_domain(replica_domain))
+        self._keys = DataKeys(resolve_master(key_or_file(key, key_file)))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
         self._default_version = check_version(version) if version is not None else None
@@ -262,12 +281,11 @@ class StorageWriter(_DCPStorageWriter):
         #: still exits once its trainer is gone (the watcher) and when the trainer ends it
         self._subprocess_own_group = False
         self.last_manifest: Manifest | None = None
-        self._probe = _roots.PROCESS_NONCE  # this process's root probe (docs/FORMAT.md, "Placement")
         self._publisher = _roots.Publisher()
         self._inc = Incremental()
         self._guard = Guard(cfg)
         self._up = RemoteStage(cfg, self._tier, self._remote, self._guard)
-        self._planner = Planner(cfg, self._tier, self._remote, self._keys, self._guard, self._up, self._probe)
+        self._planner = Planner(cfg, self._tier, self._remote, self._keys, self._guard, self._up)
         self._shards = ShardWriter(cfg, self._tier, self._keys, self._inc)
         self._committer = Committer(cfg, self._tier, self._remote, self._keys, self._guard, self._publisher,
                                     self._up.in_flight, _software())
@@ -419,11 +437,11 @@ class StorageWriter(_DCPStorageWriter):
         if self.incremental:
             self._inc.promote(self._tier)  # the previous save, once it is committed here, is the baseline
         if multi_rank():
-            _roots.write_probe(self._tier, s.rank, self._probe)
+            _roots.write_probe(self._tier, s.rank, _roots.process_nonce())  # docs/FORMAT.md, "Placement"
         self._planner.check_existing(s)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return self._planner.local_plan(self._cur(), plan)
+        return self._planner.local_plan(self._cur(), plan, want_base=self.incremental and self._inc.wants_base)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return self._planner.global_plan(self._cur(), plans)
@@ -460,7 +478,18 @@ class StorageWriter(_DCPStorageWriter):
                 # nothing (docs/FORMAT.md, Save rule 10)
                 codec = self._shards.codec(s.version, s.rank, pd)
                 stream = self._up.open_stream(s.version, self._shards.name(pd))
-                results, rep = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream, codec)
+                results, rep, refs = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream, codec)
+                gone = refs.missing() if refs is not None and refs.used else []
+                if gone:  # removed by something that ignores leases: write those items whole (Save rule 11)
+                    log.warning("ckptstore: objects %s that save %r references were removed while it ran; writing "
+                                "every item of rank %d whole", gone[:3], s.version, s.rank)
+                    if stream is not None:
+                        stream.abort()
+                    refs.release()
+                    self._tier.delete(layout.object_key(s.version, rep.name))
+                    stream = self._up.open_stream(s.version, self._shards.name(pd))
+                    results, rep, refs = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream, codec,
+                                                            whole=True)
                 failed = self._up.upload_object(s.version, rep)
                 if failed is not None:
                     results.append(upload_failure_result(failed))
@@ -515,6 +544,12 @@ class StorageWriter(_DCPStorageWriter):
         coordinator), or None; handed out once."""
         return self._up.remote_commit_future(version)
 
+    def replica_future(self, version: str):
+        """The ``concurrent.futures.Future`` of ``version``'s replica exchange on this rank (its result:
+        the replicas of the version not made, on any rank — ``[]``: every replica in place), or None
+        without replicas; handed out once."""
+        return self._replicas.replica_future(version)
+
     def wait_uploads(self, timeout: float | None = None) -> None:
         """Block until this writer's pending uploads and remote commits finish.
 
@@ -550,17 +585,30 @@ class StorageWriter(_DCPStorageWriter):
         that DCP's checkpoint subprocess (PROCESS executor) committed locally but not remotely.
         With ``replicas``, also waits for the copies and destroys the writer's replica group (each
         holds a connection to every rank); a later save through this writer raises
-        :class:`~ckptstore.dcp.replicas.ReplicaError` (make a new writer)."""
+        :class:`~ckptstore.dcp.replicas.ReplicaError` (make a new writer). A replica of a
+        ``durability="local"`` save that was not made raises :class:`~ckptstore.dcp.replicas.ReplicaError`
+        naming it (after the uploads were waited for; with an ``UploadError`` too, that one is raised
+        and names the replicas as well): a redundancy gap is reported like an upload that did not complete."""
         timeout = self.upload_timeout if timeout is None else timeout
+        gap = None
         try:
             self._follower.wait(timeout)
-            self._replicas.close(timeout)
+            try:
+                self._replicas.close(timeout)
+            except CkptStoreError as e:
+                gap = e
             if self._shipped and self._ship_rank == 0:  # the coordinator stages again what did not reach S3
                 self._up.check_shipped(timeout, self._born)
             self._up.wait(timeout)
+        except CkptStoreError as e:
+            if gap is not None:
+                raise type(e)(f"{e}\nand: {gap}") from e
+            raise
         finally:
             _shipped.discard(self)
             self._up.drop()
+        if gap is not None:
+            raise gap
 
     def heal(self, view, manifest: bytes | None, metadata: bytes | None):
         """After a restore of ``view``'s version (a collective call, on every rank): copy, in the

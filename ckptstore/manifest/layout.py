@@ -9,6 +9,8 @@
     versions/<enc(version)>/attempts/<attempt>/replicas.r00002.json  replicas rank 2 wrote into its root
     versions/<enc(version)>/.../.tmp-<random>              a local temporary file (garbage if left)
     probes/r00003.<nonce>                                  rank 3's root probe (local tier; see placement)
+    leases/<attempt>.r00003.json                           what rank 3's save in flight references (see leases)
+    leases/<attempt>.remote.json                           ... the remote commit of that save (remote tier)
     probes/put-if-absent.<nonce>                           conditional-write probe (S3; deleted at once)
     restores.jsonl                                         restore log of the jobs whose rank 0 used this root
 
@@ -41,6 +43,8 @@ TMP_PREFIX = ".tmp-"
 PROBES = "probes"
 #: the restore log at the top of a local root (docs/FORMAT.md, "Restore log")
 RESTORE_LOG = "restores.jsonl"
+#: directory of the leases of saves in flight on earlier versions' objects (docs/FORMAT.md, "References")
+LEASES = "leases"
 
 
 def version_dir(version: str) -> str:
@@ -145,6 +149,17 @@ def version_of_key(key: str) -> str | None:
         return decode_version(parts[1])
     except Exception:
         return None
+
+
+def lease_key(attempt: str, holder: str) -> str:
+    """The lease of ``holder`` (``rNNNNN``: a rank; ``remote``: the remote commit) for the save
+    ``attempt``: the earlier versions' objects that save references (docs/FORMAT.md, "References")."""
+    return f"{LEASES}/{attempt}.{holder}.json"
+
+
+def lease_prefix(attempt: str) -> str:
+    """What every lease key of the save ``attempt`` starts with."""
+    return f"{LEASES}/{attempt}."
 
 
 def probe_key(rank: int, nonce: int) -> str:
