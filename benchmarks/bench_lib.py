@@ -378,7 +378,7 @@ def rank_save(rank: int, world: int, total_bytes: int, base: str, kinds: list, r
 
 
 # -- synthetic commit ----------------------------------------------------------------------------
-def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ckpt-on") -> dict:
+def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ckpt-on", per_root: int | None = None) -> dict:
     """Time the coordinator's ``finish()`` of a ``ranks``-rank save without writing any shard.
 
     Every rank "wrote" a shard of each of ``items_per_rank`` FSDP-sharded tensors (8 MiB per shard,
@@ -389,7 +389,9 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
     packing time). Times ``finish(metadata, results)`` as
     ``dcp.save`` calls it on the coordinator: for ckptstore the pickle, the framed+encrypted
     metadata object and the put-if-absent manifest (all fsync'd); for DCP ``FileSystemWriter``
-    (``kind="dcp"``) its pickle + fsync + rename of ``.metadata``.
+    (``kind="dcp"``) its pickle + fsync + rename of ``.metadata``. ``per_root``: ckptstore ranks also
+    report their root group's leader (node-local roots of ``per_root`` consecutive ranks each), so
+    the commit records the placement and hands the manifest to the other roots.
     """
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -452,11 +454,16 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
         sdm[f"layers.{i}.weight"] = TensorStorageMetadata(
             TensorProperties(dtype=torch.bfloat16), torch.Size([ranks * shard_rows, cols]), chunks)
     md = Metadata(state_dict_metadata=sdm)
+    msize = meta = 0
+    if per_root and kind.startswith("ckpt"):  # each rank's root report: node-local roots of per_root ranks
+        from ckptstore.dcp._reports import root_result
+
+        for r in range(ranks):
+            results[r].append(root_result(r, r - r % per_root))
     os.sync()
     t0 = time.perf_counter()
     w.finish(md, results)
     dt = time.perf_counter() - t0
-    msize = meta = 0
     for d, _dn, fn in os.walk(root):
         for f in fn:
             if f == "manifest.json":

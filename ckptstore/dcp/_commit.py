@@ -25,8 +25,7 @@ from ..manifest.schema import Manifest, ObjectEntry, utcnow
 from . import _roots
 from ._checks import check_metadata_loads, value_digest
 from ._frames import tensor_bytes, write_small_object
-from ._metadata import ItemTables
-from ._metadata import pack as pack_metadata
+from ._metadata import ItemTables, dump, objects_only, pack_head
 from ._reports import UploadFailure, collect, digest_result
 from ._stage import OwnLock
 from ._types import RootReport
@@ -86,7 +85,7 @@ class Committer(OwnLock):
         reports, digests, tables, extras = collect(results)
         upload_failures = [x for x in extras if isinstance(x, UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
-        split = _roots.placement([r.group for r in roots])
+        split = _roots.placement([(r.rank, r.leader) for r in roots])
         try:
             self.guard.check_world(len(results), f"the commit of {s.version!r}")
             _check_same_values(digests)
@@ -123,10 +122,13 @@ class Committer(OwnLock):
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
         # the item locations stay packed: dcp.save returns (and DCP broadcasts) them as ItemTables
         metadata.storage_data = ItemTables(tables)
-        blob = pack_metadata(metadata, tables)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
-        check_metadata_loads(blob, s.version)  # never commit what the reader refuses
+        head = pack_head(metadata, tables)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
+        # never commit what the reader refuses: every object of the pickle (its columns are plain bytes)
+        check_metadata_loads(objects_only(head), s.version)
+        blob = dump(head)
+        del head
         meta_entry, meta_codecs = write_small_object(self.tier, codec, s.version, layout.metadata_name(s.attempt), blob,
-                                                     cfg.frame_size)
+                                                     cfg.frame_size, threads=cfg.threads)
         reports.sort(key=lambda r: r.rank)
         objects = [ObjectEntry(r.name, r.size, r.digest, r.frames, r.rank, r.nbytes) for r in reports]
         codecs = sorted({c for r in reports for c in r.codecs} | set(meta_codecs))

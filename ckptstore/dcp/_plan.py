@@ -1,7 +1,7 @@
 """The plan stage of a save: the per-save state (:class:`Save`) and what ``set_up_storage_writer``,
 ``prepare_local_plan`` and ``prepare_global_plan`` decide (:class:`Planner`): one name, one version
 across tiers (docs/FORMAT.md, "Superseding"), the attempt and its data key, the commit sequence
-(docs/FORMAT.md, "Order"), the root probes (docs/FORMAT.md, "Placement") and what to stage again.
+(docs/FORMAT.md, "Order"), the coordinator's root claim (docs/FORMAT.md, "Placement") and what to stage again.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..errors import (CkptStoreError, InvalidNameError, ManifestError, Transient
                       VersionExistsError, VersionNotFoundError)
 from ..manifest import layout
 from ..manifest.order import next_seq
+from . import _roots
 from ._config import multi_rank
 from ._types import LocalPlanData, PlanData
 
@@ -55,17 +56,15 @@ class Save:
 class Planner:
     """Set-up checks and plans of the writer's saves. ``cfg``: the writer's settings; ``tier`` /
     ``remote``: this rank's root and the remote tier (None); ``keys``: ``_keys.DataKeys``;
-    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``; ``probe``: this process's
-    root probe nonce."""
+    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``."""
 
-    def __init__(self, cfg, tier, remote, keys, guard, uploads, probe: int) -> None:
+    def __init__(self, cfg, tier, remote, keys, guard, uploads) -> None:
         self.cfg = cfg
         self.tier = tier
         self.remote = remote
         self.keys = keys
         self.guard = guard
         self.uploads = uploads
-        self.probe = probe
         self._remote_down_until = 0.0  # monotonic time before which set-up does not wait for the remote tier
 
     def begin(self, s: Save, is_coordinator: bool, kwargs: dict) -> None:
@@ -126,30 +125,31 @@ class Planner:
         return self.cfg.overwrite or attempt in s.supersede
 
     def local_plan(self, s: Save, plan: SavePlan) -> SavePlan:
-        """``prepare_local_plan``: this rank, its probe, its root's commit sequence and existing copy."""
+        """``prepare_local_plan``: this rank, its root's commit sequence and existing copy."""
         s.local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
         from ..manifest import catalogue
 
         return dataclasses.replace(plan, storage_data=LocalPlanData(
-            rank=s.rank, probe=self.probe if multi_rank() else None,
+            rank=s.rank,
             # one rank per node reads its root's newest manifests for the commit sequence (docs/FORMAT.md, "Order")
             seq=catalogue.max_seq(self.tier) if os.environ.get("LOCAL_RANK", "0") == "0" else None,
             existing=s.existing))
 
     def global_plan(self, s: Save, plans: list[SavePlan]) -> list[SavePlan]:
-        """``prepare_global_plan`` (coordinator): the attempt, its data key, every rank's plan data."""
+        """``prepare_global_plan`` (coordinator): the attempt, its data key, every rank's plan data
+        (the same few fields for every rank: nothing in it grows with the job). In a job of more than
+        one rank the coordinator claims its root for the attempt here, before any other rank sees the
+        attempt, so it leads its root group (docs/FORMAT.md, "Placement")."""
         self.guard.check_world(len(plans), f"the plan of {s.version!r}")
         attempt = layout.new_attempt()
         wrapped, kid = self.keys.draw(s.version, attempt)
         ranks = [p.storage_data.rank if isinstance(p.storage_data, LocalPlanData) else i for i, p in enumerate(plans)]
-        probes = tuple(
-            (r, p.storage_data.probe) for r, p in zip(ranks, plans)
-            if isinstance(p.storage_data, LocalPlanData) and p.storage_data.probe is not None
-        )
+        discover = len(plans) > 1 and multi_rank()
+        if discover:
+            _roots.claim(self.tier, attempt, s.rank)
         restage = self.uploads.restage_plan(s.version, len(plans))
         out = [
-            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank,
-                                                         restage))
+            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, discover, s.rank, restage))
             for r, p in zip(ranks, plans)
         ]
         s.attempt = attempt

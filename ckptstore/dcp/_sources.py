@@ -42,7 +42,7 @@ class Sources(OwnLock):
             return self.store.local
         if src == "remote" or (view.remote_ok and obj == self.opened.manifest.metadata_object.name):
             return self.store.remote  # the metadata object is read whole: never from a peer's bytes
-        return PeerTier(self.opened.version, self.peer, view.global_rank(src), view.reports[src].get("root"))
+        return PeerTier(self.opened.version, self.peer, view.global_rank(src), view.root_url(src))
 
     def others(self, obj: str) -> list:
         """Other places holding ``obj`` of the chosen attempt, tried when the first fails: this rank's

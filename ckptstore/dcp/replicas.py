@@ -8,7 +8,7 @@ the same saves in the same order, so the jobs pair up across ranks:
 
 * **save** (submitted in ``write_data`` right after the rank's object is committed locally, also when
   the rank's write failed, so that no peer waits for it): one ``all_gather_object`` of every rank's
-  ``(rank, root group, object)``; then the replica plan
+  ``(rank, its root group's leader, object)``; then the replica plan
   (:func:`ckptstore.manifest.placement.replica_assignment`); each owner sends its object's stored
   bytes (as stored: encrypted, checksummed) to its receivers; each receiver writes them to a
   temporary file, fsyncs it, verifies every frame, the frame count, the header digest and the size
@@ -102,10 +102,11 @@ class Replicator:
                 self._thread.start()
         return fut
 
-    def save(self, version: str, attempt: str, rank: int, group: tuple, held: Held | None) -> cf.Future:
-        """Replicate this rank's object of ``version`` (None: it has none, or its write failed); the
+    def save(self, version: str, attempt: str, rank: int, leader: int, held: Held | None) -> cf.Future:
+        """Replicate this rank's object of ``version`` (None: it has none, or its write failed);
+        ``leader``: the leader of this rank's root group (ranks with one leader share a root). The
         future yields True when every replica of the version is in place, False otherwise."""
-        return self._submit(self._save, version, attempt, rank, tuple(group), held)
+        return self._submit(self._save, version, attempt, rank, int(leader), held)
 
     def heal(self, version: str, attempt: str, copies: list, manifest: bytes | None, metadata: bytes | None) -> cf.Future:
         """Copy ``[(holder rank, receiver rank, Held, is_replica)]`` (the same list on every rank) and
@@ -158,10 +159,13 @@ class Replicator:
                 fut.set_exception(e)
 
     # -- the exchanges -------------------------------------------------------------------------------
-    def _save(self, version, attempt, rank, group, held, tag) -> bool:
+    def _save(self, version, attempt, rank, leader, held, tag) -> bool:
         infos: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(infos, (rank, group, held), group=self.group)
-        groups = sorted({tuple(g) for _r, g, _h in infos}, key=lambda g: g[0])
+        dist.all_gather_object(infos, (rank, leader, held), group=self.group)
+        by_leader: dict = {}
+        for r, lead, _h in infos:
+            by_leader.setdefault(lead, []).append(r)
+        groups = sorted((tuple(sorted(g)) for g in by_leader.values()), key=lambda g: g[0])
         entries = {r: h for r, _g, h in infos if h is not None}
         plan = [(o, t, entries[o], True) for o, t in replica_assignment(groups, self.factor, set(entries))]
         ok = self._copy(version, attempt, rank, plan, tag)
@@ -322,14 +326,11 @@ class ReplicaStage:
         "Replicas") — or None without replicas."""
         if self.replicator is None:
             return None
-        from ._roots import root_group
+        from ._roots import claim
 
         held = None if rep is None else Held(rep.name, rep.size, rep.digest, rep.frames)
-        try:
-            group = root_group(self.tier, pd.rank, pd.probes)
-        except CkptStoreError:
-            group = (pd.rank,)
-        return self.replicator.save(version, pd.attempt, pd.rank, group, held)
+        leader = claim(self.tier, pd.attempt, pd.rank) if pd.discover else pd.rank  # the root group's leader
+        return self.replicator.save(version, pd.attempt, pd.rank, leader, held)
 
     def settle(self, version: str, fut) -> None:
         """Wait for the exchange ``fut`` inside the save when its durability says so
@@ -384,7 +385,7 @@ def heal_plan(view, manifest, factor: int) -> list:
     view and the manifest). Only for a job of the version's own shape."""
     from ..manifest.placement import groups
 
-    if len(view.reports) != manifest.world_size:
+    if view.size != manifest.world_size:
         return []
     gs = groups(manifest)
     by_rank = {o.rank: o for o in manifest.objects}
@@ -398,10 +399,10 @@ def heal_plan(view, manifest, factor: int) -> list:
     want += [(t, r, True) for o, t in replica_assignment(gs, factor, set(refs)) for r in refs[o]]
     out = []
     for receiver, o, is_replica in want:
-        i = next((k for k, rep in enumerate(view.reports) if rep["rank"] == receiver), None)
+        i = view.index_of(receiver)
         if i is None or o.name in view.present(i):
             continue
-        holder = view._first_holder.get(o.name)
+        holder = view.first_holder(o.name)
         if holder is None:
             continue  # on no root of the job (the remote tier may hold it)
         origin = getattr(o, "version", None)  # a RefEntry: the referenced object's own version
