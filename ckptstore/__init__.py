@@ -9,8 +9,11 @@ from .errors import (  # noqa: E402
     DtypeMismatchError,
     IntegrityError,
     InvalidNameError,
+    FencedError,
     JobBrokenError,
     KeyMismatchError,
+    KeyServiceError,
+    KeyServiceUnavailableError,
     ManifestError,
     Preempted,
     StateDictKeysError,
@@ -21,6 +24,7 @@ from .errors import (  # noqa: E402
     VersionExistsError,
     VersionNotFoundError,
 )
+from .kms import KmsKey  # noqa: E402
 from .manifest.catalogue import VersionRecord  # noqa: E402
 from .store import Store  # noqa: E402
 
@@ -47,6 +51,7 @@ __all__ = [
     "StorageWriter",
     "StorageReader",
     "Store",
+    "KmsKey",
     "VersionRecord",
     "CkptStoreError",
     "IntegrityError",
@@ -55,6 +60,8 @@ __all__ = [
     "VersionExistsError",
     "DamagedVersionError",
     "KeyMismatchError",
+    "KeyServiceError",
+    "KeyServiceUnavailableError",
     "InvalidNameError",
     "StateDictKeysError",
     "DtypeMismatchError",
@@ -63,6 +70,7 @@ __all__ = [
     "ConditionalWritesError",
     "UnsupportedFormatError",
     "UnsupportedStateError",
+    "FencedError",
     "JobBrokenError",
     "Preempted",
 ]

@@ -17,7 +17,8 @@ The job report (its size grows with roots × versions, never with ranks × anyth
                     "invalid":   {version: why}}, ...],
      "manifests": {digest: {"attempt", "created", "seq", "step", "world_size", "nbytes",
                             "supersedes": [attempts], "groups": n, "objects": object set,
-                            "refs": [[origin version, origin attempt, object set], ...]}},
+                            "refs": [[origin version, origin attempt, object set], ...],
+                            "nonfinite": None | {"count", "items", "first"}}},
      "remote":    None | {version: {"manifest": digest | None (not read), "damaged": bool}},
      "remote_error": None | "why the remote tier could not be read",
      "invalid":   {version: why},                            # the remote tier's invalid manifests
@@ -41,6 +42,8 @@ The rules, in order, for each version name, newest first (docs/FORMAT.md, "Order
    be committed and unmarked; otherwise skipped.
 7. **Restart loop.** With ``fall_back_after=K``, a version restored K times in a row with nothing
    newer committed in between is skipped.
+8. **Numerical health.** Unless ``allow_nonfinite``, a version whose manifest records NaN/Inf values
+   (``nonfinite.count > 0``) is skipped; one whose values were not counted is not.
 
 Every skipped version is recorded with its reason (:class:`Skipped`); an explicit ``version``
 skips nothing: it is loaded or the reason is raised. :func:`decide` is linear in the size of the job
@@ -57,6 +60,7 @@ from .errors import (CkptStoreError, DamagedVersionError, IntegrityError, Manife
                      VersionNotFoundError)
 from .manifest.objsets import ObjSet, runs_of
 from .manifest.order import order_key, resolve
+from .manifest.schema import nonfinite_text
 
 #: kinds of :attr:`Skipped.kind`
 DAMAGED = "damaged"
@@ -64,13 +68,14 @@ MISSING = "missing"
 UNVERIFIED = "unverified"
 SHAPE = "shape"
 RESTARTS = "restarts"
+NONFINITE = "nonfinite"
 
 
 @dataclasses.dataclass(frozen=True)
 class Skipped:
     """A version the restore passed over: ``kind`` (``damaged``, ``missing``, ``unverified``,
-    ``shape``, ``restarts``), a sentence ``reason``, and where known the ``object`` and the place
-    (``where``: a root or the remote tier) it concerns."""
+    ``shape``, ``restarts``, ``nonfinite``), a sentence ``reason``, and where known the ``object``
+    and the place (``where``: a root or the remote tier) it concerns."""
 
     version: str
     attempt: str
@@ -92,9 +97,12 @@ class _Roots:
         self.global_ = [int(g) for g, _k in ranks]
         self.root_of = [None if k is None else int(k) for _g, k in ranks]
         first: dict[int, int] = {}
+        self.shared: set[int] = set()  # roots more than one rank of the load writes to
         for i, k in enumerate(self.root_of):
             if k is not None and k not in first:
                 first[k] = i
+            elif k is not None:
+                self.shared.add(k)
         self.first_member = first  # root -> its lowest group rank
         self.order = sorted(first, key=first.get)  # roots in the order of their lowest group rank
         self._by_global: dict[int, int] | None = None
@@ -159,7 +167,7 @@ class View:
     held where their origin's files are.
 
     Per group rank ``i``: :meth:`present` (what its root holds), :meth:`source` (where it reads an
-    object), :meth:`has_manifest`, :meth:`global_rank`, :meth:`root_url`; per object
+    object), :meth:`has_manifest`, :meth:`global_rank`, :meth:`root_url`, :meth:`root_id`; per object
     :meth:`first_holder`. Each answer costs O(roots) at most, never O(ranks).
     """
 
@@ -210,6 +218,13 @@ class View:
     def root_url(self, i: int) -> str | None:
         k = self._roots.root_of[i]
         return None if k is None else self._roots.reports[k].get("root")
+
+    def root_id(self, i: int) -> int | None:
+        """An identity of group rank ``i``'s root when other ranks of the load share it (its index in
+        the job report), else None: the load's exchange reads what several of them need from it once
+        (``dcp/_peers.py``; docs/FORMAT.md, Read rule 11)."""
+        k = self._roots.root_of[i]
+        return k if k in self._roots.shared else None
 
     @property
     def holders(self) -> list:
@@ -453,8 +468,9 @@ class _Choice:
         return VersionNotFoundError(f"version {version!r} is not committed on any root of this job nor in {where}; "
                                     "run 'ckptstore list' on the nodes to see what is")
 
-    def walk(self, *, world_size: int | None, reshard: bool, fall_back_after: int | None) -> tuple[View | None, list]:
-        """Rules 3-7 for each version, newest first: the view of the first loadable one (None: none
+    def walk(self, *, world_size: int | None, reshard: bool, fall_back_after: int | None,
+             allow_nonfinite: bool = False) -> tuple[View | None, list]:
+        """Rules 3-8 for each version, newest first: the view of the first loadable one (None: none
         is), and every version passed over before it with its reason."""
         skipped: list[Skipped] = []
         newer: dict[str, list] = {}  # every version ordered before the current one was skipped
@@ -467,6 +483,9 @@ class _Choice:
             if why is None and fall_back_after and vw.restore_count >= fall_back_after:
                 why = Skipped(v, f["attempt"], RESTARTS, f"restored {vw.restore_count} times in a row and the job ended "
                               f"each time before committing anything newer (fall_back_after={fall_back_after})")
+            if why is None and not allow_nonfinite and (f.get("nonfinite") or {}).get("count"):
+                why = Skipped(v, f["attempt"], NONFINITE, f"its tensors hold {nonfinite_text(f['nonfinite'])} "
+                              "(recorded at save; allow_nonfinite=True or naming the version loads it)")
             if why is None:
                 vw.skipped, vw.newer = skipped, newer
                 return vw, skipped
@@ -514,6 +533,7 @@ def decide(
     empty_ok: bool = False,
     bad: frozenset | set = frozenset(),
     notes: Mapping[tuple, object] | None = None,
+    allow_nonfinite: bool = False,
 ) -> View | None:
     """The :class:`View` of a load from the ``job`` report (see the module docstring). Raises the same error on every rank
     when nothing can be loaded: :class:`VersionNotFoundError` (nothing committed, or no version
@@ -530,12 +550,14 @@ def decide(
     that rank's root does not serve that object, so the view routes it to another root that holds a
     copy (a replica, the primary) or the remote tier (rule 4 at the level of one copy); ``notes``:
     ``{(name, attempt): reason or (reason, object)}`` — why copies of that version are in ``bad``
-    (reported as ``unverified`` when no other copy is left).
+    (reported as ``unverified`` when no other copy is left); ``allow_nonfinite``: do not skip versions
+    that hold NaN/Inf values (rule 8).
     """
     choice = _Choice(job, exclude=exclude, scope=scope, bad=bad, notes=notes)
     if version is not None:
         return choice.explicit(version, where)
-    view, skipped = choice.walk(world_size=world_size, reshard=reshard, fall_back_after=fall_back_after)
+    view, skipped = choice.walk(world_size=world_size, reshard=reshard, fall_back_after=fall_back_after,
+                                allow_nonfinite=allow_nonfinite)
     if view is not None:
         return view
     return choice.nothing_loadable(skipped, where, empty_ok)
@@ -561,4 +583,4 @@ def version_pattern(prefix: str = "", version_format: str | None = None) -> str:
 
 
 __all__ = ["Presence", "Skipped", "View", "decide", "restore_count", "version_pattern", "DAMAGED", "MISSING", "UNVERIFIED",
-           "SHAPE", "RESTARTS"]
+           "SHAPE", "RESTARTS", "NONFINITE"]

@@ -20,6 +20,8 @@ Exit codes (documented in README.md):
 10    scrub: damage found (not repaired)
 11    scrub: damage found and every damaged object repaired
 12    scrub: some objects could not be checked
+13    scrub: no damage, but a version's tensors hold NaN/Inf values (a finding, not damage)
+14    key service: AWS KMS refused or did not answer a request for a data key
 ====  =========================================================
 """
 
@@ -34,6 +36,8 @@ __all__ = [
     "VersionExistsError",
     "DamagedVersionError",
     "KeyMismatchError",
+    "KeyServiceError",
+    "KeyServiceUnavailableError",
     "InvalidNameError",
     "UnsupportedFormatError",
     "ObjectNotFoundError",
@@ -130,6 +134,35 @@ class KeyMismatchError(CkptStoreError):
     exit_code = 5
 
 
+class KeyServiceError(CkptStoreError):
+    """The key service (AWS KMS, :class:`ckptstore.KmsKey`) refused a request for a data key: the KMS key
+    does not exist, is disabled or pending deletion, is not a symmetric encryption key, or the caller
+    may not use it (``AccessDeniedException``, no credentials). The message names the key, the KMS
+    error code and what to do.
+
+    Nothing is written unencrypted because of it: a save that cannot get its data key fails before
+    any object is written; a load that cannot unwrap one fails without returning any tensor, and
+    without marking or skipping anything as damaged (docs/FORMAT.md, "Threat model").
+    ``code``: the KMS error code (or the botocore exception's name); ``key``: the KMS key as given."""
+
+    exit_code = 14
+
+    def __init__(self, message: str, *, code: str | None = None, key: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.key = key
+
+    def __reduce__(self):  # keep ``code``/``key`` when DCP gathers a rank's failure to the others
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
+
+
+class KeyServiceUnavailableError(KeyServiceError):
+    """AWS KMS did not answer (connection refused or timed out) or kept throttling
+    (``ThrottlingException``, ``KMSInternalException``, 5xx) after botocore's retries. Transient, not
+    corrupt: try again later; no version is changed, marked or skipped because of it
+    (docs/FORMAT.md, Read rule 5)."""
+
+
 class InvalidNameError(CkptStoreError, ValueError):
     """A version name, object name or remote URL is not acceptable."""
 
@@ -205,6 +238,15 @@ class JobBrokenError(CkptStoreError):
     destroyed) or, in DCP's checkpoint subprocess, its trainer: nothing is committed with fewer
     ranks than the job was set up with (docs/FORMAT.md, Save rules 6-7). Restart the whole job;
     it resumes from the newest version every rank committed."""
+
+    exit_code = 1
+
+
+class FencedError(CkptStoreError):
+    """The writer's ``commit_check`` refused the commit right before the commit point: the process
+    that planned the save no longer owns it (under torchft: its replica group left the quorum while
+    the save was in flight). Nothing is committed; the attempt's objects are garbage for gc
+    (docs/FORMAT.md, Save rule 9)."""
 
     exit_code = 1
 

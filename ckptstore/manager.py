@@ -89,6 +89,10 @@ class CheckpointManager:
         replicas (a writer option): replication factor F — every node's objects are also copied to
             the roots of F other nodes (docs/FORMAT.md, "Replicas"); after a restore, a replaced node
             gets its part back from the replicas in the background. THREAD executor only.
+        replica_domain (a writer option): this rank's failure domain (a rack, a switch), default the
+            environment variable ``CKPTSTORE_REPLICA_DOMAIN``, else the host name: a node's replicas
+            never go to a node of its own domain while another domain exists (docs/FORMAT.md,
+            "Replicas"; :class:`ckptstore.StorageWriter`).
         executor: ``"thread"`` (default) or ``"process"`` (``AsyncCheckpointerType`` accepted).
         max_pending: staged saves that may wait behind the running one (THREAD; default 1).
         on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed,
@@ -106,6 +110,9 @@ class CheckpointManager:
             different prefixes share a root without seeing each other's versions.
         reshard: let :meth:`restore` load a version saved by another number of ranks (default
             False: such a version is skipped, with its reason in ``last_restore.skipped``).
+        allow_nonfinite: let :meth:`restore` and :meth:`resume` pick a version whose manifest records
+            NaN/Inf values (default False: such a version is skipped, ``last_restore.skipped`` kind
+            ``nonfinite``; docs/FORMAT.md "Restore choice"). :meth:`rollback` never picks one.
         fall_back_after: when the version :meth:`restore` would pick has been restored this many
             times in a row with nothing newer committed in between (the job dies after every resume),
             skip it and restore the one before (default None: never; the count is always in
@@ -130,6 +137,13 @@ class CheckpointManager:
             else rank 0 writes it.
         progress_s: seconds between two ``progress`` lines of a loop that calls :meth:`save` every
             step (a save always writes one); 0: every call. A crash is placed at the last one.
+        on_busy: ``"wait"`` (default): a due save waits while ``max_pending`` saves are queued;
+            ``"skip"``: it is skipped instead (``save()`` returns False, a save line with outcome
+            ``skipped``) — for loops that must never block on a save (under torchft).
+        group_timeout_s: the timeout of the manager's gloo group (its DCP collectives; default
+            torch's 30 minutes).
+        raise_errors: True (default): a failed save raises from the next ``save()``/``wait()``/
+            ``close()``; False: it is only reported (its save line, ``on_save``, the metrics).
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``endpoint_url``, ...); ``world_size`` defaults to the job's.
 
@@ -175,14 +189,20 @@ class CheckpointManager:
         version_format: str | None = None,
         reshard: bool = False,
         fall_back_after: int | None = None,
+        allow_nonfinite: bool = False,
         save_on_signal: Any = "auto",
         grace_s: float | None = 30.0,
         event_log: Any = True,
         on_event: Callable[[dict], None] | None = None,
         metrics_file: str | os.PathLike | None = None,
         progress_s: float = 5.0,
+        on_busy: str = "wait",
+        raise_errors: bool = True,
+        group_timeout_s: float | None = None,
         **writer_options: Any,
     ) -> None:
+        if on_busy not in ("wait", "skip"):
+            raise ValueError("on_busy must be 'wait' or 'skip'")
         kind = _executor_kind(executor, interval_steps, max_pending, writer_options)
         self._names = registry.names_of(root, prefix, version_format)
         registry.close_previous(self._names)
@@ -197,10 +217,12 @@ class CheckpointManager:
         self.version_format = version_format
         self.reshard = reshard
         self.fall_back_after = fall_back_after
+        self.allow_nonfinite = bool(allow_nonfinite)
         self.state = state
         self.last_restore: RestoreInfo | None = None
         self._open_rooms(key=key, retention=retention, durability=durability, kind=kind, max_pending=max_pending,
-                         save_rng=save_rng, per_rank_keys=per_rank_keys, writer_options=writer_options)
+                         save_rng=save_rng, per_rank_keys=per_rank_keys, writer_options=writer_options,
+                         on_busy=on_busy, raise_errors=raise_errors, group_timeout_s=group_timeout_s)
         self._events = EventSink(rank=self.rank, world=self._job.world, root=self.root, remote=remote,
                                  writer=self._writer, event_log=event_log, on_event=on_event,
                                  metrics_file=metrics_file, progress_s=progress_s)
@@ -215,7 +237,8 @@ class CheckpointManager:
                           save_on_signal=[_signal.Signals(x).name for x in self._preempt.signals], grace_s=grace_s)
 
     def _open_rooms(self, *, key, retention, durability: str, kind: str, max_pending: int, save_rng: bool,
-                    per_rank_keys, writer_options: dict) -> None:
+                    per_rank_keys, writer_options: dict, on_busy: str = "wait", raise_errors: bool = True,
+                    group_timeout_s: float | None = None) -> None:
         """The writer, then the manager's group (after any group the writer makes: every rank makes
         them in the same order), the save queue, the state dicts and the restorer."""
         from .choice import version_pattern
@@ -232,11 +255,12 @@ class CheckpointManager:
         writer_options.setdefault("world_size", world_size())
         self._writer = StorageWriter(self.root, remote=self.remote, key=key, durability=durability, retention=retention,
                                      max_staged=max_pending + 1, **writer_options)
-        self._job = Job()
+        self._job = Job(group_timeout_s)
         self.rank = self._job.rank
         self._states = StateDicts(self.rank, per_rank_keys, save_rng)
         self._saves = SaveQueue(writer=self._writer, job=self._job, remote=self.remote is not None, executor=kind,
-                                max_pending=max_pending, report=self._report)
+                                max_pending=max_pending, report=self._report, on_busy=on_busy,
+                                raise_errors=raise_errors)
         self._restorer = Restorer(writer=self._writer, job=self._job, states=self._states)
         self._last_call: tuple[int, float] | None = None
         self._step_time: float | None = None
@@ -307,6 +331,11 @@ class CheckpointManager:
             self._events.progress(step, t0, None)
             return False
         self._job.check()
+        if self._saves.busy():  # on_busy="skip": never wait for the save in flight
+            self._events.emit("save", step=int(step), version=self.version_name(step), ranks=self._job.world,
+                              outcome="skipped", error="the previous save is still running")
+            self._events.progress(step, t0, None)
+            return False
         info = self._start_save(step, state, metadata, t0)
         self._events.progress(step, t0, info.version)
         return True
@@ -386,9 +415,9 @@ class CheckpointManager:
         self._preempt.stop_watchdog()
 
     # -- restoring (ckptstore._manager.restore) ----------------------------------------------------
-    def _source(self) -> Source:
+    def _source(self, allow_nonfinite: bool | None = None) -> Source:
         return Source(self.root, self.remote, self._key, self._reader_options, self.scope, self.reshard,
-                      self.fall_back_after)
+                      self.fall_back_after, self.allow_nonfinite if allow_nonfinite is None else bool(allow_nonfinite))
 
     def latest(self) -> str | None:
         """The newest version in this manager's scope that every rank can load (a collective on the
@@ -399,7 +428,7 @@ class CheckpointManager:
         return None if view is None else view.version
 
     def restore(self, state: dict[str, Any] | None = None, version: str | None = None, *,
-                allow_partial_load: bool | tuple = False) -> int | None:
+                allow_partial_load: bool | tuple = False, allow_nonfinite: bool | None = None) -> int | None:
         """Load the newest version in scope that every rank can load and verify (or ``version``) into
         ``state`` (default: the constructor's) in place; return its step, or None when there is no
         checkpoint (``state`` is left unchanged). :attr:`last_restore` then says what was loaded and
@@ -407,7 +436,8 @@ class CheckpointManager:
 
         Never needs a person (docs/FORMAT.md, "Restore choice"): a version marked damaged anywhere,
         missing an object on every root and tier, saved by another number of ranks (unless
-        ``reshard``), or that fails verification while it is loaded is skipped on every rank — with
+        ``reshard``), recorded as holding NaN/Inf values (unless ``allow_nonfinite``: this call's,
+        else the manager's), or that fails verification while it is loaded is skipped on every rank — with
         one warning naming version, object and place — and the next older one is loaded; whatever the
         failed load wrote into ``state`` is overwritten by that version (model, optimizer, data loader
         and RNG come from one version). The next :meth:`save` of a skipped or newer name supersedes it
@@ -428,22 +458,27 @@ class CheckpointManager:
         tuple of key prefixes (DCP's flattened keys, e.g. ``("dataloader.",)``) that may stay unread
         (see :class:`ckptstore.StorageReader`); default False: every stored key must be asked for.
         Raises what ``dcp.load`` raises (``ckptstore.errors`` types) when the version cannot be read."""
+        return self._restore_call(state, version, allow_partial_load, allow_nonfinite, rollback=False)
+
+    def _restore_call(self, state, version, partial, allow_nonfinite, rollback: bool) -> int | None:
+        """:meth:`restore` with its ``restore`` line in the event log."""
         t_wall = time.time()
         try:
             with self._job.group():
-                step = self._restore(state, version, allow_partial_load)
+                step = self._restore(state, version, partial, allow_nonfinite)
         except BaseException as e:
-            self._events.restore_event(t_wall, None, e)
+            self._events.restore_event(t_wall, None, e, rollback)
             raise
-        self._events.restore_event(t_wall, self.last_restore if step is not None else None, None)
+        self._events.restore_event(t_wall, self.last_restore if step is not None else None, None, rollback)
         return step
 
-    def _restore(self, state: dict[str, Any] | None, version: str | None, partial: bool | tuple = False) -> int | None:
+    def _restore(self, state: dict[str, Any] | None, version: str | None, partial: bool | tuple = False,
+                 allow_nonfinite: bool | None = None) -> int | None:
         state = self._state(state)
         t0 = time.monotonic()
         self.wait()
         self._job.check()
-        got = self._restorer.restore(self._source(), state, version, partial, t0)
+        got = self._restorer.restore(self._source(allow_nonfinite), state, version, partial, t0)
         if got is None:
             return None
         self._supersede = got.supersede
@@ -455,6 +490,35 @@ class CheckpointManager:
         ``first_step`` when there is no checkpoint. ``for step in range(mgr.resume(), steps + 1)``."""
         step = self.restore(state)
         return first_step if step is None else int(step) + 1
+
+    def rollback(self, state: dict[str, Any] | None = None) -> int:
+        """Go back to the newest version whose tensors hold no NaN/Inf and return the step to run next
+        (its step + 1), for a loop that saw a non-finite loss and wants to continue unattended::
+
+            if not torch.isfinite(loss):          # the same decision on every rank (an all-reduced loss)
+                step = mgr.rollback()             # state restored in place; skip the batches you choose
+                continue
+
+        A collective on the manager's group: every rank calls it at the same point. It waits for the
+        saves in flight (a save of the poisoned state commits, recorded with its NaN/Inf count), then
+        restores as :meth:`restore` does (model, optimizer, scheduler, data loader and RNG from one
+        version, ``last_restore`` saying what was passed over) with every version that records
+        NaN/Inf values skipped (kind ``nonfinite``), whatever ``allow_nonfinite`` says. Which data to
+        skip is the loop's: the restored data loader is at the restored step. The next saves of the
+        skipped names, and of every name newer than the restored version, supersede them (an
+        abandoned timeline, docs/FORMAT.md "Superseding"). Versions whose values were not counted
+        (older releases, ``count_nonfinite=False``) count as finite.
+
+        Raises :class:`~ckptstore.errors.VersionNotFoundError` when there is nothing to go back to
+        (no committed version; every version holds NaN/Inf) — the state is then left as it is."""
+        step = self._restore_call(state, None, False, False, rollback=True)
+        if step is None:
+            from .errors import VersionNotFoundError
+
+            raise VersionNotFoundError(f"nothing to roll back to: no version in this manager's scope ({self.scope}) is "
+                                       f"committed under {self.root}" + (f" or {self.remote}" if self.remote else "")
+                                       + "; save one before the loop can go back (mgr.save(step, force=True))")
+        return int(step) + 1
 
     # -- reporting and shutdown --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

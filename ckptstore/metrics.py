@@ -17,11 +17,11 @@ from typing import Any, Iterable
 
 # family -> (type, help)
 _FAMILIES: dict[str, tuple[str, str]] = {
-    "ckptstore_saves": ("counter", "Saves finished, by outcome (committed, committed-local: the upload failed, failed)."),
+    "ckptstore_saves": ("counter", "Saves finished, by outcome (committed, committed-local: the upload failed, failed, skipped: a due save while the previous one still ran, with on_busy='skip')."),
     "ckptstore_save_blocked_seconds": ("counter", "Seconds the training loop spent inside save() (staging, back-pressure)."),
     "ckptstore_saved_bytes": ("counter", "Bytes of committed saves: logical (tensors), stored (after compression), uploaded."),
     "ckptstore_restores": ("counter", "Restores, by outcome (restored, none: nothing to restore, failed)."),
-    "ckptstore_restore_skipped_versions": ("counter", "Versions a restore passed over, by kind (damaged, missing, unverified, shape, restarts)."),
+    "ckptstore_restore_skipped_versions": ("counter", "Versions a restore passed over, by kind (damaged, missing, unverified, shape, restarts, nonfinite)."),
     "ckptstore_gc_runs": ("counter", "Retention / gc runs that deleted something or failed, by source."),
     "ckptstore_gc_deleted_versions": ("counter", "Version copies deleted by retention / gc."),
     "ckptstore_preemptions": ("counter", "Preemption signals handled, by outcome (saved, not-saved)."),
@@ -86,7 +86,7 @@ class Metrics:
                 self._set("ckptstore_last_save_timestamp_seconds", _num(e.get("t")))
                 for p in _PHASES:
                     self._set("ckptstore_last_save_seconds", _num(e.get(p)), phase=p[:-2])
-                if outcome != "failed":
+                if outcome not in ("failed", "skipped"):
                     for b in ("logical", "stored", "uploaded"):
                         n = _num(e.get(f"{b}_bytes"))
                         if n is not None:

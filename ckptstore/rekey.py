@@ -29,6 +29,20 @@ mismatch) and the new key loads the versions bit-exactly.
 
 Run it while no save with the *old* key is in flight (such a save commits a version wrapped by the
 old key; run rekey again afterwards) and while no gc runs (see step 4).
+
+**AWS KMS.** Either key may be a :class:`ckptstore.KmsKey` (raw → KMS, KMS → KMS, KMS → raw; the
+command line's ``--kms-key``/``--new-kms-key``). The old data key comes from ``Decrypt``; the new
+wrapping from ``Encrypt`` of that data key under the new KMS key and the version's encryption
+context (docs/FORMAT.md, "Manifest"), not ``ReEncrypt``: rekey must hold the data key anyway, to
+verify the HMAC before and to seal the manifest again after (its key is derived from the data key),
+so ``ReEncrypt`` would keep nothing more inside KMS — and ``Encrypt`` is one path for raw → KMS and
+KMS → KMS. Step 3's check is a real ``Decrypt`` under the new key (never a cached data key), so a
+caller who may encrypt but not decrypt under the new key replaces nothing. An earlier version that
+many manifests reference is re-wrapped once per run. Calls per re-wrapped version, each reference
+to a not yet re-wrapped origin adding the same: at most 1 ``Decrypt`` (old key in KMS), 1
+``Encrypt`` and 1 ``Decrypt`` (new key in KMS); plus one ``DescribeKey`` per KMS key and run. A key
+service that refuses or does not answer stops nothing else: that version is reported
+``key-service`` (exit 14) and left unchanged.
 """
 
 from __future__ import annotations
@@ -37,16 +51,18 @@ import dataclasses
 import hmac
 import json
 
-from .codec.crypto import key_id, resolve_key, unwrap_key, wrap_key
+from .codec.crypto import WrappedKey
 from .errors import (
     CkptStoreError,
     IntegrityError,
     KeyMismatchError,
+    KeyServiceError,
     ManifestError,
     ObjectNotFoundError,
     StorageError,
     UnsupportedFormatError,
 )
+from .keys import resolve_master
 from .manifest import catalogue, layout
 from .manifest.schema import canonical, parse, seal
 from .tiers.base import tiers_of
@@ -58,6 +74,7 @@ OTHER_KEY = "other-key"
 DAMAGED_KEY = "damaged-key"
 DAMAGED_MANIFEST = "damaged-manifest"
 CHANGED = "changed"
+KEY_SERVICE = "key-service"
 ERROR = "error"
 WOULD_REKEY = "would-rekey"
 
@@ -84,6 +101,8 @@ class RekeyReport:
     old_key_id: str
     new_key_id: str
     dry_run: bool = False
+    old_key: str = ""  # the keys in words ("master key id …", "AWS KMS key arn:…")
+    new_key: str = ""
     entries: list[RekeyEntry] = dataclasses.field(default_factory=list)
     problems: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (tier, key, why): invalid manifests
 
@@ -94,12 +113,15 @@ class RekeyReport:
     @property
     def exit_code(self) -> int:
         """0 all done; 4 a damaged wrapped key or manifest (or an invalid manifest); 5 a version
-        wrapped by another key; 7 a storage error; 1 a version changed meanwhile."""
+        wrapped by another key; 14 the key service refused or did not answer; 7 a storage error;
+        1 a version changed meanwhile."""
         st = {e.status for e in self.entries}
         if DAMAGED_KEY in st or DAMAGED_MANIFEST in st or self.problems:
             return IntegrityError.exit_code
         if OTHER_KEY in st:
             return KeyMismatchError.exit_code
+        if KEY_SERVICE in st:
+            return KeyServiceError.exit_code
         if ERROR in st:
             return StorageError.exit_code
         if CHANGED in st:
@@ -113,6 +135,8 @@ class RekeyReport:
         return {
             "old_key_id": self.old_key_id,
             "new_key_id": self.new_key_id,
+            "old_key": self.old_key,
+            "new_key": self.new_key,
             "dry_run": self.dry_run,
             "exit_code": self.exit_code,
             "counts": counts,
@@ -121,69 +145,115 @@ class RekeyReport:
         }
 
 
-def rewrap_manifest(data: bytes, version: str, old_key: bytes, new_key: bytes) -> tuple[bytes, str]:
-    """Return ``(new manifest bytes, attempt)`` for the manifest ``data`` of ``version``.
+class Rewrapper:
+    """The new wrapping of data keys under ``new`` for one rekey run: each (version, attempt)'s data
+    key is wrapped once and checked once with a real unwrap under ``new`` (with KMS a ``Decrypt``,
+    never a cached key), then reused for every manifest that references that version."""
+
+    def __init__(self, new) -> None:
+        self.new = new
+        self._done: dict = {}  # {(version, attempt): (data key, WrappedKey)}
+
+    def wrap(self, data_key: bytes, version: str, attempt: str) -> WrappedKey:
+        hit = self._done.get((version, attempt))
+        if hit is not None and hmac.compare_digest(hit[0], data_key):
+            return hit[1]
+        w = self.new.wrap(data_key, version, attempt)
+        back = self.new.unwrap(w, version, attempt, cached=False)
+        if not hmac.compare_digest(back, data_key):
+            raise IntegrityError(f"re-wrapped data key of version {version!r} does not round-trip")  # pragma: no cover
+        self._done[(version, attempt)] = (data_key, w)
+        return w
+
+
+def _ref_wrapping(r: dict) -> WrappedKey:
+    return WrappedKey(r["wrapped_key"], r["key_id"], (r.get("kms") or {}).get("key_arn"))
+
+
+def _set_wrapping(d: dict, w: WrappedKey) -> None:
+    d.update(key_id=w.key_id, wrapped_key=w.wrapped_key)
+    if w.kms_key_arn is not None:
+        d["kms"] = {"key_arn": w.kms_key_arn}
+    else:
+        d.pop("kms", None)
+
+
+def rewrap_manifest(data: bytes, version: str, old_key, new_key, rewrapper: Rewrapper | None = None) -> tuple[bytes, str]:
+    """Return ``(new manifest bytes, attempt)`` for the manifest ``data`` of ``version``; ``old_key``
+    / ``new_key``: master keys (32 bytes, key providers, :class:`ckptstore.KmsKey`); ``rewrapper``:
+    the run's :class:`Rewrapper` (one is made when not given).
 
     Raises :class:`KeyMismatchError` (not wrapped by ``old_key``), :class:`IntegrityError`
-    (wrapped key or HMAC damaged), :class:`ManifestError`/:class:`UnsupportedFormatError`.
+    (wrapped key or HMAC damaged), :class:`ManifestError`/:class:`UnsupportedFormatError`,
+    :class:`KeyServiceError` (KMS refused or did not answer).
     """
+    old, new = resolve_master(old_key), resolve_master(new_key)
+    rw = rewrapper if rewrapper is not None else Rewrapper(new)
     pm = parse(data, expect_version=version)
     m = pm.manifest
     if not m.encrypted:
         raise KeyMismatchError(f"version {version!r} is not encrypted")
-    enc = m.encryption
-    data_key = unwrap_key(old_key, enc["wrapped_key"], version, m.attempt, enc["key_id"])
+    data_key = old.unwrap(WrappedKey.of_encryption(m.encryption), version, m.attempt)
     pm.verify_mac(data_key)
     body = json.loads(pm.body)
-    body["encryption"] = dict(body["encryption"], key_id=key_id(new_key), wrapped_key=wrap_key(new_key, data_key, version, m.attempt))
+    nw = rw.wrap(data_key, version, m.attempt)
+    body["encryption"] = nw.encryption()
     for r in body.get("refs", ()):  # a referenced object's frames: its origin's data key, re-wrapped the same way
-        ref_key = unwrap_key(old_key, r["wrapped_key"], r["version"], r["attempt"], r["key_id"])
-        r.update(key_id=key_id(new_key), wrapped_key=wrap_key(new_key, ref_key, r["version"], r["attempt"]))
-    new = seal(canonical(body), data_key)
+        ref_key = old.unwrap(_ref_wrapping(r), r["version"], r["attempt"])
+        _set_wrapping(r, rw.wrap(ref_key, r["version"], r["attempt"]))
+    new_bytes = seal(canonical(body), data_key)
     # the result must read back exactly as intended before it replaces anything
-    check = parse(new, expect_version=version)
-    ce = check.manifest.encryption
-    dk2 = unwrap_key(new_key, ce["wrapped_key"], version, check.manifest.attempt, ce["key_id"])
+    check = parse(new_bytes, expect_version=version)
+    dk2 = new.unwrap(WrappedKey.of_encryption(check.manifest.encryption), version, check.manifest.attempt)
     if not hmac.compare_digest(dk2, data_key):
         raise IntegrityError(f"re-wrapped data key of version {version!r} does not round-trip")  # pragma: no cover
     check.verify_mac(dk2)
     for r in check.manifest.refs:
-        unwrap_key(new_key, r.wrapped_key, r.version, r.attempt, r.key_id)
-    plain = [dataclasses.replace(r, wrapped_key=None, key_id=None) for r in m.refs]
-    if dataclasses.replace(check.manifest, encryption=None, refs=[dataclasses.replace(r, wrapped_key=None, key_id=None)
-                                                               for r in check.manifest.refs]) \
-            != dataclasses.replace(m, encryption=None, refs=plain):
+        new.unwrap(WrappedKey.of(r), r.version, r.attempt)
+
+    def plain(refs):
+        return [dataclasses.replace(r, wrapped_key=None, key_id=None, kms_key_arn=None) for r in refs]
+
+    if dataclasses.replace(check.manifest, encryption=None, refs=plain(check.manifest.refs)) \
+            != dataclasses.replace(m, encryption=None, refs=plain(m.refs)):
         raise ManifestError(f"re-sealed manifest of version {version!r} differs beyond its key fields")  # pragma: no cover
-    return new, m.attempt
+    return new_bytes, m.attempt
 
 
-def _classify(data: bytes, version: str, old_key: bytes, new_key: bytes) -> tuple[str, str]:
+def _short(key) -> str:
+    """How a report line names a master key: a raw key by its key id, a KMS key by its ARN."""
+    return key.key_id_hex if key.kind == "raw" else key.describe()
+
+
+def _classify(data: bytes, version: str, old, new) -> tuple[str, str]:
     """Status of a stored manifest before any change: (status, detail)."""
     pm = parse(data, expect_version=version)
     m = pm.manifest
     if not m.encrypted:
         return NOT_ENCRYPTED, ""
-    kid = m.encryption["key_id"]
-    for key, status in ((new_key, ALREADY), (old_key, REKEYED)):
-        if kid != key_id(key):
+    w = WrappedKey.of_encryption(m.encryption)
+    for key, status in ((new, ALREADY), (old, REKEYED)):
+        if not key.owns(w):
             continue
         try:
-            dk = unwrap_key(key, m.encryption["wrapped_key"], version, m.attempt, kid)
+            dk = key.unwrap(w, version, m.attempt)
         except IntegrityError:
             return DAMAGED_KEY, (
                 f"the wrapped data key does not authenticate under the {'new' if status == ALREADY else 'old'} key "
-                f"(key id {kid}): the wrapped key is damaged"
+                f"({'key id ' + w.key_id if w.kms_key_arn is None else w.describe()}): the wrapped key is damaged"
             )
         try:
             pm.verify_mac(dk)
         except ManifestError as e:
             return DAMAGED_MANIFEST, str(e)
         return status, ""
-    return OTHER_KEY, f"wrapped by master key id {kid}, which is neither the old ({key_id(old_key)}) nor the new ({key_id(new_key)})"
+    return OTHER_KEY, f"wrapped by {w.describe()}, which is neither the old ({_short(old)}) nor the new ({_short(new)})"
 
 
-def rekey_tier(tier, tier_name: str, old_key: bytes, new_key: bytes, report: RekeyReport, *, version: str | None = None,
-               dry_run: bool = False) -> None:
+def rekey_tier(tier, tier_name: str, old_key, new_key, report: RekeyReport, *, version: str | None = None,
+               dry_run: bool = False, rewrapper: Rewrapper | None = None) -> None:
+    old_key, new_key = resolve_master(old_key), resolve_master(new_key)
+    rewrapper = rewrapper if rewrapper is not None else Rewrapper(new_key)
     problems: list = []
     entries = catalogue.scan(tier, problems)
     report.problems.extend((tier_name, k, why) for _t, k, why in problems
@@ -201,7 +271,7 @@ def rekey_tier(tier, tier_name: str, old_key: bytes, new_key: bytes, report: Rek
             if status != REKEYED:
                 e.status, e.detail = status, detail
                 continue
-            new, attempt = rewrap_manifest(data, v, old_key, new_key)
+            new, attempt = rewrap_manifest(data, v, old_key, new_key, rewrapper)
             if dry_run:
                 e.status = WOULD_REKEY
                 continue
@@ -221,6 +291,8 @@ def rekey_tier(tier, tier_name: str, old_key: bytes, new_key: bytes, report: Rek
             e.status = REKEYED
         except ObjectNotFoundError:
             e.status, e.detail = CHANGED, "the version was un-committed while rekey ran"
+        except KeyServiceError as ex:  # refused or unreachable: nothing changed, not damage
+            e.status, e.detail = KEY_SERVICE, str(ex)
         except (ManifestError, UnsupportedFormatError) as ex:
             e.status, e.detail = DAMAGED_MANIFEST, str(ex)
         except IntegrityError as ex:
@@ -234,20 +306,27 @@ def rekey_tier(tier, tier_name: str, old_key: bytes, new_key: bytes, report: Rek
 def rekey(store, old_key, new_key, *, version: str | None = None, dry_run: bool = False) -> RekeyReport:
     """Re-wrap the data key of every committed, encrypted version of ``store`` (a
     :class:`ckptstore.Store` or a ``{name: Tier}`` mapping) from master key ``old_key`` to
-    ``new_key`` (32 bytes or key providers), in every tier. Data objects are not touched.
+    ``new_key`` (32 bytes, key providers, :class:`ckptstore.KmsKey` or ``"kms://…"``), in every
+    tier. Data objects are not touched.
 
     Returns a :class:`RekeyReport`; per-version failures are reported there, not raised.
-    Raises :class:`KeyMismatchError` when a key is missing or malformed.
+    Raises :class:`KeyMismatchError` when a key is missing or malformed, :class:`KeyServiceError`
+    when a KMS key cannot be used at all (it does not exist, is disabled; checked before anything
+    is read).
     """
-    old = resolve_key(old_key) if old_key is not None else None
-    new = resolve_key(new_key) if new_key is not None else None
+    old = resolve_master(old_key) if old_key is not None else None
+    new = resolve_master(new_key) if new_key is not None else None
     if old is None or new is None:
-        raise KeyMismatchError("rekey needs both the old and the new master key (32 bytes each)")
+        raise KeyMismatchError("rekey needs both the old and the new master key (32 bytes each, or AWS KMS keys)")
+    for k in (old, new):
+        if k.kind == "kms":
+            k.arn  # noqa: B018 - DescribeKey: a missing or disabled key stops the run before anything is read
     tiers = tiers_of(store)
-    report = RekeyReport(key_id(old), key_id(new), dry_run=dry_run)
+    report = RekeyReport(old.key_id_hex, new.key_id_hex, dry_run=dry_run, old_key=old.describe(), new_key=new.describe())
+    rewrapper = Rewrapper(new)
     for name, tier in tiers.items():
-        rekey_tier(tier, name, old, new, report, version=version, dry_run=dry_run)
+        rekey_tier(tier, name, old, new, report, version=version, dry_run=dry_run, rewrapper=rewrapper)
     return report
 
 
-__all__ = ["rekey", "rekey_tier", "rewrap_manifest", "seal", "RekeyReport", "RekeyEntry"]
+__all__ = ["rekey", "rekey_tier", "rewrap_manifest", "seal", "RekeyReport", "RekeyEntry", "Rewrapper"]

@@ -25,7 +25,8 @@ Built in, always on (not rules one can leave out):
 
 * **pinned** versions (``ckptstore pin``) are always kept;
 * the **newest committed** version of the tier is never deleted, and neither is the newest version
-  not marked damaged (what ``Store.latest()`` loads);
+  not marked damaged, nor the newest version neither marked damaged nor recorded as holding NaN/Inf
+  (what ``Store.latest()`` returns and a restore loads by default: docs/FORMAT.md, "Restore choice");
 * **no rule at all keeps everything** (``gc`` then only removes garbage).
 
 Rules choose among *loadable* versions: a version marked damaged by ``ckptstore scrub`` takes no
@@ -285,6 +286,7 @@ def rule_from_json(d: Mapping) -> Rule:
 # -- decisions ---------------------------------------------------------------------------------------
 REASON_NEWEST = "newest committed version (never deleted)"
 REASON_LOADABLE = "newest version not marked damaged (what latest() loads)"
+REASON_FINITE = "newest version without NaN/Inf values (what latest() returns and a restore loads)"
 REASON_PINNED = "pinned"
 REASON_NO_RULES = "no retention rule given (everything is kept)"
 
@@ -339,6 +341,9 @@ def evaluate(
     loadable = [r for r in recs if not r.damaged]
     if loadable and loadable[-1] is not recs[-1]:
         reasons[loadable[-1].version].append(REASON_LOADABLE)
+    finite = [r for r in loadable if not r.nonfinite]  # the restore point after NaN/Inf saves
+    if finite and finite[-1] is not recs[-1] and finite[-1] is not loadable[-1]:
+        reasons[finite[-1].version].append(REASON_FINITE)
     for r in recs:
         if r.pinned:
             reasons[r.version].append(REASON_PINNED)

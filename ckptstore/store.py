@@ -61,7 +61,7 @@ class Store:
         Each record has ``version``, ``created`` (UTC), ``step``, ``world_size``, ``nbytes``
         (logical bytes), ``stored_bytes``, ``tiers`` (subset of {"local","remote"}), ``pinned``,
         ``damaged``, ``local_part`` (the part this local root holds of a version split over several
-        roots, else None).
+        roots, else None), ``nonfinite`` (NaN/Inf values its tensors hold; None: not counted).
         """
         scans = self._scan()
         recs = [self._with_part(r, scans) for r in catalogue.merge(scans)]
@@ -88,9 +88,12 @@ class Store:
             return None
         return placement.part_held(self.local, m)
 
-    def latest(self) -> VersionRecord | None:
-        """The newest committed version not marked damaged, or None when there is none."""
-        recs = self.versions(include_damaged=False)
+    def latest(self, *, allow_nonfinite: bool = False) -> VersionRecord | None:
+        """The newest committed version not marked damaged and not recorded as holding NaN/Inf values
+        (``VersionRecord.nonfinite``: such a version is not a restore point, docs/FORMAT.md "Restore
+        choice"; a version whose values were not counted counts as finite), or None when there is none.
+        ``allow_nonfinite``: the newest not marked damaged, whatever its values."""
+        recs = [r for r in self.versions(include_damaged=False) if allow_nonfinite or not r.nonfinite]
         return recs[-1] if recs else None
 
     def latest_in_job(self, process_group=None) -> VersionRecord | None:

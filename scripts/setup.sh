@@ -15,8 +15,9 @@
 #
 # Installs once: a stamp ($VENV/.ckptstore-setup: pyproject.toml's hash, the extras, the torch version
 # and index) is written after a successful install, and a later run with the same stamp and an intact
-# install (torch, ckptstore pointing at this checkout) does nothing. Editing pyproject.toml (new
-# dependencies) or asking for other extras installs again.
+# install (torch, ckptstore pointing at this checkout) does nothing, also when it asks for fewer extras than
+# were installed. Editing pyproject.toml (new dependencies) installs again; asking for other extras installs
+# the union of those and the ones installed before.
 set -euo pipefail
 EXTRAS="${1:-test,demo}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,8 +28,14 @@ TORCH_INDEX="${CKPTSTORE_TORCH_INDEX:-}"
 PIP=(python -m pip install -q --disable-pip-version-check)
 
 STAMP="$VENV/.ckptstore-setup"
-WANT="pyproject=$("$PY" -c 'import hashlib,sys; print(hashlib.sha256(open(sys.argv[1],"rb").read()).hexdigest())' pyproject.toml) extras=$EXTRAS torch=$TORCH_VERSION index=$TORCH_INDEX"
-if [ "${CKPTSTORE_REINSTALL:-0}" != 1 ] && [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] \
+BASE="pyproject=$("$PY" -c 'import hashlib,sys; print(hashlib.sha256(open(sys.argv[1],"rb").read()).hexdigest())' pyproject.toml) torch=$TORCH_VERSION index=$TORCH_INDEX"
+# the stamp is "BASE extras=a,b,c": a later run asking for a subset of those extras installs nothing, and one
+# asking for others installs the union (so demo.sh and test.sh, alternating, install once each at most)
+HAVE="$(cat "$STAMP" 2>/dev/null || true)"
+HAVE_EXTRAS=""
+case "$HAVE" in "$BASE extras="*) HAVE_EXTRAS="${HAVE#"$BASE extras="}" ;; esac
+ALL_EXTRAS="$(printf '%s\n' "${HAVE_EXTRAS//,/$'\n'}" "${EXTRAS//,/$'\n'}" | sed '/^$/d' | sort -u | paste -sd, -)"
+if [ "${CKPTSTORE_REINSTALL:-0}" != 1 ] && [ -x "$VENV/bin/python" ] && [ -n "$HAVE_EXTRAS" ] && [ "$ALL_EXTRAS" = "$(printf '%s\n' "${HAVE_EXTRAS//,/$'\n'}" | sort -u | paste -sd, -)" ] \
    && "$VENV/bin/python" - "$TORCH_VERSION" "$PWD" >/dev/null 2>&1 <<'PYEOF'
 import importlib.metadata as md, os, sys
 assert md.version("torch").split("+")[0] == sys.argv[1]
@@ -51,5 +58,5 @@ else
   echo "setup.sh: torch==$TORCH_VERSION from pip's configured sources (set CKPTSTORE_TORCH_INDEX to choose the build)"
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
-"${PIP[@]}" -e ".[${EXTRAS}]"
-echo "$WANT" > "$STAMP"
+"${PIP[@]}" -e ".[${ALL_EXTRAS}]"
+echo "$BASE extras=$ALL_EXTRAS" > "$STAMP"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# README command 2: install everything into .venv (once: again only when pyproject.toml changed,
-# see scripts/setup.sh) and run the test suite.
+# README command 2: install everything into .venv (the test, demo, torchft and lightning extras; once: again only when
+# pyproject.toml changed, see scripts/setup.sh) and run the test suite.
 # Extra arguments go to pytest (e.g. tests/test_cli.py -k json). CKPTSTORE_FULL=1 also runs the slow sweeps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test,demo
+bash scripts/setup.sh test,demo,torchft,lightning
 # libfaketime runs one save under a clock 2 h ahead (tests/test_recovery.py, the clock-skew case);
 # installed from Debian when possible, else that test is skipped with a message
 if ! command -v faketime >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -554,9 +554,11 @@ print(int(sd["w"].sum()))
 
 
 def test_setup_installs_once_and_again_when_pyproject_changes(tmp_path):
-    """``scripts/test.sh`` runs ``scripts/setup.sh`` every time; it installs only when the stamp
-    (pyproject.toml's hash, extras, torch) differs or the install is broken (before: pip ran on every
-    call, ≈ 7 s). A fake venv whose ``python`` is this interpreter records what would be installed."""
+    """``scripts/test.sh`` and ``scripts/demo.sh`` run ``scripts/setup.sh`` every time; it installs only
+    when pyproject.toml's hash or torch differs from the stamp, when extras that were never installed are
+    asked for (then the union of those and the installed ones), or when the install is broken (before:
+    pip ran on every call, ≈ 7 s; and demo.sh/test.sh alternating reinstalled every time). A fake venv
+    whose ``python`` is this interpreter records what would be installed."""
     import hashlib
 
     venv = tmp_path / "venv"
@@ -573,7 +575,8 @@ def test_setup_installs_once_and_again_when_pyproject_changes(tmp_path):
     h = hashlib.sha256(open(os.path.join(REPO, "pyproject.toml"), "rb").read()).hexdigest()
     env = {**os.environ, "VENV": str(venv), "CKPTSTORE_TORCH_VERSION": torch.__version__.split("+")[0]}
     env.pop("CKPTSTORE_TORCH_INDEX", None)
-    (venv / ".ckptstore-setup").write_text(f"pyproject={h} extras=test,demo torch={env['CKPTSTORE_TORCH_VERSION']} index=\n")
+    base = f"pyproject={h} torch={env['CKPTSTORE_TORCH_VERSION']} index="
+    (venv / ".ckptstore-setup").write_text(f"{base} extras=demo,test\n")
 
     def setup(*extras):
         return subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh"), *extras], env=env,
@@ -581,11 +584,12 @@ def test_setup_installs_once_and_again_when_pyproject_changes(tmp_path):
 
     assert setup("test,demo").returncode == 0
     assert not log.exists()  # stamp matches, install intact: nothing installed
-    p = setup("test")  # other extras (as after an edit of pyproject.toml): installs, and stamps
+    assert setup("demo").returncode == 0 and not log.exists()  # fewer extras than installed: nothing
+    p = setup("test,lightning")  # an extra never installed: the union, stamped
     assert p.returncode == 0, p.stderr
-    assert "-e .[test]" in log.read_text()
-    assert (venv / ".ckptstore-setup").read_text().startswith(f"pyproject={h} extras=test ")
+    assert "-e .[demo,lightning,test]" in log.read_text()
+    assert (venv / ".ckptstore-setup").read_text() == f"{base} extras=demo,lightning,test\n"
     log.unlink()
     assert setup("test").returncode == 0 and not log.exists()
-    (venv / ".ckptstore-setup").write_text("pyproject=0000 extras=test torch=x index=\n")  # pyproject.toml changed
+    (venv / ".ckptstore-setup").write_text("pyproject=0000 torch=x index= extras=test\n")  # pyproject.toml changed
     assert setup("test").returncode == 0 and "-e .[test]" in log.read_text()

@@ -106,6 +106,29 @@ def test_manager_single_process_without_dist(tmp_path):
     assert mgr4.resume() == 6 and mgr4.last_restore.version == "step-0005" and mgr4.last_restore.rng_restored
 
 
+
+def test_a_failed_save_raises_the_error_type_the_rank_raised(tmp_path):
+    """A save that failed with a ckptstore error raises that type (and its attributes) from the next
+    call, not a bare ``CkptStoreError``: ``except ckptstore.VersionExistsError`` (or
+    ``StorageFullError``, ``KeyServiceError``) works around ``mgr.save``/``wait``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ckptstore
+    from ckptstore import CheckpointManager
+
+    model = torch.nn.Linear(4, 2)
+    # another writer (not this manager's restore) committed the name the manager saves next
+    dcp.save({"x": torch.ones(2)}, checkpoint_id="step-2", storage_writer=ckptstore.StorageWriter(str(tmp_path)))
+    mgr = CheckpointManager(str(tmp_path), {"model": model}, save_on_signal=None)
+    mgr.save(2)
+    with pytest.raises(ckptstore.VersionExistsError, match=r"save of step 2 \(step-2\) failed") as ei:
+        mgr.wait()
+    assert isinstance(ei.value, FileExistsError)
+    mgr.save(3)
+    mgr.close()  # the failure was raised once; later saves go on
+    assert [r.version for r in ckptstore.Store(str(tmp_path)).versions()] == ["step-2", "step-3"]
+
 def _readme_example() -> str:
     text = open(os.path.join(ROOT, "README.md")).read()
     m = re.search(r"## Training loop.*?```python\n(.*?)```", text, re.S)

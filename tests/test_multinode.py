@@ -30,10 +30,8 @@ import os
 import shutil
 import signal
 import socket
-import socketserver
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -300,126 +298,8 @@ def local_only_part(rec: dict) -> bool:
     return False
 
 
-# -- counting proxy in front of SeaweedFS (requests at the tier boundary) -------------------------
-class CountingProxy:
-    """A TCP proxy that forwards bytes unchanged to ``upstream`` and records every HTTP request line
-    the client sends (method, path). Requests are framed by their headers and ``Content-Length``; a
-    chunked request body makes the rest of that connection opaque (recorded as ``("?", "")``)."""
-
-    def __init__(self, upstream: str):
-        host, port = upstream.split("://", 1)[-1].rstrip("/").split(":")
-        self.upstream = (host, int(port))
-        self.requests: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
-        proxy = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self):
-                up = socket.create_connection(proxy.upstream, timeout=60)
-                done = threading.Event()
-
-                def back():
-                    try:
-                        while True:
-                            b = up.recv(65536)
-                            if not b:
-                                break
-                            self.request.sendall(b)
-                    except OSError:
-                        pass
-                    finally:
-                        done.set()
-                        try:
-                            self.request.shutdown(socket.SHUT_WR)
-                        except OSError:
-                            pass
-
-                threading.Thread(target=back, daemon=True).start()
-                try:
-                    proxy._pump(self.request, up)
-                except OSError:
-                    pass
-                finally:
-                    try:
-                        up.shutdown(socket.SHUT_WR)
-                    except OSError:
-                        pass
-                    done.wait(60)
-                    up.close()
-
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def _pump(self, client: socket.socket, up: socket.socket) -> None:
-        buf = b""
-        while True:
-            while b"\r\n\r\n" not in buf:
-                b = client.recv(65536)
-                if not b:
-                    if buf:
-                        up.sendall(buf)
-                    return
-                buf += b
-            head, buf = buf.split(b"\r\n\r\n", 1)
-            lines = head.decode("latin-1").split("\r\n")
-            method, path = (lines[0].split(" ") + ["", ""])[:2]
-            hdrs = {ln.split(":", 1)[0].strip().lower(): ln.split(":", 1)[1].strip() for ln in lines[1:] if ":" in ln}
-            with self._lock:
-                self.requests.append((method, path))
-            up.sendall(head + b"\r\n\r\n")
-            if "chunked" in hdrs.get("transfer-encoding", "").lower():
-                with self._lock:
-                    self.requests.append(("?", ""))
-                up.sendall(buf)
-                while True:
-                    b = client.recv(65536)
-                    if not b:
-                        return
-                    up.sendall(b)
-            n = int(hdrs.get("content-length", "0") or 0)
-            while n > 0:
-                if not buf:
-                    buf = client.recv(min(n, 65536))
-                    if not buf:
-                        return
-                chunk, buf = buf[:n], buf[n:]
-                up.sendall(chunk)
-                n -= len(chunk)
-
-    def reset(self) -> None:
-        with self._lock:
-            self.requests.clear()
-
-    def summary(self) -> dict:
-        """Counts: ``object_gets`` (GET of a stored object, ``*.ckd``: data read from S3),
-        ``manifest_gets`` (other GETs of keys), ``lists``, ``heads``, ``writes``, ``other``."""
-        out = dict(object_gets=0, manifest_gets=0, lists=0, heads=0, writes=0, other=0)
-        with self._lock:
-            reqs = list(self.requests)
-        for method, path in reqs:
-            p, _, q = path.partition("?")
-            if method == "GET" and ("list-type" in q or "uploads" in q or p.rstrip("/").count("/") <= 1):
-                out["lists"] += 1
-            elif method == "GET" and p.endswith(".ckd"):
-                out["object_gets"] += 1
-            elif method == "GET":
-                out["manifest_gets"] += 1
-            elif method == "HEAD":
-                out["heads"] += 1
-            elif method in ("PUT", "POST", "DELETE"):
-                out["writes"] += 1
-            else:
-                out["other"] += 1
-        return out
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+# -- counting proxy in front of SeaweedFS (requests at the tier boundary): tests/counting_proxy.py --
+from counting_proxy import CountingProxy  # noqa: E402  (test_replicas imports it from here too)
 
 
 @pytest.fixture

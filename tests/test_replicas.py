@@ -71,6 +71,100 @@ def test_replica_plan_never_lands_on_its_own_root():
     assert replica_assignment([(0, 1), (2,)], 1, owners={0, 2}) == [(0, 2), (2, 0)]
 
 
+def test_replicas_never_land_in_their_own_failure_domain_while_another_exists():
+    """docs/FORMAT.md, "Replicas": 4 racks of 2 root groups each; the next F domains, same position."""
+    doms = [f"rack{g // 2}" for g in range(8)]
+    t = replica_targets(8, 1, doms)
+    assert t == [[2], [3], [4], [5], [6], [7], [0], [1]]
+    t2 = replica_targets(8, 2, doms)
+    for i, ts in enumerate(t2):
+        assert len(ts) == 2 and len({doms[x] for x in ts}) == 2 and doms[i] not in {doms[x] for x in ts}
+    received = [sum(g in ts for ts in t2) for g in range(8)]
+    assert received == [2] * 8  # every root holds the same number of replicas
+    # unequal domains: a lone group of the other domain takes every copy; F is capped there
+    assert replica_targets(4, 1, ["a", "a", "a", "b"]) == [[3], [3], [3], [0]]
+    assert replica_targets(3, 2, ["a", "a", "b"]) == [[2], [2], [0, 1]]
+    # one domain (or none recorded): the next F groups, as before domains existed
+    assert replica_targets(4, 1, ["host"] * 4) == replica_targets(4, 1) == [[1], [2], [3], [0]]
+    pairs = replica_assignment([(0, 1), (2, 3), (4, 5), (6, 7)], 1, domains=["r0", "r0", "r1", "r1"])
+    assert pairs == [(0, 4), (1, 5), (2, 6), (3, 7), (4, 0), (5, 1), (6, 2), (7, 3)]
+
+
+def test_replica_domain_is_checked_before_anything_is_saved(tmp_path, monkeypatch):
+    from ckptstore.errors import ManifestError
+    from ckptstore.manifest.schema import _domains
+
+    for bad in ("", "x" * 257, "rack\n1"):
+        with pytest.raises(ValueError, match="replica domain"):
+            ckptstore.StorageWriter(tmp_path, replica_domain=bad)
+    monkeypatch.setenv("CKPTSTORE_REPLICA_DOMAIN", "rack7")
+    assert ckptstore.StorageWriter(tmp_path).replica_domain == "rack7"
+    monkeypatch.delenv("CKPTSTORE_REPLICA_DOMAIN")
+    import socket
+
+    assert ckptstore.StorageWriter(tmp_path).replica_domain == socket.gethostname()
+    m = ckptstore.CheckpointManager(tmp_path / "m", {}, replica_domain="rack3", save_on_signal=None, event_log=False)
+    try:
+        assert m._writer.replica_domain == "rack3"  # a writer option of the manager
+    finally:
+        m.close()
+    assert _domains(["a", "b"], [[0], [1]]) == ["a", "b"]
+    for bad, placement in ((["a"], [[0], [1]]), ([1, 2], [[0], [1]]), (["a"], None)):
+        with pytest.raises(ManifestError, match="domains"):
+            _domains(bad, placement)
+
+
+def test_a_whole_failure_domain_lost_restores_from_the_replicas_in_the_other_one(tmp_path):
+    """4 ranks, each its own root (4 root groups), in 2 racks (``CKPTSTORE_REPLICA_DOMAIN``), F = 1, no
+    remote tier. The manifest records each group's rack and ``list --json`` shows it; rack 1's roots
+    both wiped, the job resumes bit-exact from the replicas rack 0 holds (before: group 2's only
+    replica was on group 3, in the same rack, so the version was lost with it)."""
+    base = tmp_path
+    env = [{"CKPTSTORE_REPLICA_DOMAIN": f"rack{r // 2}"} for r in range(4)]
+    mgr = {"per_node": 1, "replicas": 1}
+    job(base, 4, 2, {**mgr, "durability": "replicated"}, env=env)
+    m = catalogue.read_manifest(LocalTier(node(base, 0)), "step-2").manifest
+    assert m.placement == [[0], [1], [2], [3]] and m.domains == ["rack0", "rack0", "rack1", "rack1"]
+    listed = json.loads(cli("list", node(base, 2), "--json").stdout)["versions"][-1]
+    assert listed["domains"] == [{"ranks": [r], "domain": f"rack{r // 2}"} for r in range(4)]
+    assert listed["parts"]["local"]["domain"] == "rack1"
+    for i in (0, 1):  # rack 0 holds rack 1's objects as replicas, and the other way round
+        assert objects_in(node(base, i), "step-2") >= {o.name for o in m.objects if o.rank == i + 2}
+    shutil.rmtree(node(base, 2))
+    shutil.rmtree(node(base, 3))
+    outs = job(base, 4, 0, mgr, env=env)
+    rr_check(outs, 3)
+    assert all(o["restore"]["reads"]["remote_reads"] == 0 for o in outs)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_four_racks_of_two_nodes_one_rack_lost_restores_with_zero_s3_gets(tmp_path, s3_url, seaweed):
+    """8 root groups in 4 racks, F = 1, S3 behind the counting proxy: rack 1 (groups 2 and 3) wiped;
+    the restore makes no GET at all and is bit-exact."""
+    from test_multinode import CountingProxy
+
+    base = tmp_path
+    proxy = CountingProxy(seaweed.endpoint)
+    try:
+        env = [{"AWS_ENDPOINT_URL": proxy.endpoint, "CKPTSTORE_REPLICA_DOMAIN": f"rack{r // 2}"} for r in range(8)]
+        mgr = {"per_node": 1, "replicas": 1}
+        outs = job(base, 8, 2, {**mgr, "durability": "remote"}, remote=s3_url, env=env)
+        assert all(o["close_error"] is None for o in outs), outs
+        m = catalogue.read_manifest(LocalTier(node(base, 0)), "step-2").manifest
+        assert m.domains == [f"rack{g // 2}" for g in range(8)]
+        shutil.rmtree(node(base, 2))
+        shutil.rmtree(node(base, 3))
+        proxy.reset()
+        outs = job(base, 8, 0, mgr, remote=s3_url, env=env)
+        rr_check(outs, 3)
+        counts = proxy.summary()
+        print(f"rack 1 of 4 lost, restore on 8 ranks: S3 requests {counts}")
+        assert counts["object_gets"] == 0 and counts["manifest_gets"] == 0, counts
+    finally:
+        proxy.close()
+
+
 def test_a_replaced_node_restores_from_replicas_on_four_and_on_two_ranks(tmp_path):
     """4 ranks on 2 nodes, F = 1, no remote tier: 3 saves (durability="replicated": each commits once
     both nodes hold every object); node 1's root wiped: the job resumes on 4 ranks bit-exact from

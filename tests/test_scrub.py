@@ -367,3 +367,20 @@ def test_transient_error_on_a_manifest_is_not_damage(tmp_path):
     # once the storage answers again, nothing was marked or skipped
     assert ckptstore.Store(root).latest().version == "v2"
     assert S.scrub(ckptstore.Store(root)).exit_code == S.EXIT_CLEAN
+
+
+def test_transient_error_on_the_metadata_object_is_not_damage_even_with_repair(tmp_path):
+    """``scrub --deep --repair`` whose read of a version's DCP metadata object fails transiently (503
+    after the tier's retries): "could not check" (12), nothing marked damaged (no ``damaged.json``),
+    and the next scrub, with the storage answering, is clean (docs/FORMAT.md, Read rule 5)."""
+    from ckptstore.testing.faulty_tier import FaultyTier
+
+    root = tmp_path / "s"
+    save(root, "v1", 1)
+    flaky = FaultyTier.transient_get(LocalTier(root), lambda k: k.endswith("/" + layout.METADATA_OBJECT))
+    rep = S.scrub({"local": flaky}, deep=True, repair=True)
+    assert flaky.calls.get("get"), "the metadata object was never read"
+    assert rep.exit_code == S.EXIT_UNCHECKED, S.format_report(rep)
+    assert rep.damage() == [] and not any(v.status == "damaged" for v in rep.versions)
+    assert not (root / layout.damaged_key("v1")).exists()
+    assert S.scrub(ckptstore.Store(root), deep=True).exit_code == S.EXIT_CLEAN

@@ -35,9 +35,10 @@ class RestoreInfo:
     What the choice passed over (docs/FORMAT.md, "Restore choice"): ``skipped`` — newer versions
     not loaded, newest first, each a :class:`ckptstore.choice.Skipped` with its ``kind``
     (``damaged``, ``missing``, ``unverified``: failed verification while loading, ``shape``,
-    ``restarts``) and ``reason``; ``remote_error`` — why the remote tier was not consulted (None: it
-    was, or there is none); ``restore_count`` — restores in a row before this one that loaded the
-    same version with nothing newer committed in between (the job died after each: a restart loop);
+    ``restarts``, ``nonfinite``: its manifest records NaN/Inf values) and ``reason``;
+    ``remote_error`` — why the remote tier was not consulted (None: it was, or there is none);
+    ``restore_count`` — restores in a row before this one that loaded the same version with nothing
+    newer committed in between (the job died after each: a restart loop);
     ``attempt`` — the attempt loaded; ``stale`` — ``(where, attempt)`` copies of the name that are
     not the version (reported, not loaded)."""
 

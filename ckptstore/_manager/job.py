@@ -22,6 +22,7 @@ job is still whole.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import threading
 
@@ -48,15 +49,17 @@ class Job:
     torch.distributed fails once the group is destroyed), ``pg`` (the manager's gloo group; None
     outside a distributed job or once closed) and ``broken`` (why the job lost ranks, or None).
 
-    Construct it on every rank at the same point (it creates the group)."""
+    Construct it on every rank at the same point (it creates the group). ``timeout_s``: the group's
+    timeout (default torch's, 30 minutes; under torchft below the trainer's, docs/FORMAT.md Save rule 9)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.dist = dist_running()
         self.rank = dist.get_rank() if self.dist else 0
         self.world = world_size()
         # every rank creates the group here, in the same order: DCP's collectives run on it only;
         # keyed per creation, so that it comes up after torchrun's in-place restarts (_groups.py)
-        self.pg = new_gloo_group() if self.dist else None
+        self.pg = new_gloo_group(self.timeout) if self.dist else None
         self.broken: str | None = None
         self._lock = threading.Lock()
 
@@ -104,7 +107,7 @@ class Job:
         if self.pg is not None or not self.dist:
             yield
             return
-        self.pg = new_gloo_group()
+        self.pg = new_gloo_group(self.timeout)
         try:
             yield
         finally:

@@ -4,8 +4,9 @@ follows the load.
 - **The choice** is :func:`ckptstore.choice.decide` (through :meth:`ckptstore.Store.choose`, a
   collective on the manager's group): the newest version in the manager's scope that every rank
   can load, passing over versions marked damaged, missing an object everywhere, saved by another
-  number of ranks (unless ``reshard``) or restored too often in a row (``fall_back_after``)
-  (docs/FORMAT.md, "Restore choice"). :meth:`Restorer.choose` is the only call into it.
+  number of ranks (unless ``reshard``), restored too often in a row (``fall_back_after``) or recorded
+  as holding NaN/Inf values (unless ``allow_nonfinite``) (docs/FORMAT.md, "Restore choice").
+  :meth:`Restorer.choose` is the only call into it.
 - **The fallback loop.** A load that fails verification (stored bytes that fail their checksum or
   tag, an object missing everywhere, a damage mark) fails on every rank alike (DCP gathers every
   rank's failure), so every rank decides the same: first the load again without the root copies
@@ -40,8 +41,8 @@ log = logging.getLogger("ckptstore")
 class Source:
     """Where and what a restore reads (the manager's settings at the call): the local ``root``, the
     ``remote`` URL, the master ``key``, options for the readers (``endpoint_url``, ``threads``), the
-    ``scope`` (regular expression of the manager's version names), ``reshard`` and
-    ``fall_back_after`` (see :class:`ckptstore.CheckpointManager`)."""
+    ``scope`` (regular expression of the manager's version names), ``reshard``,
+    ``fall_back_after`` and ``allow_nonfinite`` (see :class:`ckptstore.CheckpointManager`)."""
 
     root: str
     remote: str | None
@@ -50,6 +51,7 @@ class Source:
     scope: Any
     reshard: bool
     fall_back_after: int | None
+    allow_nonfinite: bool = False
 
 
 class Restored(NamedTuple):
@@ -114,7 +116,7 @@ class Restorer:
         try:
             return st.choose(version, self._job.pg if self._job.dist else None, exclude=failed, scope=src.scope,
                              world_size=world, reshard=src.reshard, fall_back_after=src.fall_back_after,
-                             bad=frozenset(bad), notes=notes)
+                             bad=frozenset(bad), notes=notes, allow_nonfinite=src.allow_nonfinite)
         finally:
             st.close()
 

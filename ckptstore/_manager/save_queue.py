@@ -8,14 +8,21 @@
   flight (torch's checkpoint subprocess is shared and can hang with two): ``save()`` first waits
   for the previous save.
 - **Errors are never lost.** A save that fails raises from the next ``save()``, ``wait()`` or
-  ``close()``; ``close()`` also raises ``UploadError`` for versions not uploaded. A save that fails
+  ``close()`` — the ckptstore error type a rank raised (``StorageFullError``, ``VersionExistsError``,
+  ``KeyServiceError``, ...), naming the step and version; ``close()`` also raises ``UploadError`` for
+  versions not uploaded. A save that fails
   in a collective breaks the job (:mod:`.job`): queued saves then fail without running.
 
-The policy when the queue is full is :meth:`SaveQueue.submit`'s alone (a caller that must never
-block a training step would pass a policy there, not around it).
+The policy when the queue is full is the queue's: ``on_busy="wait"`` (above) or ``"skip"`` — a
+caller that must never block a training step (under torchft, docs/FORMAT.md Save rule 9) skips a due
+save while the queue is full (:meth:`SaveQueue.busy`; the save line says ``outcome: "skipped"``).
+With ``raise_errors=False`` a failed save is only reported (its save line, ``on_save``), never raised
+from a later call; a job that lost ranks still raises :class:`JobBrokenError`.
 """
 
 from __future__ import annotations
+
+import copy
 
 import logging
 import queue
@@ -41,17 +48,31 @@ class SaveQueue:
 
     :attr:`infos` lists every save's :class:`~.info.SaveInfo`, oldest first (guarded by ``lock``)."""
 
-    def __init__(self, *, writer, job, remote: bool, executor: str, max_pending: int, report: Callable) -> None:
+    def __init__(self, *, writer, job, remote: bool, executor: str, max_pending: int, report: Callable,
+                 on_busy: str = "wait", raise_errors: bool = True) -> None:
         self.executor = executor
+        self.on_busy = on_busy
+        self.raise_errors_later = raise_errors
         self._writer, self._job, self._remote, self._report = writer, job, remote, report
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._worker: threading.Thread | None = None
         self._proc_future = None  # PROCESS: the one save in flight
         self._errors: list[str] = []
+        self._causes: list = []  # per failed save: its ckptstore error (``_typed_cause``) or None
         self.lock = threading.Lock()
         self.infos: list = []
 
     # -- starting saves ----------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """With ``on_busy="skip"``: a new save would wait (the queue is full, or a PROCESS save is in
+        flight); always False with ``"wait"``."""
+        if self.on_busy != "skip":
+            return False
+        if self.executor == "process":
+            f = self._proc_future
+            return f is not None and not f.done()
+        return self._queue.full()
+
     def submit(self, info, sd: dict, t0: float, extra: dict, deadline: float | None = None) -> None:
         """Stage ``sd`` and queue (THREAD) or hand to DCP's checkpoint subprocess (PROCESS) the save
         ``info`` (``save()`` called at monotonic ``t0``); with ``deadline`` (monotonic), waits for
@@ -152,8 +173,10 @@ class SaveQueue:
         if group_failure(e):
             self._job.lose(f"the save of step {info.step} ({info.version}) failed in a collective: {type(e).__name__}: {e}")
         info.error = f"{type(e).__name__}: {e}"
-        with self.lock:
-            self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
+        if self.raise_errors_later:
+            with self.lock:
+                self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
+                self._causes.append(_typed_cause(e))
         log.error("ckptstore: save of %s failed: %s", info.version, e)
         self._report(info)
 
@@ -161,17 +184,28 @@ class SaveQueue:
         """The failed saves not raised yet (and forget them)."""
         with self.lock:
             errors, self._errors = self._errors, []
+            self._causes = []
         return errors
 
     def raise_errors(self) -> None:
-        """Raise what failed since the last call: :class:`JobBrokenError` once the job is broken,
-        else :class:`CkptStoreError` naming every failed save."""
+        """Raise what failed since the last call: :class:`JobBrokenError` once the job is broken, else
+        an error naming every failed save — of the type the first failed save raised on a rank when it
+        was a ckptstore error (``StorageFullError``, ``KeyServiceError``, ``VersionExistsError``, ...,
+        also from inside DCP's ``CheckpointException``), with that error's attributes; otherwise
+        :class:`CkptStoreError`."""
+        with self.lock:
+            causes = [c for c in self._causes if c is not None]
         errors = self.take_errors()
         broken = self._job.broken
         if broken is not None:
             raise JobBrokenError(self._job.broken_message(broken) + "".join(f"; {e}" for e in errors))
         if errors:
-            raise CkptStoreError("; ".join(errors))
+            message = "; ".join(errors)
+            if causes:
+                err = copy.copy(causes[0])  # its type and attributes (code, object, ...), this message
+                err.args = (message,)
+                raise err
+            raise CkptStoreError(message)
 
     # -- waiting -----------------------------------------------------------------------------------
     def wait_process(self, timeout: float | None = None) -> bool:
@@ -233,3 +267,20 @@ class SaveQueue:
                 self._worker.join(left())
         problems.extend(self.take_errors())
         return problems
+
+
+def _typed_cause(e: BaseException | None) -> CkptStoreError | None:
+    """The ckptstore error behind a failed save: ``e`` itself, the first one a rank raised inside DCP's
+    ``CheckpointException`` (``failures``: rank -> the exception, or (exception, traceback)), or one
+    in its chain of causes."""
+    seen: set = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, CkptStoreError):
+            return e
+        for failure in (getattr(e, "failures", None) or {}).values():
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, CkptStoreError):
+                return exc
+        e = e.__cause__ or e.__context__
+    return None

@@ -143,22 +143,24 @@ class EventSink:
             stored_bytes=None if m is None else m.stored_bytes,
             uploaded_bytes=(None if m is None else m.stored_bytes) if remote_ok else (0 if self.remote else None),
             durability="remote" if remote_ok else ("local" if info.local_commit_s is not None else None),
-            outcome=outcome, error=info.error,
+            outcome=outcome, error=info.error, nonfinite=None if m is None else m.nonfinite_count,
         )
         for pruned in self._writer.pruned():
             self.emit("gc", source="retention", **pruned)
 
-    def restore_event(self, t_wall: float, r, e: BaseException | None) -> None:
+    def restore_event(self, t_wall: float, r, e: BaseException | None, rollback: bool = False) -> None:
         """The ``restore`` line of a restore begun at wall time ``t_wall``: ``r`` (a
         :class:`~.info.RestoreInfo`) what it loaded, None with ``e`` None: nothing to load, else
-        ``e`` what it raised. Never raises."""
+        ``e`` what it raised; ``rollback``: made by ``CheckpointManager.rollback``. Never raises."""
         try:
-            self._restore_line(t_wall, r, e)
+            self._restore_line(t_wall, r, e, rollback)
         except Exception:  # noqa: BLE001 - the event log never changes what restore() returns or raises
             log.exception("ckptstore: could not record the restore event")
 
-    def _restore_line(self, t_wall: float, r, e: BaseException | None) -> None:
+    def _restore_line(self, t_wall: float, r, e: BaseException | None, rollback: bool = False) -> None:
         fields: dict[str, Any] = {"t0": t_wall, "seconds": time.time() - t_wall, "ranks": self.world}
+        if rollback:
+            fields["rollback"] = True
         if r is not None:
             fields.update(
                 outcome="restored", version=r.version, step=r.step, saved_ranks=r.world_size, attempt_loaded=r.attempt,

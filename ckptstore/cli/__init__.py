@@ -8,7 +8,7 @@ before any work. Nothing here imports torch: ``ckptstore --help`` and the catalo
 
 Exit codes are those of :mod:`ckptstore.errors` (0 success; 2 usage; 3 version not found;
 4 integrity; 5 key; 6 exists; 7 storage; 8 unsupported format; 9 no store at ROOT / --remote;
-10/11/12 scrub outcomes).
+10/11/12 scrub outcomes; 13 key service: AWS KMS refused or did not answer).
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ KEY_FILE_FORMAT = ("A key file holds one AES-256 master key: 32 raw bytes, or th
 
 #: Where a CLI user supplies the master key (replaces the library's ``key=`` in key error hints).
 KEY_SOURCES = "--key-file, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
+#: ... and an AWS KMS key
+KMS_SOURCES = "--kms-key or CKPTSTORE_KMS_KEY_ID"
 
 
 # -- errors → exit codes (the one place) ---------------------------------------------------------------
@@ -41,6 +43,7 @@ class Group(click.Group):
         as_json = "--json" in [*(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", ()) or ()),
                                *ctx.args]
         library_words, crypto.KEY_SOURCES = crypto.KEY_SOURCES, KEY_SOURCES
+        library_kms, crypto.KMS_SOURCES = crypto.KMS_SOURCES, KMS_SOURCES
         try:
             return super().invoke(ctx)
         except CkptStoreError as e:
@@ -54,6 +57,7 @@ class Group(click.Group):
             raise
         finally:
             crypto.KEY_SOURCES = library_words
+            crypto.KMS_SOURCES = library_kms
 
 
 def _json_error(kind: str, message: str, exit_code: int) -> None:
@@ -117,10 +121,13 @@ def store_options(f):
     return f
 
 
-def key_file_option(*names: str, required: bool = False, what: str = "Master key file"):
-    """A ``--key-file``-style option whose help states the key file format."""
-    hint = "" if required else " (else CKPTSTORE_KEY / CKPTSTORE_KEY_FILE)"
-    return click.option(*names, default=None, required=required, type=click.Path(dir_okay=False, exists=required),
+def key_file_option(*names: str, required: bool = False, what: str = "Master key file", env: bool | None = None):
+    """A ``--key-file``-style option whose help states the key file format. ``env``: the command
+    also reads the key from the environment (default: when the option is not required); the file
+    must exist unless the environment may stand in for it."""
+    env = not required if env is None else env
+    hint = " (else CKPTSTORE_KEY / CKPTSTORE_KEY_FILE)" if env else ""
+    return click.option(*names, default=None, required=required, type=click.Path(dir_okay=False, exists=not env),
                         help=f"{what}{hint}. {KEY_FILE_FORMAT}")
 
 
@@ -131,14 +138,32 @@ def load_key(path: str):
     return crypto.load_key_file(path)
 
 
-def master_key(key_file: str | None) -> tuple[bytes | None, str | None]:
-    """``(key, where it came from)``: ``--key-file``, else ``CKPTSTORE_KEY``, else
-    ``CKPTSTORE_KEY_FILE``; ``(None, None)`` when none is set. A key that cannot be read or decoded
-    raises :class:`~ckptstore.errors.KeyMismatchError` (exit 5) naming its source, however given."""
+def kms_key_option(*names: str, what: str = "AWS KMS key"):
+    """A ``--kms-key``-style option: an AWS KMS key id, key ARN, alias or alias ARN."""
+    return click.option(*names, default=None, metavar="KEY-ID",
+                        help=f"{what}: key id, key ARN, alias (alias/NAME) or alias ARN; region, endpoint and credentials "
+                             "from the boto3 chain (AWS_REGION, AWS_ENDPOINT_URL, AWS_PROFILE, ...).")
+
+
+def master_key(key_file: str | None, kms_key: str | None = None) -> tuple[object, str | None]:
+    """``(key, where it came from)``: ``--key-file``, else ``--kms-key``, else ``CKPTSTORE_KEY``,
+    ``CKPTSTORE_KEY_FILE`` or ``CKPTSTORE_KMS_KEY_ID``; ``(None, None)`` when none is set. The key is
+    32 bytes or a :class:`ckptstore.KmsKey`. A key that cannot be read or decoded raises
+    :class:`~ckptstore.errors.KeyMismatchError` (exit 5) naming its source, however given."""
     from ..codec import crypto
 
+    if key_file and kms_key:
+        raise click.UsageError("give --key-file or --kms-key, not both")
     if key_file:
         return crypto.load_key_file(key_file), f"--key-file {key_file}"
+    if kms_key:
+        from ..kms import shared
+
+        return shared(kms_key), f"--kms-key {kms_key}"
+    if os.environ.get("CKPTSTORE_KMS_KEY_ID"):
+        from ..keys import from_env
+
+        return from_env(), f"CKPTSTORE_KMS_KEY_ID {os.environ['CKPTSTORE_KMS_KEY_ID']}"
     if os.environ.get("CKPTSTORE_KEY"):
         return crypto.resolve_key(None), "CKPTSTORE_KEY"
     if os.environ.get("CKPTSTORE_KEY_FILE"):

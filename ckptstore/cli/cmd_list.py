@@ -16,12 +16,16 @@ def list_cmd(root, remote, endpoint_url, as_json):
 
     On a node-local root that holds one part of a version split over several roots the local tier
     reads ``local(part k/n)`` (in --json: ``"parts": {"local": {"index", "count", "ranks",
-    "whole"}}``; empty for a version held whole).
+    "whole", "domain"}}``; empty for a version held whole). In --json, ``"domains"`` lists each root
+    group of a split version with its failure domain (``{"ranks", "domain"}``, where replicas are
+    placed by).
 
     Invalid manifests are reported once each on stderr (in --json also under "problems"). FLAGS:
     ``supersedes`` (the commit replaced an earlier attempt of the name: ``ckptstore show``),
     ``future-time`` (committed at a time ahead of this host's clock), ``stale:TIER`` (that tier holds
-    another copy of the name, which is not loaded).
+    another copy of the name, which is not loaded), ``nonfinite`` (its tensors hold NaN/Inf values:
+    not the default restore point; ``ckptstore show`` names them; in --json ``"nonfinite"``: the count,
+    null when not counted).
 
     The last line gives the last save's durable lag (seconds from its ``save()`` call to its remote
     commit) from the root's event log, when there is one (in --json: ``"last_save"``).
@@ -77,7 +81,7 @@ def _print_table(recs) -> None:
     for r in recs:
         flags = ",".join(x for x, on in (("pinned", r.pinned), ("damaged", r.damaged), ("encrypted", r.encrypted),
                                          ("supersedes", bool(r.supersedes)), ("future-time", r.in_future),
-                                         ("references", bool(r.ref_bytes))) if on)
+                                         ("references", bool(r.ref_bytes)), ("nonfinite", bool(r.nonfinite))) if on)
         flags += "".join(f",stale:{t}" for t, _a in r.stale)
         click.echo(
             f"{r.version:<24} {('-' if r.step is None else r.step):>8} {r.created.strftime('%Y-%m-%d %H:%M:%S'):<20} "

@@ -2,7 +2,8 @@
 
 Exits with :attr:`ckptstore.scrub.ScrubReport.exit_code`: 0 clean, 10 damage found (not all
 repaired), 11 damage found and all repaired, 5 the key given does not fit (or cannot be read),
-12 something could not be checked.
+12 something could not be checked (also: the AWS KMS key refused or did not answer), 13 a version's
+tensors hold NaN/Inf values (not damage).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import sys
 
 import click
 
-from ._common import emit_json, key_file_option, master_key, open_store, progress, reported_here, store_options
+from ._common import (emit_json, key_file_option, kms_key_option, master_key, open_store, progress, reported_here,
+                      store_options)
 
 
 @click.command("scrub")
@@ -24,7 +26,8 @@ from ._common import emit_json, key_file_option, master_key, open_store, progres
                    "CPUs available, at most 8 — XXH3 needs a core per stream of a few GB/s and releases the GIL, "
                    "so more threads than cores only contend.")
 @key_file_option("--key-file")
-def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_file, jobs):
+@kms_key_option("--kms-key", what="AWS KMS key of the store, for --deep (else CKPTSTORE_KMS_KEY_ID)")
+def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_file, kms_key, jobs):
     """Verify every committed version's objects in each tier (presence, size, frames, digests).
 
     On a node-local root that holds one part of a version split over several roots, that part is
@@ -32,9 +35,12 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
     checked whole.
 
     Exit codes: 0 clean; 10 damage found (not all repaired); 11 damage found and all repaired;
-    5 key: the key given (--key-file, CKPTSTORE_KEY, CKPTSTORE_KEY_FILE) cannot be read or does not fit
-    an encrypted version; 12 something could not be checked (key missing for --deep, tier
-    unreachable); 9 no store at ROOT / --remote.
+    5 key: the key given (--key-file, CKPTSTORE_KEY, CKPTSTORE_KEY_FILE, --kms-key,
+    CKPTSTORE_KMS_KEY_ID) cannot be read or does not fit an encrypted version; 12 something could not
+    be checked (key missing for --deep, tier unreachable, the AWS KMS key refused or did not answer);
+    13 no damage, but a version's manifest records NaN/Inf values in its tensors (a finding: the bytes
+    are intact and never marked; the version is not the default restore point);
+    9 no store at ROOT / --remote.
     """
     from .. import scrub as _scrub
 
@@ -43,9 +49,10 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
     # the check, a key that no checked version needs is said to be unused
     key = source = None
     if deep:
-        key, source = master_key(key_file)
-    elif key_file:
-        click.echo(f"warning: --key-file {key_file} is not used: only --deep decrypts", err=True)
+        key, source = master_key(key_file, kms_key)
+    elif key_file or kms_key:
+        given = f"--key-file {key_file}" if key_file else f"--kms-key {kms_key}"
+        click.echo(f"warning: {given} is not used: only --deep decrypts", err=True)
     st = open_store(root, remote, endpoint_url, key=key)
     with progress("scrub") as (set_total, advance), reported_here():
         report = _scrub.scrub(st, version=version_name, deep=deep, repair=repair, key=key, on_total=set_total, on_bytes=advance,
@@ -61,6 +68,8 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
             click.echo("no committed versions")
         s = report.to_json()["summary"]
         click.echo(f"{s['versions']} version copies, {s['objects']} objects: {s['damaged']} damaged, "
-                   f"{s['repaired']} repaired, {s['unchecked']} not fully checked (exit {report.exit_code})")
+                   f"{s['repaired']} repaired, {s['unchecked']} not fully checked"
+                   + (f", {s['nonfinite']} with NaN/Inf values (not damage)" if s["nonfinite"] else "")
+                   + f" (exit {report.exit_code})")
     if report.exit_code:
         sys.exit(report.exit_code)

@@ -15,8 +15,9 @@ from ._common import emit_json, human, one_note, open_store, pin_note, plural, s
 @click.option("--objects", "list_objects", is_flag=True, help="Also list every stored object.")
 def show(root, remote, endpoint_url, as_json, version, list_objects):
     """Summarise one committed VERSION: step, time, ranks, tiers, sizes, codecs, encryption, pin
-    (with its note), damage marks, metadata, and — from the root's event log — its save's durable
-    lag (seconds from ``save()`` to the remote commit)."""
+    (with its note), damage marks, NaN/Inf values its tensors hold (count and first keys), metadata,
+    and — from the root's event log — its save's durable lag (seconds from ``save()`` to the remote
+    commit)."""
     st = open_store(root, remote, endpoint_url)
     rec = st.get(version)
     m = st.manifest(version, next(n for n in st.tiers if n in rec.tiers)).manifest
@@ -103,6 +104,7 @@ def _info(version: str, rec, m, per_tier: dict) -> dict:
         "encrypted": m.encrypted,
         "key_id": (m.encryption or {}).get("key_id"),
         "encryption": (m.encryption or {}).get("alg"),
+        "kms_key_arn": ((m.encryption or {}).get("kms") or {}).get("key_arn"),
         "codecs": sorted(m.codecs),
         "user": m.user,
         "format": m.format,
@@ -115,6 +117,7 @@ def _info(version: str, rec, m, per_tier: dict) -> dict:
         "unique_bytes": rec.unique_bytes,
         "refs": [r.to_json() for r in m.refs],
         "supersedes": list(m.supersedes or ()),
+        "nonfinite": m.nonfinite,
         "stale": [{"tier": t, "attempt": a} for t, a in rec.stale],
         "in_future": rec.in_future,
         "per_tier": per_tier,
@@ -141,24 +144,45 @@ def _rows(info: dict, m) -> list[tuple[str, object]]:
         ("references", "; ".join(f"{r['name'].split('/')[-1]} of {r['version']} ({human(r['size'])})" for r in info["refs"])
          or "-"),
         ("compression", f"{ratio:.2f}x" if ratio else "-"),
-        ("encryption", f"{m.encryption['alg']}, key id {m.encryption['key_id']}" if m.encrypted else "none (not encrypted)"),
+        ("encryption", _encryption_text(m, info)),
         ("codec chains", ", ".join(sorted(m.codecs)) or "raw"),
         ("objects", f"{len(m.objects)} shard(s) + DCP metadata"),
         ("writer", m.writer or "-"),
         ("user metadata", json.dumps(m.user, sort_keys=True) if m.user else "-"),
         ("pinned", pinned),
         ("integrity", "marked DAMAGED by scrub (see the tier lines)" if info["damaged"] else "not marked damaged"),
+        ("non-finite", _nonfinite_row(m.nonfinite)),
         ("order", f"step {'-' if m.step is None else m.step}, commit sequence {'-' if m.seq is None else m.seq}"
                   + (" (commit time in the future of this host's clock)" if info["in_future"] else "")),
         ("supersedes", "; ".join(f"attempt {d['attempt']} ({d.get('reason', '')})" for d in info["supersedes"]) or "-"),
     ]
 
 
+def _nonfinite_row(nf) -> str:
+    from ..manifest.schema import nonfinite_text
+
+    if nf is None:
+        return "unknown (not counted: an older release or count_nonfinite=False)"
+    if not nf["count"]:
+        return "none (every floating value finite)"
+    return nonfinite_text(nf) + "; not the default restore point (load it by name, or allow_nonfinite=True)"
+
+
+def _encryption_text(m, info: dict) -> str:
+    if not m.encrypted:
+        return "none (not encrypted)"
+    text = f"{m.encryption['alg']}, key id {m.encryption['key_id']}"
+    if info.get("kms_key_arn"):
+        text += f", data key wrapped by AWS KMS key {info['kms_key_arn']}"
+    return text
+
+
 def _tier_line(d: dict) -> str:
     parts = [f"attempt {d['attempt']}" + ("" if d["current"] else " (older copy)")]
     if d.get("part"):
         p = d["part"]
-        parts.append(f"part {p['index']}/{p['count']} (ranks {', '.join(map(str, p['ranks']))}; the other parts live on other roots)")
+        dom = f", failure domain {p['domain']}" if p.get("domain") else ""
+        parts.append(f"part {p['index']}/{p['count']} (ranks {', '.join(map(str, p['ranks']))}{dom}; the other parts live on other roots)")
     if d["pinned"]:
         parts.append("pinned" + (f" ({d['pin_note']})" if d["pin_note"] else ""))
     if d["damaged"]:

@@ -7,6 +7,14 @@
   (AES-256-GCM under the master key, associated data = format, version, attempt).
 * The *key id* is ``HMAC-SHA256(master, "ckptstore key id v1")[:8]`` in hex: it tells which master
   key wrapped a version without revealing it.
+* Or the master key lives in AWS KMS and never leaves it (:class:`ckptstore.KmsKey`,
+  ``ckptstore/kms.py``): KMS generates each attempt's data key and unwraps it again, under an
+  encryption context that binds it to the version and attempt (:func:`kms_context`); the manifest
+  records the KMS ``CiphertextBlob`` as the wrapped key and the KMS key's ARN (``encryption.alg``
+  ``AES-256-GCM/KMS``, docs/FORMAT.md "Manifest"). Frames and the manifest HMAC are the same either
+  way. :class:`WrappedKey` is a wrapped data key as a manifest records it, :class:`RawKey` the
+  32-byte master key behind the same interface as ``KmsKey`` (``draw``, ``wrap``, ``unwrap``,
+  ``owns``, ``describe``).
 * Frames use a random 96-bit nonce each (NIST SP 800-38D §8.2.2 random construction; with frames of
   ≥ 1 MiB a data key encrypts far fewer than 2^32 frames, so the collision bound holds).
 """
@@ -19,6 +27,7 @@ import hmac
 import os
 import secrets
 import threading
+import dataclasses
 from typing import Any, Callable, Protocol, Union
 
 from cryptography.exceptions import InvalidTag
@@ -31,9 +40,16 @@ FORMAT = b"ckptstore/1"
 NONCE = 12
 TAG = 16
 
+#: ``encryption.alg`` of a manifest whose data key is wrapped by a raw master key (AES-256-GCM), and
+#: of one whose data key AWS KMS wrapped (docs/FORMAT.md, "Manifest"); frames are AES-256-GCM in both
+ALG = "AES-256-GCM"
+ALG_KMS = "AES-256-GCM/KMS"
+
 #: Where a user of this process supplies the master key, as named in key error messages. The
 #: library's own words; the ``ckptstore`` command line replaces it with its options.
 KEY_SOURCES = "key=, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
+#: ... and an AWS KMS key (the command line: ``--kms-key``)
+KMS_SOURCES = "key=ckptstore.KmsKey(...) or CKPTSTORE_KMS_KEY_ID"
 
 
 class KeyProvider(Protocol):
@@ -130,6 +146,106 @@ def unwrap_key(master: bytes, wrapped: str, version: str, attempt: str, expected
             f"the wrapped data key of version {version!r} does not authenticate under the given master "
             "key: the manifest is damaged or the key is wrong"
         ) from None
+
+
+def kms_key_id(arn: str) -> str:
+    """The manifest's ``key_id`` of a data key wrapped by the AWS KMS key ``arn``: the first 8 bytes
+    of ``SHA-256("ckptstore kms key id v1|" + arn)`` in hex (the ARN itself is in ``encryption.kms``)."""
+    return hashlib.sha256(b"ckptstore kms key id v1|" + arn.encode()).hexdigest()[:16]
+
+
+def kms_context(version: str, attempt: str) -> dict[str, str]:
+    """The KMS encryption context of the data key of ``attempt`` of ``version``: KMS binds the
+    ``CiphertextBlob`` to it (``GenerateDataKey``/``Encrypt``) and refuses to ``Decrypt`` it under any
+    other, as the AES-GCM associated data does for a raw master key (docs/FORMAT.md, "Manifest").
+    Not secret: CloudTrail logs it with every request."""
+    return {"ckptstore:format": FORMAT.decode(), "ckptstore:version": version, "ckptstore:attempt": attempt}
+
+
+@dataclasses.dataclass(frozen=True)
+class WrappedKey:
+    """A data key as a manifest records it (``encryption``, or a reference's fields):
+    ``wrapped_key`` (base64), ``key_id`` (16 hex digits) and, when AWS KMS wrapped it,
+    ``kms_key_arn`` (then ``wrapped_key`` is the KMS ``CiphertextBlob``)."""
+
+    wrapped_key: str
+    key_id: str
+    kms_key_arn: str | None = None
+
+    @property
+    def alg(self) -> str:
+        return ALG if self.kms_key_arn is None else ALG_KMS
+
+    def describe(self) -> str:
+        """Which key wrapped it, in words (for messages)."""
+        if self.kms_key_arn is not None:
+            return f"AWS KMS key {self.kms_key_arn}"
+        return f"master key id {self.key_id}"
+
+    def encryption(self) -> dict:
+        """The manifest's ``encryption`` object."""
+        enc = {"alg": self.alg, "key_id": self.key_id, "wrapped_key": self.wrapped_key}
+        if self.kms_key_arn is not None:
+            enc["kms"] = {"key_arn": self.kms_key_arn}
+        return enc
+
+    @classmethod
+    def of_encryption(cls, enc: dict) -> "WrappedKey":
+        """From a parsed manifest's ``encryption`` object."""
+        return cls(enc["wrapped_key"], enc["key_id"], (enc.get("kms") or {}).get("key_arn"))
+
+    @classmethod
+    def of(cls, ref) -> "WrappedKey | None":
+        """From anything with ``wrapped_key``/``key_id``/``kms_key_arn`` (a reference, plan data);
+        None when it carries no wrapped key (not encrypted)."""
+        if getattr(ref, "wrapped_key", None) is None:
+            return None
+        return cls(ref.wrapped_key, ref.key_id, getattr(ref, "kms_key_arn", None))
+
+
+class RawKey:
+    """A raw 32-byte master key (``key=`` bytes, ``CKPTSTORE_KEY``, ``CKPTSTORE_KEY_FILE``) behind
+    the interface :class:`ckptstore.KmsKey` also has: every data key is wrapped here, with AES-256-GCM
+    (:func:`wrap_key`/:func:`unwrap_key`)."""
+
+    kind = "raw"
+
+    def __init__(self, master: bytes) -> None:
+        self.master = bytes(master)
+        self.key_id = key_id(self.master)
+
+    @property
+    def key_id_hex(self) -> str:
+        """The manifest's ``key_id`` of versions this key wraps."""
+        return self.key_id
+
+    def __repr__(self) -> str:
+        return f"RawKey(key id {self.key_id})"
+
+    def describe(self) -> str:
+        return f"master key id {self.key_id}"
+
+    def draw(self, version: str, attempt: str) -> tuple[bytes, WrappedKey]:
+        """A fresh data key for ``attempt`` of ``version`` and its wrapping."""
+        dk = new_data_key()
+        return dk, self.wrap(dk, version, attempt)
+
+    def wrap(self, data_key: bytes, version: str, attempt: str) -> WrappedKey:
+        return WrappedKey(wrap_key(self.master, data_key, version, attempt), self.key_id)
+
+    def owns(self, w: WrappedKey) -> bool:
+        """``w`` was wrapped by this key."""
+        return w.kms_key_arn is None and w.key_id == self.key_id
+
+    def unwrap(self, w: WrappedKey, version: str, attempt: str, *, cached: bool = True) -> bytes:
+        """The data key ``w`` wraps (:class:`KeyMismatchError`: another key; :class:`IntegrityError`:
+        it does not authenticate). ``cached``: as :meth:`ckptstore.KmsKey.unwrap` takes it (nothing
+        is cached here: unwrapping is local)."""
+        if w.kms_key_arn is not None:
+            raise KeyMismatchError(
+                f"version {version!r} was encrypted with the AWS KMS key {w.kms_key_arn}, but a raw master key "
+                f"(id {self.key_id}) was given; supply that KMS key ({KMS_SOURCES})")
+        return unwrap_key(self.master, w.wrapped_key, version, attempt, w.key_id)
 
 
 def manifest_mac_key(data_key: bytes) -> bytes:

@@ -18,13 +18,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import _faults
 from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
-from ..errors import StateDictKeysError
+from ..errors import FencedError, StateDictKeysError
 from ..manifest import layout
 from ..manifest.commit import commit_manifest
-from ..manifest.schema import Manifest, ObjectEntry, utcnow
+from ..manifest.placement import group_domains
+from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, utcnow
 from . import _roots
 from ._checks import check_metadata_loads, value_digest
-from ._frames import tensor_bytes, write_small_object
+from ._frames import NONFINITE_FIRST, tensor_bytes, write_small_object
 from ._metadata import ItemTables, dump, objects_only, pack_head
 from ._reports import UploadFailure, collect, digest_result
 from ._stage import OwnLock
@@ -86,11 +87,14 @@ class Committer(OwnLock):
         upload_failures = [x for x in extras if isinstance(x, UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
         split = _roots.placement([(r.rank, r.leader) for r in roots])
+        # the failure domain of each root group: its leader's (docs/FORMAT.md, "Replicas")
+        doms = group_domains(split, {r.rank: r.domain for r in roots}) if split else None
         try:
             self.guard.check_world(len(results), f"the commit of {s.version!r}")
             _check_same_values(digests)
-            m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split)
+            m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split, domains=doms)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
+            self.check_owner(s.version)
             commit_manifest(
                 self.tier, s.version, body, overwrite=self.cfg.overwrite or s.existing is not None,
                 fault="commit.manifest",
@@ -102,21 +106,38 @@ class Committer(OwnLock):
             raise
         _faults.point("commit.after_manifest")
         timed(s.version, commit_s=time.monotonic() - t0)
+        if m.nonfinite_count:
+            log.warning("ckptstore: version %r holds %s; committed and recorded as such, it is not the default "
+                        "restore point (docs/FORMAT.md, \"Restore choice\")", s.version, nonfinite_text(m.nonfinite))
         if split:  # every other root that holds objects gets the manifest (docs/FORMAT.md, "Placement")
             t1 = time.monotonic()
             self.publisher.publish(s.attempt, body, self.tier.get(layout.object_key(s.version, m.metadata_object.name)))
             timed(s.version, replicate_s=time.monotonic() - t1)
         return m, body, upload_failures
 
+    def check_owner(self, version: str) -> None:
+        """The writer's ``commit_check`` right before the commit point (docs/FORMAT.md, Save rule 9):
+        a reason refuses the commit (:class:`FencedError`); an error in the check refuses it too."""
+        check = self.cfg.commit_check
+        if check is None:
+            return
+        try:
+            why = check(version)
+        except Exception as e:  # noqa: BLE001 - an owner that cannot tell does not commit
+            why = f"the commit check failed: {type(e).__name__}: {e}"
+        if why:
+            raise FencedError(f"the save of {version!r} was not committed: {why}. Its objects are garbage for "
+                              "ckptstore gc; the owner of the step commits it")
+
     def seal(self, s, metadata: Metadata, tables: list, reports: list, world_size: int,
-             placement: list | None = None) -> tuple[Manifest, bytes]:
+             placement: list | None = None, domains: list | None = None) -> tuple[Manifest, bytes]:
         """Phase 2 up to the commit: write the DCP metadata object (``metadata`` with the ranks' item
         ``tables``), build and seal the manifest."""
         cfg = self.cfg
-        wrapped, kid = s.wrapped
+        w = s.wrapped
         data_key = cipher = None
-        if wrapped is not None:
-            data_key = self.keys.unwrap(wrapped, s.version, s.attempt, kid)
+        if w is not None:
+            data_key = self.keys.unwrap(w, s.version, s.attempt)
             cipher = FrameCipher(data_key)
         codec = FrameCodec(s.version, s.attempt, cipher, compress=cfg.compression, level=cfg.level)
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
@@ -143,14 +164,16 @@ class Committer(OwnLock):
             stored_bytes=sum(o.size for o in objects) + meta_entry.size,
             step=s.step,
             user=s.user_metadata,
-            encryption=None if wrapped is None else {"alg": "AES-256-GCM", "key_id": kid, "wrapped_key": wrapped},
+            encryption=None if w is None else w.encryption(),
             codecs=[c for c in codecs if c],
             writer=self.software,
             placement=placement,
+            domains=domains if domains and all(domains) else None,
             seq=s.seq,
             replicas=cfg.replicas or None,
             refs=sorted({ref.name: ref for r in reports for ref in r.refs}.values(), key=lambda r: r.name),
             supersedes=[{"attempt": a, "reason": s.supersede.get(a, "overwritten (overwrite=True)")} for a in s.replaced] or None,
+            nonfinite=nonfinite_of(reports) if cfg.count_nonfinite else None,
         )
         return m, m.to_bytes(data_key)
 
@@ -175,6 +198,22 @@ class Committer(OwnLock):
         return out
 
 
+def nonfinite_of(reports: list) -> dict | None:
+    """The manifest's ``nonfinite`` (docs/FORMAT.md, "Manifest") from the ranks' ``ObjectReport``s
+    (sorted by rank): the values and items added up, the first NONFINITE_FIRST keys in rank order
+    (a key held by several ranks — the shards of one tensor — once, with its values added up); None
+    when a rank did not count (unknown)."""
+    if any(r.nonfinite is None for r in reports):
+        return None
+    first: dict[str, int] = {}
+    for r in reports:
+        for key, n in r.nonfinite[2]:
+            if key in first or len(first) < NONFINITE_FIRST:
+                first[key] = first.get(key, 0) + n
+    return {"count": sum(r.nonfinite[0] for r in reports), "items": sum(r.nonfinite[1] for r in reports),
+            "first": [{"key": k, "count": n} for k, n in first.items()]}
+
+
 def divergence_checked(allow_divergent: bool) -> bool:
     """Whether ranks report value digests: a job of more than one rank (one rank cannot diverge from
     itself) that did not pass ``allow_divergent_replicas``."""
@@ -182,4 +221,4 @@ def divergence_checked(allow_divergent: bool) -> bool:
     return not allow_divergent and world > 1
 
 
-__all__ = ["Committer", "divergence_checked", "value_digests"]
+__all__ = ["Committer", "divergence_checked", "nonfinite_of", "value_digests"]

@@ -9,6 +9,7 @@ a setting changed on the writer after construction (``CheckpointManager`` shorte
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -35,6 +36,11 @@ class WriterConfig:
     world_size: int | None
     replicas: int
     incremental: bool
+    count_nonfinite: bool = True
+    #: ``commit_check(version) -> reason or None``, called right before the local commit point
+    commit_check: Any = None
+    #: this rank's failure domain (docs/FORMAT.md, "Replicas")
+    replica_domain: str = ""
 
 
 class Setting:
@@ -73,9 +79,27 @@ def check_options(*, compression: str, durability: str, replicas: Any, frame_siz
     return None if world_size is None else int(world_size)
 
 
+#: the environment variable that names a rank's failure domain when ``replica_domain=`` is not given
+DOMAIN_ENV = "CKPTSTORE_REPLICA_DOMAIN"
+
+
+def resolve_domain(domain: str | None) -> str:
+    """This rank's failure domain (docs/FORMAT.md, "Replicas"): ``domain``, else the environment
+    variable ``CKPTSTORE_REPLICA_DOMAIN``, else the host name (``socket.gethostname()``). Raises
+    ``ValueError`` for a name a manifest cannot hold (empty, over 256 characters, control characters)."""
+    import socket
+
+    from ..manifest.schema import check_domain
+
+    if domain is None:
+        domain = os.environ.get(DOMAIN_ENV) or socket.gethostname() or "localhost"
+        return check_domain(domain[:256])
+    return check_domain(domain)
+
+
 def multi_rank() -> bool:
     """A job of more than one rank (``torch.distributed`` initialised)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-__all__ = ["Setting", "WriterConfig", "check_options", "multi_rank"]
+__all__ = ["DOMAIN_ENV", "Setting", "WriterConfig", "check_options", "multi_rank", "resolve_domain"]

@@ -20,7 +20,9 @@ import torch
 from .. import _faults
 from ..codec import FrameCodec, FrameRef
 from ..codec.bytegroup import PlanCell
+from ..codec.crypto import WrappedKey
 from ..codec.frame import FIXED_LEN, xxh3_stream
+from ..codec.numerics import count_nonfinite, rule_for
 from ..errors import KeyMismatchError
 from ..manifest import layout
 from ..manifest.schema import ObjectEntry
@@ -31,6 +33,8 @@ from ._types import ItemLocation, ObjectReport, PlanData
 DEFAULT_FRAME_SIZE = 2 << 20  # bytes; a multiple of every element size (≤ 16). 2 MiB: AES-GCM and
 # zstd run fastest on buffers that stay below the allocator's mmap threshold; 48 B of header per frame.
 _FLOAT_WIDTH = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float64: 8}
+#: write items with non-finite values a rank names in its report (and the manifest: docs/FORMAT.md, "Manifest")
+NONFINITE_FIRST = 8
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -58,13 +62,33 @@ def tensor_bytes(t: torch.Tensor, key: str = "?") -> memoryview:
     return memoryview(mv)
 
 
-def split(mv: memoryview, frame_size: int, width: int, refs: list):
-    """(chunk, element width, refs list, plan cell) for each frame of ``mv``; one empty frame when
-    empty. The frames of one item share a ``bytegroup.PlanCell``: its encoding is decided once."""
+class Scan:
+    """The non-finite values of one write item (``codec/numerics.py``): ``rule`` of its dtype, and
+    ``count`` added up frame by frame as the frames are encoded."""
+
+    __slots__ = ("rule", "count")
+
+    def __init__(self, rule) -> None:
+        self.rule = rule
+        self.count = 0
+
+
+def split(mv: memoryview, frame_size: int, width: int, refs: list, scan: Scan | None = None):
+    """(chunk, element width, refs list, plan cell, scan) for each frame of ``mv``; one empty frame
+    when empty. The frames of one item share a ``bytegroup.PlanCell`` (its encoding is decided once)
+    and a :class:`Scan` (None: nothing to count)."""
     n = len(mv)
     cell = PlanCell() if width and n > frame_size else None
     for start in range(0, n, frame_size) if n else [0]:
-        yield mv[start : start + frame_size], width, refs, cell
+        yield mv[start : start + frame_size], width, refs, cell, scan
+
+
+def _encode(codec: FrameCodec, name: str, index: int, chunk, width: int, cell, scan: Scan | None):
+    """Count the frame's non-finite values (while its bytes come into cache), then encode it:
+    ``(header, payload, payload XXH3, non-finite count)``."""
+    bad = count_nonfinite(chunk, scan.rule) if scan is not None else 0
+    head, payload, h = codec.encode(name, index, chunk, width, cell)
+    return head, payload, h, bad
 
 
 class ObjectSink:
@@ -129,27 +153,30 @@ class ObjectSink:
 
 
 def write_frames(sink: ObjectSink, codec: FrameCodec, name: str, chunks, pool=None, window: int = 0) -> None:
-    """The one frame-writing loop: encode each (chunk, width, refs, cell) — in ``pool``, at most ``window``
-    frames ahead — and append the frames to ``sink`` in order, recording a FrameRef in ``refs``."""
+    """The one frame-writing loop: count and encode each (chunk, width, refs, cell, scan) — in ``pool``,
+    at most ``window`` frames ahead — and append the frames to ``sink`` in order, recording a FrameRef
+    in ``refs`` and adding the frame's non-finite values to ``scan``."""
     pending: collections.deque = collections.deque()
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
-            refs, index, raw_len, job = pending.popleft()
-            head, payload, h = job.result() if pool is not None else job
+            refs, scan, index, raw_len, job = pending.popleft()
+            head, payload, h, bad = job.result() if pool is not None else job
             refs.append(sink.append(head, payload, h, raw_len, index))
+            if bad:
+                scan.count += bad
 
     try:
-        for index, (chunk, width, refs, cell) in enumerate(chunks):
+        for index, (chunk, width, refs, cell, scan) in enumerate(chunks):
             if pool is not None:
-                job = pool.submit(codec.encode, name, index, chunk, width, cell)
+                job = pool.submit(_encode, codec, name, index, chunk, width, cell, scan)
             else:
-                job = codec.encode(name, index, chunk, width, cell)
-            pending.append((refs, index, len(chunk), job))
+                job = _encode(codec, name, index, chunk, width, cell, scan)
+            pending.append((refs, scan, index, len(chunk), job))
             drain(window if pool is not None else 0)
         drain(0)
     finally:
-        for _refs, _i, _n, job in pending:  # an error: do not leave encodes running
+        for _refs, _s, _i, _n, job in pending:  # an error: do not leave encodes running
             if pool is not None:
                 job.cancel()
 
@@ -206,23 +233,29 @@ class ShardWriter:
         if pd.wrapped_key is not None:
             if self.keys.master is None:
                 raise KeyMismatchError(f"rank {rank} has no master key but the coordinator encrypts; give every rank the same key")
-            cipher = self.keys.cipher(pd.wrapped_key, version, pd.attempt, pd.key_id)
+            cipher = self.keys.cipher(WrappedKey.of(pd), version, pd.attempt)
         return FrameCodec(version, pd.attempt, cipher, compress=self.cfg.compression, level=self.cfg.level)
 
     def write(self, version: str, rank: int, plan, planner, pd: PlanData, staged: list,
-              stream=None) -> tuple[list, ObjectReport]:
-        """Write the rank's object (``stream``: its streamed upload, or None); returns the write
-        results (the packed item table and the object's report) and the report. ``staged`` receives
-        the storage address of the first staged tensor (which host copy to free)."""
+              stream=None, codec: FrameCodec | None = None) -> tuple[list, ObjectReport]:
+        """Write the rank's object (``stream``: its streamed upload, or None; ``codec``: the save's
+        :meth:`codec`, made here when not given); returns the write results (the packed item table
+        and the object's report) and the report. ``staged`` receives the storage address of the
+        first staged tensor (which host copy to free)."""
         cfg = self.cfg
+        if codec is None:
+            codec = self.codec(version, rank, pd)
         name = self.name(pd)
         refs = self.inc.for_save(self.tier, pd.key_id) if cfg.incremental else None
-        per_item: list[tuple[Any, Any, int, str | None, tuple | None]] = []  # (item, refs list or location, ...)
+        count = cfg.count_nonfinite
+        # (item, refs list or location, nbytes, dtype, shape, Scan or None)
+        per_item: list[tuple[Any, Any, int, str | None, tuple | None, Scan | None]] = []
         frame_size = cfg.frame_size
 
         def chunks():
             for item in plan.items:
                 data = planner.resolve_data(item)
+                scan = None
                 if isinstance(data, io.BytesIO):
                     mv, dtype, shape, width = data.getbuffer(), None, None, 0
                 else:
@@ -231,30 +264,42 @@ class ShardWriter:
                     dtype, shape = _dtype_name(data.dtype), tuple(data.shape)
                     width = _FLOAT_WIDTH.get(data.dtype, 0)
                     mv = tensor_bytes(data, item.index.fqn)
+                    rule = rule_for(dtype) if count else None
+                    scan = Scan(rule) if rule is not None else None
                 if refs is not None:
                     loc = refs.match(item.index, mv, dtype, shape)
                     if loc is not None:  # identical to the baseline: reference its frames
-                        per_item.append((item, loc, len(mv), dtype, shape))
+                        if scan is not None:  # the same bytes, so the same count as when they were written
+                            scan.count = count_nonfinite(mv, scan.rule)
+                        per_item.append((item, loc, len(mv), dtype, shape, scan))
                         continue
                 frames: list = []
-                per_item.append((item, frames, len(mv), dtype, shape))
-                yield from split(mv, frame_size, width, frames)
+                per_item.append((item, frames, len(mv), dtype, shape, scan))
+                yield from split(mv, frame_size, width, frames, scan)
 
         sink = ObjectSink(self.tier, layout.object_key(version, name), "write.frame", stream=stream)
         with cf.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
-            write_frames(sink, self.codec(version, rank, pd), name, chunks(), pool, window=max(2, 2 * cfg.threads))
+            write_frames(sink, codec, name, chunks(), pool, window=max(2, 2 * cfg.threads))
             _faults.point("write.commit")
         locs = [f if isinstance(f, ItemLocation) else ItemLocation(name, tuple(f), n, dtype, shape)
-                for _item, f, n, dtype, shape in per_item]
-        total_raw = sum(n for _, _, n, _, _ in per_item)
-        ref_raw = sum(n for _i, f, n, _d, _s in per_item if isinstance(f, ItemLocation))
+                for _item, f, n, dtype, shape, _sc in per_item]
+        total_raw = sum(x[2] for x in per_item)
+        ref_raw = sum(x[2] for x in per_item if isinstance(x[1], ItemLocation))
         indexes = [item.index for item, *_ in per_item]
         rep = ObjectReport(name, sink.offset, sink.hexdigest(), sink.frames, pd.rank, total_raw - ref_raw,
-                           tuple(sorted(sink.codecs)), refs.refs() if refs is not None else (), ref_raw)
+                           tuple(sorted(sink.codecs)), refs.refs() if refs is not None else (), ref_raw,
+                           nonfinite=_nonfinite_of(per_item) if count else None)
         if refs is not None:
             refs.remember(version, pd.attempt, indexes, locs)
         return [items_result(pd.rank, total_raw, indexes, locs), object_result(rep, total_raw)], rep
 
 
-__all__ = ["DEFAULT_FRAME_SIZE", "ObjectSink", "ShardWriter", "split", "tensor_bytes", "write_frames",
-           "write_small_object"]
+def _nonfinite_of(per_item: list) -> tuple:
+    """A rank's non-finite values (``ObjectReport.nonfinite``): ``(values, write items holding any,
+    ((fqn, values), ...) of the first NONFINITE_FIRST such items in plan order)``."""
+    bad = [(item.index.fqn, sc.count) for item, _f, _n, _d, _s, sc in per_item if sc is not None and sc.count]
+    return sum(c for _k, c in bad), len(bad), tuple(bad[:NONFINITE_FIRST])
+
+
+__all__ = ["DEFAULT_FRAME_SIZE", "NONFINITE_FIRST", "ObjectSink", "Scan", "ShardWriter", "split", "tensor_bytes",
+           "write_frames", "write_small_object"]

@@ -52,8 +52,9 @@ def refs_of(m: Manifest) -> dict:
     """``{name: RefEntry}``: every object a version's item locations may name — its own shard objects
     (origin: the version itself) and the objects it references itself (their origins)."""
     enc = m.encryption or {}
+    arn = (enc.get("kms") or {}).get("key_arn")
     out = {o.name: RefEntry(m.version, m.attempt, o.name, o.size, o.digest, o.frames, o.rank, o.nbytes,
-                            enc.get("wrapped_key"), enc.get("key_id")) for o in m.objects}
+                            enc.get("wrapped_key"), enc.get("key_id"), arn) for o in m.objects}
     out.update(m.ref_by_name())
     return out
 

@@ -73,7 +73,8 @@ def facts_of(m) -> dict:
     return {"attempt": m.attempt, "created": m.created, "seq": m.seq, "step": m.step, "world_size": m.world_size,
             "nbytes": m.nbytes, "supersedes": sorted(m.superseded_attempts), "groups": len(m.placement or ()) or 1,
             "objects": ObjSet.of_names(m.attempt, (o.name for o in m.all_objects())).to_json(),
-            "refs": [[v, a, ObjSet.of_names(a, names).to_json()] for (v, a), names in sorted(refs.items())]}
+            "refs": [[v, a, ObjSet.of_names(a, names).to_json()] for (v, a), names in sorted(refs.items())],
+            "nonfinite": m.nonfinite}
 
 
 def _objects_in(local, enc: str, attempt: str) -> list[str]:

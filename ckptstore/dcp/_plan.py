@@ -43,7 +43,7 @@ class Save:
     started: bool = False  # set_up_storage_writer ran: the next DCP sequence needs a new Save
     local_items: list = dataclasses.field(default_factory=list)
     attempt: str | None = None
-    wrapped: tuple = (None, None)  # (wrapped data key, key id) drawn by the coordinator
+    wrapped: object = None  # the wrapped data key (codec.crypto.WrappedKey) drawn by the coordinator; None: not encrypted
     #: ``{attempt: reason}`` of existing copies of this name the save may replace (docs/FORMAT.md, "Superseding")
     supersede: dict = dataclasses.field(default_factory=dict)
     existing: str | None = None  # the attempt of this name committed in this rank's root, if any
@@ -142,18 +142,20 @@ class Planner:
         attempt, so it leads its root group (docs/FORMAT.md, "Placement")."""
         self.guard.check_world(len(plans), f"the plan of {s.version!r}")
         attempt = layout.new_attempt()
-        wrapped, kid = self.keys.draw(s.version, attempt)
+        # before any rank writes anything: a key service that refuses fails the save here (docs/FORMAT.md, Save rule 10)
+        w = self.keys.draw(s.version, attempt)
+        wrapped, kid, arn = (None, None, None) if w is None else (w.wrapped_key, w.key_id, w.kms_key_arn)
         ranks = [p.storage_data.rank if isinstance(p.storage_data, LocalPlanData) else i for i, p in enumerate(plans)]
         discover = len(plans) > 1 and multi_rank()
         if discover:
             _roots.claim(self.tier, attempt, s.rank)
         restage = self.uploads.restage_plan(s.version, len(plans))
         out = [
-            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, discover, s.rank, restage))
+            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, discover, s.rank, restage, arn))
             for r, p in zip(ranks, plans)
         ]
         s.attempt = attempt
-        s.wrapped = (wrapped, kid)
+        s.wrapped = w
         local = [p.storage_data for p in plans if isinstance(p.storage_data, LocalPlanData)]
         s.seq = next_seq([d.seq for d in local])
         s.replaced = tuple(sorted({d.existing for d in local if d.existing is not None}

@@ -42,8 +42,8 @@ def object_result(rep: ObjectReport, nbytes: int) -> WriteResult:
     return WriteResult(MetadataIndex(SENTINEL + f"object/{rep.rank}"), nbytes, rep)
 
 
-def root_result(rank: int, leader: int) -> WriteResult:
-    return WriteResult(MetadataIndex(SENTINEL + f"root/{rank}"), 0, RootReport(rank, leader))
+def root_result(rank: int, leader: int, domain: str = "") -> WriteResult:
+    return WriteResult(MetadataIndex(SENTINEL + f"root/{rank}"), 0, RootReport(rank, leader, domain))
 
 
 def upload_failure_result(failed: UploadFailure) -> WriteResult:

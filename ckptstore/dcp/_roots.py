@@ -77,11 +77,12 @@ def claim(tier: LocalTier | None, token: str, rank: int) -> int:
 
 
 def _create(path: str) -> int:
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileNotFoundError:  # the first claim in this root: probes/ is not there yet
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    for _ in range(3):
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # the first claim in this root: probes/ is not there (yet, or any more)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
 
 def _read_claim(path: str, rank: int) -> int:
@@ -110,8 +111,9 @@ def release(tier: LocalTier | None, token: str) -> None:
         path = tier.local_path(layout.claim_key(token))
         if path is not None:
             os.unlink(path)
+            os.rmdir(os.path.dirname(path))  # probes/ when no other claim is in it: a load leaves no trace
     except OSError:
-        pass  # gc removes it after the grace period
+        pass  # gc removes it after the grace period; probes/ stays while other claims are in it
 
 
 def placement(leaders: list[tuple[int, int]]) -> list | None:

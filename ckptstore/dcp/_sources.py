@@ -8,6 +8,7 @@ with ``read_repair`` the local copy is rewritten from the verified one.
 from __future__ import annotations
 
 import logging
+import threading
 
 from ..errors import CkptStoreError, IntegrityError, ObjectNotFoundError
 from ._peers import PeerTier
@@ -42,7 +43,11 @@ class Sources(OwnLock):
             return self.store.local
         if src == "remote" or (view.remote_ok and obj == self.opened.manifest.metadata_object.name):
             return self.store.remote  # the metadata object is read whole: never from a peer's bytes
-        return PeerTier(self.opened.version, self.peer, view.global_rank(src), view.root_url(src))
+        return self.peer_tier(("root", view.global_rank(src)), root=view.root_url(src))
+
+    def peer_tier(self, origin: tuple, via: int | None = None, root: str | None = None) -> PeerTier:
+        """The bytes this load's exchange brought (``_peers``), as read from ``origin``."""
+        return PeerTier(self.peer, origin, via, root)
 
     def others(self, obj: str) -> list:
         """Other places holding ``obj`` of the chosen attempt, tried when the first fails: this rank's
@@ -55,14 +60,15 @@ class Sources(OwnLock):
             out.append(self.store.remote)
         return out
 
-    def read(self, obj: str, read):
-        """``read(tier)`` on the first place, then on the other places holding the same attempt.
+    def read(self, obj: str, read, first=None):
+        """``read(tier)`` on the first place (``first``, default :meth:`first`), then on the other
+        places holding the same attempt.
 
         A read served by another tier is never silent: warned, counted, optionally repaired. When no
         place serves a verified copy, :class:`IntegrityError` names the version, the object and every
         place tried (``.version``/``.object`` set, so a manager can skip the version).
         """
-        first_tier = self.first(obj)
+        first_tier = self.first(obj) if first is None else first
         tried = []
         places = []
         try:
@@ -108,7 +114,7 @@ class Sources(OwnLock):
 
     def place_id(self, tier) -> tuple:
         if isinstance(tier, PeerTier):
-            return ("root", tier.rank)
+            return tier.origin
         if tier is self.store.remote:
             return ("remote", None)
         return ("root", self.view.global_rank(self.me))
@@ -119,8 +125,8 @@ class Sources(OwnLock):
         log.warning(
             "ckptstore: object %r of version %r failed in %s (%s); read it from %s instead%s",
             obj, self.opened.version, self.place(failed), cause, self.place(tier),
-            "" if self.read_repair else " (pass read_repair=True to StorageReader to rewrite the local copy, "
-            "or run 'ckptstore scrub --repair')",
+            "" if self.read_repair or failed is not self.store.local else " (pass read_repair=True to StorageReader "
+            "to rewrite the local copy, or run 'ckptstore scrub --repair')",
         )
         if self.read_repair and failed is self.store.local:
             self._repair(obj, tier)
@@ -154,22 +160,38 @@ class Sources(OwnLock):
 
 
 class Counted:
-    """A tier that counts its GET requests into ``stats["remote_reads"]`` (everything else passes)."""
+    """A tier that counts its GET requests into ``stats["remote_reads"]`` and the bytes they returned
+    into ``stats["remote_bytes"]`` (everything else passes)."""
 
     def __init__(self, tier, stats: dict, keys: set) -> None:
         self._tier = tier
         self._stats = stats
         self._keys = keys
+        self._lock = threading.Lock()
+
+    def _count(self, key, requests: int, nbytes: int) -> None:
+        with self._lock:
+            self._stats["remote_reads"] += requests
+            self._stats["remote_bytes"] = self._stats.get("remote_bytes", 0) + nbytes
+            self._keys.add(key)
 
     def get(self, key, *a, **k):
-        self._stats["remote_reads"] += 1
-        self._keys.add(key)
-        return self._tier.get(key, *a, **k)
+        try:
+            data = self._tier.get(key, *a, **k)
+        except BaseException:
+            self._count(key, 1, 0)
+            raise
+        self._count(key, 1, len(data))
+        return data
 
     def get_ranges(self, key, ranges, *a, **k):
-        self._stats["remote_reads"] += len(ranges)
-        self._keys.add(key)
-        return self._tier.get_ranges(key, ranges, *a, **k)
+        try:
+            out = self._tier.get_ranges(key, ranges, *a, **k)
+        except BaseException:
+            self._count(key, len(ranges), 0)
+            raise
+        self._count(key, len(ranges), sum(len(b) for b in out))
+        return out
 
     def __getattr__(self, name):
         return getattr(self._tier, name)

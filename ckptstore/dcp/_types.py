@@ -38,25 +38,49 @@ class PlanData:
     #: versions committed locally but not remotely that every rank uploads its part of again in this
     #: save (a crash or an outage cut their remote commit off; docs/FORMAT.md, Save rule 8)
     restage: tuple = ()
+    #: the AWS KMS key that wrapped ``wrapped_key`` (its ``CiphertextBlob``), None: a raw master key
+    kms_key_arn: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RootReport:
     """Rank → coordinator: the rank that leads the root ``rank`` writes to (the root group's claimer,
-    docs/FORMAT.md "Placement"): ranks with one leader form one root group."""
+    docs/FORMAT.md "Placement"): ranks with one leader form one root group; the rank's failure domain
+    (docs/FORMAT.md, "Replicas")."""
 
     rank: int
     leader: int
+    domain: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
-class PeerPlan:
-    """Load plan storage data when objects travel between ranks (a root lacks them, no remote has
-    them): ``send``: ``((global_rank, object, ((offset, length), ...)), ...)`` this rank serves from its
-    root; ``recv``: the same from the serving rank's side, in the order the bytes arrive."""
+class Chunk:
+    """Frames that travel together in a load's exchange (``_peers``): ``frames``: ``((object name,
+    FrameRef), ...)`` in object and offset order; ``origin``: the global rank whose root serves them,
+    None for the remote tier."""
 
-    send: tuple = ()
-    recv: tuple = ()
+    origin: int | None
+    frames: tuple
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of the chunk's frames."""
+        return sum(f.length for _o, f in self.frames)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangePlan:
+    """Load plan storage data: this rank's part of the load's exchange (``_peers.plan``).
+
+    ``chunks``: the chunks it reads, receives or forwards; ``read``: indices of the chunks it reads and
+    verifies itself; ``steps``: ``((round, peer global rank, send, (chunk indices, ...)), ...)`` — one
+    message per entry, the chunks in that order on both sides; ``make_group``: every rank of the load
+    makes a gloo group for the exchange first (the load runs on the default group)."""
+
+    chunks: tuple = ()
+    read: tuple = ()
+    steps: tuple = ()
+    make_group: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +114,9 @@ class ObjectReport:
     #: (incremental saves, docs/FORMAT.md "References"), and the logical bytes of those items
     refs: tuple = ()
     ref_nbytes: int = 0
+    #: the rank's non-finite values (docs/FORMAT.md, "Manifest": ``nonfinite``): ``(values, write
+    #: items holding any, ((fqn, values), ...) of the first few)``; None: not counted
+    nonfinite: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +132,7 @@ def _register() -> None:
     try:
         import torch.serialization as ts
 
-        ts.add_safe_globals([FrameRef, ItemLocation, LocalPlanData, PlanData, ObjectReport, ReplicaDigest, RootReport, PeerPlan])
+        ts.add_safe_globals([FrameRef, ItemLocation, LocalPlanData, PlanData, ObjectReport, ReplicaDigest, RootReport, Chunk, ExchangePlan])
     except Exception:  # pragma: no cover - older torch
         pass
 

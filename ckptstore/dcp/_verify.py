@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .._names import check_object_name
 from ..codec import FrameCodec, FrameRef
-from ..codec.crypto import FrameCipher
+from ..codec.crypto import FrameCipher, WrappedKey
 from ..codec.frame import FrameWalk
 from ..errors import CkptStoreError, IntegrityError, KeyMismatchError
 from ..manifest import layout
@@ -35,12 +35,16 @@ class OpenVersion(OwnLock):
         version = m.version
         cipher = None
         if m.encrypted:
+            w = WrappedKey.of_encryption(m.encryption)
             if keys.master is None:
+                if w.kms_key_arn is not None:
+                    raise KeyMismatchError(f"version {version!r} is encrypted with the AWS KMS key {w.kms_key_arn} but no key "
+                                           f"was given; pass key=ckptstore.KmsKey({w.kms_key_arn!r}) or set CKPTSTORE_KMS_KEY_ID")
                 raise KeyMismatchError(
                     f"version {version!r} is encrypted (key id {m.encryption['key_id']}) but no key was given; "
                     "pass key=, or set CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
                 )
-            data_key = keys.unwrap(m.encryption["wrapped_key"], version, m.attempt, m.encryption["key_id"])
+            data_key = keys.unwrap(w, version, m.attempt)
             parsed.verify_mac(data_key)
             cipher = FrameCipher(data_key)
         elif keys.master is not None and not allow_unencrypted:
@@ -78,7 +82,7 @@ class OpenVersion(OwnLock):
                                          "another encryption than its own", object=obj, version=self.version)
                 cipher = None
                 if ref.wrapped_key is not None:
-                    cipher = self.keys.cipher(ref.wrapped_key, ref.version, ref.attempt, ref.key_id)
+                    cipher = self.keys.cipher(WrappedKey.of(ref), ref.version, ref.attempt)
                 codec = self._codecs[ref.attempt] = FrameCodec(ref.version, ref.attempt, cipher)
             return codec
 

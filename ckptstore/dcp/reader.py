@@ -21,8 +21,9 @@ Stages: the reader keeps the DCP contract and the state of one load and hands ea
 collaborator — the restore choice (``_job``: every rank's report, :func:`ckptstore.choice.decide`),
 verification (``_verify.OpenVersion``: the manifest's key and HMAC, frame codecs, whole objects,
 item locations; ``_unpickle``: the allow-list unpickler), sources (``_sources.Sources``: which
-root, peer or tier each object is read from, fallback to the other copies, read-repair), the peer
-exchange (``_peers``) and apply (``_apply``: destinations checked first, then the decoded bytes
+root, peer or tier each object is read from, fallback to the other copies, read-repair), the
+exchange (``_peers``: what several ranks need from one place is read once, verified and relayed;
+docs/FORMAT.md, Read rule 11) and apply (``_apply``: destinations checked first, then the decoded bytes
 delivered into them).
 """
 
@@ -37,16 +38,19 @@ import threading
 import uuid
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
 from torch.futures import Future
 
+from .. import _groups
 from .._names import check_version
 from ..codec import FrameCodec
-from ..codec.crypto import resolve_key
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError, IntegrityError, StateDictKeysError, TransientStorageError
+from ..keys import resolve_master
+from ..manifest import layout
 from ..manifest.schema import Manifest, ObjectEntry
 from ..manifest.schema import parse as parse_manifest
 from ..store import Store
@@ -54,7 +58,7 @@ from . import _apply, _job, _peers
 from ._checks import install_log_filter, quiet_single_process, reject_unknown_kwargs
 from ._keys import DataKeys
 from ._sources import Counted, Sources
-from ._types import ItemLocation, PeerPlan
+from ._types import ExchangePlan, ItemLocation
 from ._unpickle import RefusedClassError, _MetadataUnpickler, _restricted_loads  # noqa: F401  (importable here)
 from ._verify import OpenVersion
 
@@ -71,7 +75,8 @@ class StorageReader(_DCPStorageReader):
         root: local directory of the store (may be empty or absent when reading from S3 only).
         remote: ``"s3://bucket/prefix"`` or None.
         key: master key (32 bytes or key provider); default ``CKPTSTORE_KEY``/``CKPTSTORE_KEY_FILE``.
-        version: version to load when no ``checkpoint_id`` is given; default the newest committed.
+        version: version to load when no ``checkpoint_id`` is given; default the newest committed
+            version every rank can load that holds no NaN/Inf values (``allow_nonfinite``).
         allow_cast: load into destination tensors of another dtype (default: raise
             :class:`DtypeMismatchError`), and into tensor subclasses without memory of their own
             (quantized / Float8 weights) whose ``copy_`` re-encodes the stored values (default: raise
@@ -87,11 +92,18 @@ class StorageReader(_DCPStorageReader):
         avoid: ``{(global rank, object name)}``: copies not to read — that rank's root is treated as
             not holding that object, so the load reads it from another root or the remote tier
             (``CheckpointManager.restore`` passes the copies an earlier try found unverifiable).
+        allow_nonfinite: without a version, also consider versions whose manifest records NaN/Inf
+            values (default: the newest version without any; docs/FORMAT.md, "Restore choice").
+            A named version is loaded whatever its values.
         process_group: the process group of the load (pass the one given to ``dcp.load``; default
             the default group). In a job of more than one rank the reader exchanges, over this group,
             what each rank's root holds (docs/FORMAT.md, "Placement"): without a version it loads the
             newest version every rank can load; each rank reads its own root first, then another
-            rank's root through ``torch.distributed`` (a gloo-capable group), then the remote tier.
+            rank's root through ``torch.distributed``, then the remote tier. What several ranks need
+            from one place (a replicated weight, the manifest and metadata object of an S3-only
+            restore) is read once, verified and relayed (docs/FORMAT.md, Read rule 11) over this
+            group when it is not the default group (it must then be gloo-capable for bytes to move
+            between ranks), else over a gloo group the reader makes for the load.
 
     Roots may be node-local: every node passes the same path, each is a different disk. A root
     that holds objects of the loaded version but lacks its manifest (a crash right after the commit)
@@ -100,11 +112,15 @@ class StorageReader(_DCPStorageReader):
     Every read served by another tier than the one chosen is logged as a warning (logger
     ``ckptstore``) naming the object and both tiers, and counted in :attr:`stats`
     (``fallback_reads``, ``repaired``), which add up over the loads of this reader, as do
-    ``remote_reads`` (GET requests to the remote tier, manifests included) and ``peer_bytes`` (bytes
-    received from other ranks' roots).
+    ``remote_reads`` (GET requests to the remote tier, manifests included), ``remote_bytes`` (the
+    bytes they returned), ``peer_bytes`` (bytes received from other ranks: their roots' copies or
+    what they read from the remote tier for this rank) and ``peer_sent_bytes``.
 
     Raises (through DCP's ``CheckpointException``): :class:`VersionNotFoundError`,
     :class:`IntegrityError` / :class:`ManifestError`, :class:`KeyMismatchError`,
+    :class:`KeyServiceError` / :class:`KeyServiceUnavailableError` (``key=`` an AWS KMS key —
+    :class:`ckptstore.KmsKey`, ``"kms://…"``, ``CKPTSTORE_KMS_KEY_ID`` — that KMS refused or did not
+    answer: nothing is returned, nothing marked),
     :class:`DtypeMismatchError`, :class:`StateDictKeysError`, :class:`DamagedVersionError`,
     :class:`UnsupportedStateError` (a tensor subclass that cannot take the stored values, raised before
     anything is written into any destination when its ``copy_`` cannot take a plain tensor at all).
@@ -126,24 +142,27 @@ class StorageReader(_DCPStorageReader):
         process_group: Any = None,
         avoid: Any = frozenset(),
         record_digests: bool = False,
+        allow_nonfinite: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         reject_unknown_kwargs(type(self), kwargs)
         quiet_single_process()
         self.read_repair = read_repair
+        self.allow_nonfinite = allow_nonfinite
         self.avoid = frozenset(avoid)
         #: with ``record_digests``: ``{(fqn, offset): (XXH3-128, ItemLocation)}`` of the items loaded whole
         self.record_digests = record_digests
         self.item_digests: dict = {}
-        self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0, "remote_reads": 0, "peer_bytes": 0}
+        self.stats: dict[str, int] = {"fallback_reads": 0, "repaired": 0, "remote_reads": 0, "remote_bytes": 0,
+                                      "peer_bytes": 0, "peer_sent_bytes": 0}
         self._pg = process_group
         #: keys this reader GET from the remote tier (all its loads)
         self.remote_keys: set[str] = set()
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
-        self._keys = DataKeys(resolve_key(key))
+        self._keys = DataKeys(resolve_master(key))
         self.version = check_version(version) if version is not None else None
         self.allow_cast = allow_cast
         self.allow_partial_load = allow_partial_load
@@ -159,6 +178,8 @@ class StorageReader(_DCPStorageReader):
         s["_pool"] = None
         s.pop("_alt_lock", None)
         s["_pg"] = None
+        s["_xg"] = None
+        s["_xg_own"] = False
         return s
 
     def __setstate__(self, s):
@@ -179,11 +200,14 @@ class StorageReader(_DCPStorageReader):
         self.rank = 0
         self.is_coordinator = True
         self._joined: tuple | None = None  # (view, group rank, manifest file, metadata bytes) or (exception,)
-        self._peer: dict = {}
+        self._peer: dict = {}  # {(object, offset): stored bytes} the exchange brought (docs/FORMAT.md, Read rule 11)
+        self._peer_from: dict = {}  # {(object, offset): (origin, relayed by)} of those bytes
+        self._drop_group()
 
     @property
-    def _master(self) -> bytes | None:
-        return self._keys.master
+    def _master(self):
+        """The master key as ``key=`` takes it (32 bytes, or the ``KmsKey``), or None."""
+        return self._keys.given
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -212,14 +236,84 @@ class StorageReader(_DCPStorageReader):
         process's own report. Returns ``(view, group rank, manifest file, metadata bytes or None)``."""
         if self._joined is None:
             try:
-                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version, bad=self.avoid)
-                body, meta = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
+                view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version, bad=self.avoid,
+                                         allow_nonfinite=self.allow_nonfinite)
+                if (_job.in_job(self._pg) and not view.holders and view.remote_ok and self._store.remote is not None
+                        and self._can_relay()):
+                    body, meta = self._manifest_once(view, me)  # no root holds it: one rank reads it
+                else:
+                    body, meta = _job.fetch_manifest(view, me, self._store.local, self._store.remote, self._pg)
                 self._joined = (view, me, body, meta)
             except Exception as e:  # noqa: BLE001 - raised again, the same on every call
                 self._joined = (e,)
         if len(self._joined) == 1:
             raise self._joined[0]
         return self._joined
+
+    def _manifest_once(self, view, me: int) -> tuple[bytes, bytes | None]:
+        """The manifest file and the metadata object's stored bytes of ``view``'s version when only
+        the remote tier holds them (docs/FORMAT.md, Read rule 11): the load's first rank reads both,
+        verifies them (seal, HMAC with a key, every frame of the metadata object) and broadcasts them
+        as stored over the exchange group; every rank verifies them again in ``read_metadata``. When
+        the first rank has nothing verified to send, every rank reads them itself, as before."""
+        remote = self._store.remote
+        pg = self._exchange_group(make=True)
+        parts = None
+        if me == 0:
+            try:
+                body = remote.get(layout.manifest_key(view.version))
+                parsed = parse_manifest(body, expect_version=view.version)
+                if parsed.manifest.attempt == view.attempt:
+                    opened = OpenVersion(parsed, self._keys, self.allow_unencrypted)
+                    entry = parsed.manifest.metadata_object
+                    meta = remote.get(opened.key(entry.name))
+                    opened.decode_whole(entry, meta)  # verified before it is sent
+                    parts = [body, meta]
+            except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast; each reads for itself
+                log.warning("ckptstore: could not read a verified manifest and metadata object of %r from the remote "
+                            "tier for every rank (%s); every rank reads them itself", view.version, e)
+        got = _peers.broadcast_bytes(parts, view.global_rank(0), pg)
+        if got is None:
+            return remote.get(layout.manifest_key(view.version)), None
+        if parts is not None:  # the first rank: what it read and verified
+            return parts[0], parts[1]
+        self.stats["peer_bytes"] += sum(map(len, got))
+        try:
+            parse_manifest(got[0], expect_version=view.version)  # its seal, before anything uses it
+        except CkptStoreError as e:
+            self.stats["fallback_reads"] += 1
+            log.warning("ckptstore: the manifest of %r received from rank %d fails verification (%s); reading it "
+                        "from the remote tier", view.version, view.global_rank(0), e)
+            return remote.get(layout.manifest_key(view.version)), None
+        return got[0], got[1]
+
+    def _exchange_group(self, make: bool):
+        """The gloo group the load's bytes travel over (docs/FORMAT.md, Read rule 11): the load's own
+        process group when it is not the default one (``CheckpointManager`` passes its own gloo
+        group), else — never the training group — a gloo group of every rank that this reader makes
+        (``make``: a collective on the default group, made by every rank at the same step of the load)
+        and destroys when the load ends."""
+        if self._xg is None:
+            pg = self._pg
+            if pg is not None and pg is not dist.group.WORLD:
+                self._xg = pg
+            elif make:
+                self._xg = _groups.new_gloo_group()
+                self._xg_own = True
+        return self._xg
+
+    def _can_relay(self) -> bool:
+        """Whether bytes read for other ranks can travel to them: the load runs on the default group
+        (the reader makes a gloo group), or on a gloo-capable group of its own. Otherwise each rank
+        reads what it needs from the remote tier itself, as without the exchange."""
+        pg = self._pg
+        return pg is None or pg is dist.group.WORLD or "gloo" in str(dist.get_backend(pg))
+
+    def _drop_group(self) -> None:
+        xg, own = getattr(self, "_xg", None), getattr(self, "_xg_own", False)
+        self._xg, self._xg_own = None, False
+        if own:
+            _groups.destroy_group(xg)
 
     @property
     def view(self):
@@ -259,7 +353,16 @@ class StorageReader(_DCPStorageReader):
         self.manifest, self.tier, self.codec = opened.manifest, tier, opened.codec
         self._sources = Sources(self._store, view, me, opened, self._peer, self.stats, self.read_repair)
         entry = self.manifest.metadata_object
-        blob = opened.decode_whole(entry, meta) if meta is not None else self._read_whole_object(entry)
+        blob = None
+        if meta is not None:  # stored bytes another rank sent: verified here like any read
+            try:
+                blob = opened.decode_whole(entry, meta)
+            except IntegrityError as e:
+                self.stats["fallback_reads"] += 1
+                log.warning("ckptstore: the metadata object of %r received from another rank fails verification (%s); "
+                            "reading it from its places", view.version, e)
+        if blob is None:
+            blob = self._read_whole_object(entry)
         md = _restricted_loads(blob, entry.name)
         if not isinstance(md, Metadata):
             raise IntegrityError(f"{entry.name} does not hold DCP Metadata", object=entry.name, version=self.version)
@@ -296,8 +399,11 @@ class StorageReader(_DCPStorageReader):
             loc = self.storage_data[ri.storage_index]
             return loc.object, _apply.needed(ri, loc)[0]
 
-        pp = _peers.peer_plans(self._joined[0], plans, needed)
-        return [dataclasses.replace(p, storage_data=PeerPlan(snd, rcv)) if (snd or rcv) else p for p, (snd, rcv) in zip(plans, pp)]
+        # the exchange (docs/FORMAT.md, Read rule 11): every rank makes the group in read_data when
+        # the load runs on the default group and none was made yet (the same on every rank)
+        make = self._xg is None and (self._pg is None or self._pg is dist.group.WORLD)
+        xps = _peers.plan(self._joined[0], plans, needed, make_group=make, share_remote=self._can_relay())
+        return [p if x is None else dataclasses.replace(p, storage_data=x) for p, x in zip(plans, xps)]
 
     def _check_unread(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.allow_partial_load is True or self._metadata is None:
@@ -322,10 +428,10 @@ class StorageReader(_DCPStorageReader):
 
     # -- data --------------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        self._fetch_from_peers(plan)
         pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="ckptstore-dec")
         record = self._record_digest if self.record_digests else None
         try:
+            self._exchange(plan, pool)  # first: nothing before it may fail on one rank only
             # every destination is resolved and checked before any byte is written into any of them
             batches = _apply.batches(_apply.destinations(plan, planner, self.storage_data, self._metadata, self.allow_cast))
             # double-buffered: fetch+decode batch k+1 while batch k is copied into place
@@ -340,17 +446,68 @@ class StorageReader(_DCPStorageReader):
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             self._store.close()  # tier pools and clients: no thread outlives the load
+            self._peer.clear()
+            self._peer_from.clear()
+            self._drop_group()
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _fetch_from_peers(self, plan: LoadPlan) -> None:
-        """Serve and receive the byte ranges this load moves between ranks' roots (peer fetch)."""
-        pp = plan.storage_data
-        if isinstance(pp, PeerPlan) and (pp.send or pp.recv):
-            got = _peers.run_peer_exchange(pp.send, pp.recv, self._store.local, self._opened.key, self._pg)
-            self.stats["peer_bytes"] += sum(len(b) for b in got.values())
-            self._peer.update(got)
+    def _exchange(self, plan: LoadPlan, pool) -> None:
+        """This rank's part of the load's exchange (``_peers``, docs/FORMAT.md Read rule 11): read and
+        verify the chunks it reads for others, then relay and receive, round by round; the bytes go
+        to ``self._peer`` (served through ``_peers.PeerTier``, verified again when decoded)."""
+        xp = plan.storage_data
+        if not isinstance(xp, ExchangePlan):
+            return
+        pg = self._exchange_group(make=True)
+        held: dict = {}
+        futs = {k: pool.submit(self._read_chunk, xp.chunks[k]) for k in xp.read}
+        for k, f in futs.items():
+            held[k] = f.result()
+        received, sent = _peers.run(xp, held, pg)
+        self.stats["peer_bytes"] += received
+        self.stats["peer_sent_bytes"] += sent
+        parent = {k: peer for _r, peer, send, ks in xp.steps if not send for k in ks}
+        for k, frames in held.items():
+            if frames is None:
+                continue
+            chunk = xp.chunks[k]
+            src = (("remote", None) if chunk.origin is None else ("root", chunk.origin), parent.get(k))
+            for (obj, f), b in zip(chunk.frames, frames):
+                self._peer[(obj, f.offset)] = b
+                self._peer_from[(obj, f.offset)] = src
+
+    def _read_chunk(self, chunk) -> list | None:
+        """The stored bytes of ``chunk``'s frames, read from this rank's place for them (its root, or
+        the remote tier) with the usual fallback, every frame verified (index entry, checksum, AEAD
+        tag) before any is sent; None when no place serves a verified copy (the receivers then read
+        from their own places). Never raises: every rank must reach the exchange."""
+        got: dict = {}
+        try:
+            by_obj: dict[str, list] = {}
+            for obj, f in chunk.frames:
+                by_obj.setdefault(obj, []).append(f)
+            for obj, frames in by_obj.items():
+                got.update(self._sources.read(obj, self._verified_reader(obj, frames)))
+            return [got[(obj, f.offset)] for obj, f in chunk.frames]
+        except Exception as e:  # noqa: BLE001 - reported; the receivers read for themselves
+            log.warning("ckptstore: no verified copy of %s to send to the ranks of this load that need it (%s); "
+                        "they read it from its other places", ", ".join(sorted({o for o, _f in chunk.frames})), e)
+            return None
+
+    def _verified_reader(self, obj: str, frames: list):
+        key = self._opened.key(obj)
+        codec = self._opened.codec_of(obj)
+        ranges = [(f.offset, f.offset + f.length) for f in frames]
+
+        def read(tier) -> dict:
+            bufs = tier.get_ranges(key, ranges)
+            for f, b in zip(frames, bufs):
+                codec.decode(obj, b, f)  # raises IntegrityError unless the frame verifies
+            return {(obj, f.offset): b for f, b in zip(frames, bufs)}
+
+        return read
 
     def _submit_batch(self, batch, pool) -> list:
         by_obj: dict[str, set] = collections.defaultdict(set)
@@ -372,16 +529,31 @@ class StorageReader(_DCPStorageReader):
         return tasks
 
     def _fetch_decode(self, obj: str, frames: list) -> dict:
-        """A decoder thread's task: ``frames`` of ``obj`` read (ranged, from its sources) and decoded."""
+        """A decoder thread's task: ``frames`` of ``obj`` read (ranged, from its sources: the bytes
+        the exchange brought first) and decoded — every frame verified as it is decoded."""
         key = self._opened.key(obj)
         codec = self._opened.codec_of(obj)
-        ranges = [(f.offset, f.offset + f.length) for f in frames]
 
-        def read(tier):
-            bufs = tier.get_ranges(key, ranges)
-            return {(obj, f.offset): codec.decode(obj, b, f) for f, b in zip(frames, bufs)}
+        def reader(fs: list):
+            ranges = [(f.offset, f.offset + f.length) for f in fs]
 
-        return self._sources.read(obj, read)
+            def read(tier):
+                bufs = tier.get_ranges(key, ranges)
+                return {(obj, f.offset): codec.decode(obj, b, f) for f, b in zip(fs, bufs)}
+
+            return read
+
+        peer = self._peer
+        if not peer:
+            return self._sources.read(obj, reader(frames))
+        by_src: dict = {}  # (origin, relayed by) -> frames the exchange brought from there; None: the rest
+        for f in frames:
+            by_src.setdefault(self._peer_from.get((obj, f.offset)), []).append(f)
+        out: dict = {}
+        for src, fs in by_src.items():
+            first = None if src is None else self._sources.peer_tier(*src)
+            out.update(self._sources.read(obj, reader(fs), first=first))
+        return out
 
     def _record_digest(self, ri, loc: ItemLocation, parts: list) -> None:
         """The XXH3-128 of an item loaded whole, and where it is stored: the baseline an incremental

@@ -45,7 +45,7 @@ from .. import _faults
 from ..codec.frame import FrameWalk
 from ..errors import CkptStoreError, IntegrityError
 from ..manifest import layout
-from ..manifest.placement import replica_assignment
+from ..manifest.placement import group_domains, replica_assignment
 
 log = logging.getLogger("ckptstore")
 
@@ -102,11 +102,12 @@ class Replicator:
                 self._thread.start()
         return fut
 
-    def save(self, version: str, attempt: str, rank: int, leader: int, held: Held | None) -> cf.Future:
+    def save(self, version: str, attempt: str, rank: int, leader: int, held: Held | None, domain: str = "") -> cf.Future:
         """Replicate this rank's object of ``version`` (None: it has none, or its write failed);
-        ``leader``: the leader of this rank's root group (ranks with one leader share a root). The
-        future yields True when every replica of the version is in place, False otherwise."""
-        return self._submit(self._save, version, attempt, rank, int(leader), held)
+        ``leader``: the leader of this rank's root group (ranks with one leader share a root);
+        ``domain``: this rank's failure domain (docs/FORMAT.md, "Replicas"). The future yields True
+        when every replica of the version is in place, False otherwise."""
+        return self._submit(self._save, version, attempt, rank, int(leader), held, domain)
 
     def heal(self, version: str, attempt: str, copies: list, manifest: bytes | None, metadata: bytes | None) -> cf.Future:
         """Copy ``[(holder rank, receiver rank, Held, is_replica)]`` (the same list on every rank) and
@@ -159,19 +160,20 @@ class Replicator:
                 fut.set_exception(e)
 
     # -- the exchanges -------------------------------------------------------------------------------
-    def _save(self, version, attempt, rank, leader, held, tag) -> bool:
+    def _save(self, version, attempt, rank, leader, held, domain, tag) -> bool:
         infos: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(infos, (rank, leader, held), group=self.group)
+        dist.all_gather_object(infos, (rank, leader, held, domain), group=self.group)
         by_leader: dict = {}
-        for r, lead, _h in infos:
+        for r, lead, _h, _d in infos:
             by_leader.setdefault(lead, []).append(r)
         groups = sorted((tuple(sorted(g)) for g in by_leader.values()), key=lambda g: g[0])
-        entries = {r: h for r, _g, h in infos if h is not None}
-        plan = [(o, t, entries[o], True) for o, t in replica_assignment(groups, self.factor, set(entries))]
+        doms = group_domains(groups, {r: d for r, _g, _h, d in infos})  # as the manifest records them
+        entries = {r: h for r, _g, h, _d in infos if h is not None}
+        plan = [(o, t, entries[o], True) for o, t in replica_assignment(groups, self.factor, set(entries), doms)]
         ok = self._copy(version, attempt, rank, plan, tag)
         verdict: list = [None] * len(infos)
         dist.all_gather_object(verdict, ok, group=self.group)
-        if len(groups) <= 1 and rank == min(r for r, _g, _h in infos):
+        if len(groups) <= 1 and rank == min(r for r, _g, _h, _d in infos):
             log.warning("ckptstore: replicas=%d but every rank writes to one root (a shared filesystem): there is "
                         "no other root to copy %r to", self.factor, version)
         return all(verdict)
@@ -329,8 +331,9 @@ class ReplicaStage:
         from ._roots import claim
 
         held = None if rep is None else Held(rep.name, rep.size, rep.digest, rep.frames)
+        held = None if rep is None else Held(rep.name, rep.size, rep.digest, rep.frames)
         leader = claim(self.tier, pd.attempt, pd.rank) if pd.discover else pd.rank  # the root group's leader
-        return self.replicator.save(version, pd.attempt, pd.rank, leader, held)
+        return self.replicator.save(version, pd.attempt, pd.rank, leader, held, self.cfg.replica_domain)
 
     def settle(self, version: str, fut) -> None:
         """Wait for the exchange ``fut`` inside the save when its durability says so
@@ -383,20 +386,21 @@ def heal_plan(view, manifest, factor: int) -> list:
     and the same for the objects of earlier versions that the version references — but does not,
     each from the first rank whose root holds it. The same on every rank (a pure function of the
     view and the manifest). Only for a job of the version's own shape."""
-    from ..manifest.placement import groups
+    from ..manifest.placement import domains, groups
 
     if view.size != manifest.world_size:
         return []
     gs = groups(manifest)
+    doms = domains(manifest)  # the saved placement: the domains its replicas were placed by
     by_rank = {o.rank: o for o in manifest.objects}
     want: list = [(o.rank, o, False) for o in manifest.objects if o.rank is not None]
-    want += [(t, by_rank[o], True) for o, t in replica_assignment(gs, factor, set(by_rank))]
+    want += [(t, by_rank[o], True) for o, t in replica_assignment(gs, factor, set(by_rank), doms)]
     refs: dict = {}
     for r in manifest.refs:
         if r.rank is not None:
             want.append((r.rank, r, False))
             refs.setdefault(r.rank, []).append(r)
-    want += [(t, r, True) for o, t in replica_assignment(gs, factor, set(refs)) for r in refs[o]]
+    want += [(t, r, True) for o, t in replica_assignment(gs, factor, set(refs), doms) for r in refs[o]]
     out = []
     for receiver, o, is_replica in want:
         i = view.index_of(receiver)

@@ -11,7 +11,8 @@ Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.Stor
    version name and fails fast with :class:`VersionExistsError` unless ``overwrite=True``.
 2. (all ranks) ``prepare_local_plan`` — records the rank in ``plan.storage_data``.
 3. (coordinator) ``prepare_global_plan`` — draws the attempt id and (with a key) a fresh data key,
-   wrapped by the master key; returns one plan per rank, in order, via ``dataclasses.replace``.
+   wrapped by the master key (with AWS KMS: ``GenerateDataKey``); returns one plan per rank, in
+   order, via ``dataclasses.replace``.
 4. (all ranks) ``write_data`` — **phase 1**: encodes frames in a thread pool (byte-group/zstd,
    AES-GCM, XXH3), appends them to the rank's object ``attempts/<attempt>/rNNNNN.ckd`` and fsyncs
    it and its directory; returns ``WriteResult``s carrying frame locations and the object's size
@@ -52,15 +53,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._names import check_version
-from ..codec.crypto import resolve_key
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError
+from ..keys import resolve_master
 from ..manifest.schema import Manifest, utcnow
 from ..tiers import LocalTier, make_remote
 from . import _roots
 from ._checks import quiet_single_process, reject_unknown_kwargs
 from ._commit import Committer, divergence_checked, value_digests
-from ._config import Setting, WriterConfig, check_options, multi_rank
+from ._config import Setting, WriterConfig, check_options, multi_rank, resolve_domain
 from ._frames import DEFAULT_FRAME_SIZE, ShardWriter, tensor_bytes  # noqa: F401  (tensor_bytes: public here)
 from ._incremental import Incremental
 from ._keys import DataKeys
@@ -81,8 +82,11 @@ class StorageWriter(_DCPStorageWriter):
     Args:
         root: local directory (the fast NVMe tier). Created if missing.
         remote: ``"s3://bucket/prefix"`` to also stage every version to S3, or None.
-        key: master key, 32 bytes or a key provider (``get_key() -> bytes``); default
-            ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE``. With a key everything is encrypted.
+        key: master key, 32 bytes or a key provider (``get_key() -> bytes``), or an AWS KMS key
+            (:class:`ckptstore.KmsKey`, ``"kms://<key id>"``; README "Keys"); default
+            ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE`` / ``CKPTSTORE_KMS_KEY_ID``. With a key
+            everything is encrypted; with KMS a save that cannot get its data key raises
+            :class:`KeyServiceError` before anything is written.
         version: version name when ``dcp.save`` is called without ``checkpoint_id``.
         overwrite: replace an existing version atomically instead of raising
             :class:`VersionExistsError`.
@@ -114,12 +118,30 @@ class StorageWriter(_DCPStorageWriter):
             docs/FORMAT.md, "Replicas") over a gloo group the writer makes at construction — so
             construct the writer on every rank, after ``init_process_group``. Not with the PROCESS
             executor (its subprocess has no group with the other ranks' trainers).
+        replica_domain: this rank's failure domain (a rack, a switch, a power feed: any string of at
+            most 256 characters without control characters) — default the environment variable
+            ``CKPTSTORE_REPLICA_DOMAIN``, else the host name. A root group's domain is its lowest
+            rank's; the manifest records each group's (``domains``). With ``replicas``, a group's
+            copies never go to a root of its own domain while another domain exists, and spread over
+            the other domains (docs/FORMAT.md, "Replicas"). Give every rank of a rack the same string.
         incremental: reference, instead of writing again, every write item whose bytes (XXH3-128 of
             the raw bytes) equal those of the same item in the newest version this writer committed
             (or, through ``CheckpointManager``, restored): the new manifest names the earlier object
             (``refs``, docs/FORMAT.md "References"), nothing of the item is written or uploaded again.
             Pays when much of the state does not change between saves (a frozen base model under a
             LoRA adapter, untouched experts); costs one XXH3-128 pass over every item. Off by default.
+        count_nonfinite: count the NaN and ±Inf values of every floating tensor (bf16, fp16, fp32,
+            fp64, the fp8 formats, complex) while its frames are encoded, and record them in the
+            manifest (``nonfinite``: the count and the first keys, docs/FORMAT.md "Manifest"); a
+            version that holds any is not the default restore point (docs/FORMAT.md, "Restore
+            choice"). Costs two max-reductions over the bytes per frame (benchmarks/README.md:
+            the save time with and without). Default True; False records nothing (read as unknown).
+        commit_check: ``commit_check(version) -> str | None``, called by the coordinator right before
+            the local commit point of every save (after every object is durable): a returned reason
+            refuses the commit with :class:`FencedError` and nothing is committed (docs/FORMAT.md,
+            Save rule 9) — the hook of an owner that may lose its claim while the save is in flight
+            (:mod:`ckptstore.integrations.torchft`: the replica group left the quorum). THREAD
+            executor and ``dcp.save`` only (a callable does not travel to DCP's checkpoint subprocess).
         world_size: the number of ranks every save through this writer has (default: the default
             process group's size when one is initialised at construction, else not checked). A save
             planned or finished by any other number of ranks — a rank that outlived its peers, DCP
@@ -177,7 +199,10 @@ class StorageWriter(_DCPStorageWriter):
     retention = Setting()
     world_size = Setting()
     replicas = Setting()
+    replica_domain = Setting()
     incremental = Setting()
+    count_nonfinite = Setting()
+    commit_check = Setting()
 
     def __init__(
         self,
@@ -202,6 +227,9 @@ class StorageWriter(_DCPStorageWriter):
         world_size: int | None = None,
         replicas: int = 0,
         incremental: bool = False,
+        count_nonfinite: bool = True,
+        commit_check: Any = None,
+        replica_domain: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -214,8 +242,9 @@ class StorageWriter(_DCPStorageWriter):
             step=step, user_metadata=dict(user_metadata or {}), threads=threads or env_threads(), frame_size=frame_size,
             compression=compression, level=level, durability=durability, allow_divergent_replicas=allow_divergent_replicas,
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
-            incremental=bool(incremental))
-        self._keys = DataKeys(resolve_key(key))
+            incremental=bool(incremental), count_nonfinite=bool(count_nonfinite), commit_check=commit_check,
+            replica_domain=resolve_domain(replica_domain))
+        self._keys = DataKeys(resolve_master(key))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
         self._default_version = check_version(version) if version is not None else None
@@ -255,6 +284,9 @@ class StorageWriter(_DCPStorageWriter):
             raise CkptStoreError(
                 "StorageWriter(replicas=...) cannot run in DCP's checkpoint subprocess (AsyncCheckpointerType.PROCESS): "
                 "the copies travel between the trainers' processes. Use the THREAD executor (the default) or dcp.save")
+        if self._cfg.commit_check is not None:
+            raise CkptStoreError("StorageWriter(commit_check=...) cannot run in DCP's checkpoint subprocess "
+                                 "(AsyncCheckpointerType.PROCESS): use the THREAD executor (the default) or dcp.save")
         if not self._guard.in_subprocess and self._remote is not None and not self._shipped:
             self._shipped = True  # close()/exit here check that the subprocess's versions reached S3
             self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -272,8 +304,9 @@ class StorageWriter(_DCPStorageWriter):
 
     # The attributes below are the stages' (tests, benchmarks and CheckpointManager read them).
     @property
-    def _master(self) -> bytes | None:
-        return self._keys.master
+    def _master(self):
+        """The master key as ``key=`` takes it (32 bytes, or the ``KmsKey``), or None."""
+        return self._keys.given
 
     @property
     def _uploader(self):
@@ -420,8 +453,11 @@ class StorageWriter(_DCPStorageWriter):
         rep = None
         try:
             if plan.items:
+                # the data key first (with KMS a request): a rank that cannot get it writes and uploads
+                # nothing (docs/FORMAT.md, Save rule 10)
+                codec = self._shards.codec(s.version, s.rank, pd)
                 stream = self._up.open_stream(s.version, self._shards.name(pd))
-                results, rep = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream)
+                results, rep = self._shards.write(s.version, s.rank, plan, planner, pd, staged, stream, codec)
                 failed = self._up.upload_object(s.version, rep)
                 if failed is not None:
                     results.append(upload_failure_result(failed))
@@ -431,7 +467,7 @@ class StorageWriter(_DCPStorageWriter):
             # every rank joins the version's replica exchange, also when its write failed (docs/FORMAT.md, "Replicas")
             replicated = self._replicas.save(s.version, pd, rep)
         self._replicas.settle(s.version, replicated)
-        results.append(root_result(pd.rank, leader))
+        results.append(root_result(pd.rank, leader, self.replica_domain))
         if pd.discover and leader == pd.rank and pd.rank != pd.coordinator:
             # this rank leads a root without the commit point (the coordinator leads its own): copy the
             # manifest in once committed; its retention runs once the copy is in (the same rules as after

@@ -2,4 +2,9 @@
 
 * :mod:`ckptstore.integrations.torchtitan` — torchtitan's checkpointer saving through ckptstore
   (``pip install 'ckptstore[torchtitan]'``).
+* :mod:`ckptstore.integrations.torchft` — ckptstore as the durable tier under torchft's per-step
+  fault tolerance (``pip install 'ckptstore[torchft]'``).
+* :mod:`ckptstore.integrations.lightning` — PyTorch Lightning's ``CheckpointIO`` and
+  ``ModelParallelStrategy`` saving, loading and removing through ckptstore
+  (``pip install 'ckptstore[lightning]'``).
 """

@@ -65,6 +65,13 @@ class VersionRecord:
     unique_bytes: int | None = None
     #: bytes of earlier versions' objects this version references
     ref_bytes: int = 0
+    #: NaN/±Inf values its floating tensors hold (docs/FORMAT.md, "Manifest": ``nonfinite``); None:
+    #: not counted (an older release, ``count_nonfinite=False``). A version with any is not what
+    #: ``Store.latest()`` returns nor what a restore picks by default
+    nonfinite: int | None = None
+    #: ``((ranks, domain), ...)``: each root group of a split version and its failure domain, as the
+    #: manifest records them (docs/FORMAT.md, "Replicas"); empty when not recorded
+    domains: tuple = ()
 
     @property
     def order(self) -> tuple:
@@ -86,7 +93,8 @@ class VersionRecord:
 
     def to_json(self) -> dict:
         """The record as ``ckptstore list --json`` prints it; ``parts`` maps a tier that holds a part
-        of a split version to ``{"index", "count", "ranks", "whole"}`` (empty otherwise)."""
+        of a split version to ``{"index", "count", "ranks", "whole"}`` (and ``"domain"`` when recorded;
+        empty otherwise); ``domains`` lists every root group as ``{"ranks", "domain"}``."""
         d = dataclasses.asdict(dataclasses.replace(self, local_part=None))
         del d["local_part"]
         d["created"] = _iso(self.created)
@@ -95,6 +103,7 @@ class VersionRecord:
         d["stale"] = [{"tier": t, "attempt": a} for t, a in self.stale]
         d["in_future"] = self.in_future
         d["parts"] = {} if self.local_part is None else {"local": self.local_part.to_json()}
+        d["domains"] = [{"ranks": list(g), "domain": dom} for g, dom in self.domains]
         return d
 
 
@@ -261,6 +270,8 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
                 stale=tuple(sorted((t, e.manifest.attempt) for t, e in holders.items() if e.manifest.attempt != att)),
                 unique_bytes=m.stored_bytes - shared,
                 ref_bytes=sum(r.size for r in m.refs),
+                nonfinite=m.nonfinite_count,
+                domains=tuple((tuple(g), dom) for g, dom in zip(m.placement or (), m.domains or ())),
             )
         )
     recs.sort(key=lambda r: r.order)

@@ -24,7 +24,7 @@ from typing import Any
 
 from .._names import check_attempt, check_object_name, check_version
 from ..codec import xxh3
-from ..codec.crypto import manifest_mac
+from ..codec.crypto import ALG, ALG_KMS, kms_key_id, manifest_mac
 from ..errors import ManifestError, UnsupportedFormatError
 
 FORMAT = "ckptstore/1"
@@ -85,7 +85,8 @@ class RefEntry:
     """An object of an earlier committed version of the store whose frames this version's items
     reference (docs/FORMAT.md, "References"): the origin ``version`` and ``attempt`` (its frames stay
     bound to them), the object as the origin's manifest records it, and with encryption the origin's
-    ``wrapped_key`` and ``key_id`` (what decrypts those frames)."""
+    ``wrapped_key`` and ``key_id`` (what decrypts those frames) — and ``kms_key_arn`` (JSON
+    ``"kms": {"key_arn": ...}``) when AWS KMS wrapped that data key."""
 
     version: str
     attempt: str
@@ -97,6 +98,7 @@ class RefEntry:
     nbytes: int
     wrapped_key: str | None = None
     key_id: str | None = None
+    kms_key_arn: str | None = None
 
     @property
     def entry(self) -> ObjectEntry:
@@ -104,7 +106,11 @@ class RefEntry:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if v is not None or k == "rank"}
+        arn = d.pop("kms_key_arn")
+        out = {k: v for k, v in d.items() if v is not None or k == "rank"}
+        if arn is not None:
+            out["kms"] = {"key_arn": arn}
+        return out
 
     @classmethod
     def from_json(cls, d: Any) -> "RefEntry":
@@ -112,8 +118,9 @@ class RefEntry:
             raise ManifestError("manifest reference is not an object")
         try:
             e = ObjectEntry.from_json(d)
+            kms = _kms(d.get("kms"), "refs")
             ref = cls(check_version(d["version"]), check_attempt(d["attempt"]), e.name, e.size, e.digest, e.frames,
-                      e.rank, e.nbytes, d.get("wrapped_key"), d.get("key_id"))
+                      e.rank, e.nbytes, d.get("wrapped_key"), d.get("key_id"), kms)
         except KeyError as k:
             raise ManifestError(f"manifest reference lacks field {k}") from None
         except ManifestError:
@@ -122,10 +129,13 @@ class RefEntry:
             raise ManifestError(f"manifest reference is invalid: {ex}") from None
         if ref.name.split("/")[1] != ref.attempt:
             raise ManifestError(f"manifest reference {ref.name!r} is outside its attempt {ref.attempt!r}")
-        if ref.wrapped_key is not None and (not isinstance(ref.wrapped_key, str) or len(ref.wrapped_key) > 200):
+        limit = 200 if ref.kms_key_arn is None else MAX_KMS_BLOB
+        if ref.wrapped_key is not None and (not isinstance(ref.wrapped_key, str) or len(ref.wrapped_key) > limit):
             raise ManifestError("manifest reference's wrapped_key must be a string")
         if ref.key_id is not None:
             _hex(ref.key_id, 16, "refs.key_id")
+        if ref.kms_key_arn is not None and (ref.wrapped_key is None or ref.key_id != kms_key_id(ref.kms_key_arn)):
+            raise ManifestError("manifest reference's kms.key_arn does not match its wrapped_key/key_id")
         return ref
 
 
@@ -147,6 +157,19 @@ def seal_checksum(body: bytes, mac: str | None) -> str:
     return f"{xxh3(data):016x}"
 
 
+def nonfinite_text(nf: dict | None) -> str:
+    """A manifest's ``nonfinite`` in words (docs/FORMAT.md, "Manifest"):
+    ``"17 NaN/Inf values in 2 items: model.w (16), b (1)"``, ``"none"``, or ``"unknown (not counted)"``."""
+    if nf is None:
+        return "unknown (not counted)"
+    if not nf["count"]:
+        return "none"
+    keys = ", ".join(f"{e['key']} ({e['count']})" for e in nf["first"])
+    more = " ..." if sum(e["count"] for e in nf["first"]) < nf["count"] else ""
+    n, k = nf["count"], nf["items"]
+    return f"{n} NaN/Inf value{'s' if n != 1 else ''} in {k} item{'s' if k != 1 else ''}: {keys}{more}"
+
+
 def utcnow() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -165,7 +188,7 @@ class Manifest:
     stored_bytes: int = 0
     step: int | None = None
     user: dict = dataclasses.field(default_factory=dict)
-    encryption: dict | None = None  # {"alg","key_id","wrapped_key"}
+    encryption: dict | None = None  # {"alg","key_id","wrapped_key"[,"kms": {"key_arn"}]}
     codecs: list[str] = dataclasses.field(default_factory=list)
     format: str = FORMAT
     writer: str = ""
@@ -181,9 +204,21 @@ class Manifest:
     #: replication factor F (docs/FORMAT.md, "Replicas"): each root group's objects are copied to the
     #: roots of F other groups; None/0: no replicas
     replicas: int | None = None
+    #: the failure domain of each root group of ``placement`` (same order; docs/FORMAT.md, "Replicas"):
+    #: replicas never land in their source's domain while another exists. None: not recorded
+    domains: list | None = None
     #: objects of earlier versions whose frames items of this version reference (docs/FORMAT.md,
     #: "References"); a manifest with any is format ``ckptstore/2``
     refs: list = dataclasses.field(default_factory=list)
+    #: NaN/±Inf values of the version's floating tensors (docs/FORMAT.md, "Manifest"): ``{"count":
+    #: values, "items": write items holding any, "first": [{"key": fqn, "count": values}, ...]}``;
+    #: None: not counted (older releases, ``count_nonfinite=False``) — unknown
+    nonfinite: dict | None = None
+
+    @property
+    def nonfinite_count(self) -> int | None:
+        """NaN/±Inf values in the version's floating tensors; None: unknown (not counted)."""
+        return None if self.nonfinite is None else self.nonfinite["count"]
 
     @property
     def encrypted(self) -> bool:
@@ -226,7 +261,9 @@ class Manifest:
             **({} if self.seq is None else {"seq": self.seq}),
             **({} if not self.supersedes else {"supersedes": self.supersedes}),
             **({} if not self.replicas else {"replicas": self.replicas}),
+            **({} if self.domains is None else {"domains": self.domains}),
             **({} if not self.refs else {"refs": [r.to_json() for r in self.refs]}),
+            **({} if self.nonfinite is None else {"nonfinite": self.nonfinite}),
         }
 
     def to_bytes(self, data_key: bytes | None) -> bytes:
@@ -345,7 +382,9 @@ def _manifest_from_body(d: dict) -> Manifest:
             seq=None if d.get("seq") is None else _int(d["seq"], "seq"),
             supersedes=_supersedes(d.get("supersedes")),
             replicas=None if d.get("replicas") is None else _int(d["replicas"], "replicas"),
+            domains=_domains(d.get("domains"), d.get("placement")),
             refs=_refs(d.get("refs"), d.get("format")),
+            nonfinite=_nonfinite(d.get("nonfinite")),
             format=d["format"],
         )
     except KeyError as k:
@@ -385,6 +424,31 @@ def _placement(v: Any) -> list | None:
     return v
 
 
+#: the longest failure domain name a manifest holds (docs/FORMAT.md, "Replicas")
+MAX_DOMAIN = 256
+
+
+def check_domain(v: Any) -> str:
+    """A failure domain name as a manifest may hold it: a non-empty string of at most
+    :data:`MAX_DOMAIN` characters without control characters; ``ValueError`` otherwise. The writer
+    checks its ``replica_domain`` with this, so it never commits what a reader refuses."""
+    if not isinstance(v, str) or not v or len(v) > MAX_DOMAIN or any(ord(c) < 32 or ord(c) == 127 for c in v):
+        raise ValueError(f"a replica domain must be a non-empty string of at most {MAX_DOMAIN} characters without "
+                         f"control characters, got {v!r}")
+    return v
+
+
+def _domains(v: Any, placement: Any) -> list | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not isinstance(placement, list) or len(v) != len(placement):
+        raise ManifestError("manifest 'domains' must be a list with one failure domain per root group of 'placement'")
+    try:
+        return [check_domain(x) for x in v]
+    except ValueError as e:
+        raise ManifestError(f"manifest 'domains': {e}") from None
+
+
 def _refs(v: Any, fmt: Any) -> list:
     if v is None or v == []:
         if fmt == FORMAT_REFS:
@@ -396,6 +460,26 @@ def _refs(v: Any, fmt: Any) -> list:
     if not isinstance(v, list) or len(v) > MAX_OBJECTS:
         raise ManifestError("manifest 'refs' must be a list")
     return [RefEntry.from_json(r) for r in v]
+
+
+#: at most this many keys in ``nonfinite.first`` (a writer records 8)
+MAX_NONFINITE_FIRST = 1000
+
+
+def _nonfinite(v: Any) -> dict | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ManifestError("manifest 'nonfinite' must be an object")
+    first = v.get("first", [])
+    if not isinstance(first, list) or len(first) > MAX_NONFINITE_FIRST:
+        raise ManifestError("manifest 'nonfinite.first' must be a list")
+    for e in first:
+        if not isinstance(e, dict) or not isinstance(e.get("key"), str):
+            raise ManifestError("manifest 'nonfinite.first' entries must be {key, count} objects")
+        _int(e.get("count"), "nonfinite.first.count")
+    return {"count": _int(v.get("count"), "nonfinite.count"), "items": _int(v.get("items", 0), "nonfinite.items"),
+            "first": [{"key": e["key"], "count": e["count"]} for e in first]}
 
 
 def _supersedes(v: Any) -> list | None:
@@ -420,9 +504,37 @@ def _codecs(v: Any) -> list[str]:
 def _encryption(enc: Any) -> dict | None:
     if enc is None:
         return None
-    if not isinstance(enc, dict) or enc.get("alg") != "AES-256-GCM":
+    if not isinstance(enc, dict) or enc.get("alg") not in (ALG, ALG_KMS):
         raise UnsupportedFormatError(f"unknown encryption {enc!r}")
     _hex(enc.get("key_id"), 16, "encryption.key_id")
-    if not isinstance(enc.get("wrapped_key"), str) or len(enc["wrapped_key"]) > 200:
+    kms = enc.get("alg") == ALG_KMS
+    if not isinstance(enc.get("wrapped_key"), str) or len(enc["wrapped_key"]) > (MAX_KMS_BLOB if kms else 200):
         raise ManifestError("manifest encryption.wrapped_key must be a string")
+    if not kms:
+        if "kms" in enc:
+            raise ManifestError(f"manifest encryption {ALG!r} has a 'kms' object")
+        return enc
+    arn = _kms(enc.get("kms"), "encryption")
+    if arn is None:
+        raise ManifestError(f"manifest encryption {ALG_KMS!r} lacks its 'kms' object")
+    if enc["key_id"] != kms_key_id(arn):
+        raise ManifestError("manifest encryption.key_id does not match encryption.kms.key_arn")
     return enc
+
+
+#: the longest base64 ``wrapped_key`` of a KMS-wrapped data key (a KMS ``CiphertextBlob`` is at most 6,144 bytes)
+MAX_KMS_BLOB = 8192
+
+
+def _kms(v: Any, where: str) -> str | None:
+    """The ``key_arn`` of a ``kms`` object (``{"key_arn": "arn:<partition>:kms:<region>:<account>:key/<id>"}``), or None."""
+    if v is None:
+        return None
+    arn = v.get("key_arn") if isinstance(v, dict) else None
+    parts = arn.split(":") if isinstance(arn, str) else []
+    if (not isinstance(v, dict) or set(v) != {"key_arn"} or not isinstance(arn, str) or len(arn) > 2048
+            or len(parts) < 6 or parts[0] != "arn"
+            or parts[2] != "kms" or not parts[5].startswith("key/") or len(parts[5]) < 5
+            or any(c.isspace() or ord(c) < 32 for c in arn)):
+        raise ManifestError(f"manifest {where}.kms must be {{\"key_arn\": <an AWS KMS key ARN>}}")
+    return arn

@@ -18,7 +18,7 @@ marks the version damaged. The rooms, each with its rules in its docstring:
   marks.
 * :mod:`~ckptstore.scrub.report` — :class:`ObjectCheck`, :class:`Issue`, :class:`VersionCheck`,
   :class:`ScrubReport`, :func:`format_report`, and the exit codes (``EXIT_*``: 10 damage, 5 key,
-  12 unchecked, 11 repaired, 0 clean).
+  12 unchecked, 13 NaN/Inf values recorded (a finding, not damage), 11 repaired, 0 clean).
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ from .report import (  # noqa: F401 - statuses and kinds, for callers that read 
     EXIT_CLEAN,
     EXIT_DAMAGE,
     EXIT_KEY,
+    EXIT_NONFINITE,
     EXIT_REPAIRED,
     EXIT_UNCHECKED,
+    FINDING,
+    FINDING_KINDS,
     OBJECT_KINDS,
     OK,
     REPAIRED,
@@ -74,6 +77,7 @@ __all__ = [
     "EXIT_DAMAGE",
     "EXIT_REPAIRED",
     "EXIT_UNCHECKED",
+    "EXIT_NONFINITE",
     "ObjectCheck",
     "VersionCheck",
     "Issue",

@@ -11,9 +11,16 @@ Exit codes (``ckptstore scrub``; also :attr:`ScrubReport.exit_code`), most sever
                               encrypted version (``--deep``): the key's exit code, as everywhere
 12    ``EXIT_UNCHECKED``      no unrepaired damage, but something could not be checked
                               (key missing for ``--deep``, tier unreachable, read error)
+13    ``EXIT_NONFINITE``      no damage left, every version checked, but a version's
+                              manifest records NaN/Inf values in its tensors: the bytes
+                              are intact (not damage, never marked), the values are not
+                              a restore point (docs/FORMAT.md, "Restore choice")
 11    ``EXIT_REPAIRED``       damage found and all of it repaired
 0     ``EXIT_CLEAN``          everything checked and clean
 ====  ======================  =========================================================
+
+A finding is not damage: an :class:`Issue` with status :data:`FINDING` (kind ``nonfinite``) leaves
+its version's status as it is (``ok``), is never repaired, marked or counted by :meth:`ScrubReport.damage`.
 """
 
 from __future__ import annotations
@@ -27,16 +34,21 @@ EXIT_KEY = 5  # KeyMismatchError.exit_code
 EXIT_DAMAGE = 10
 EXIT_REPAIRED = 11
 EXIT_UNCHECKED = 12
+EXIT_NONFINITE = 13
 
 OK = "ok"
 DAMAGED = "damaged"
 REPAIRED = "repaired"
 UNCHECKED = "unchecked"
+#: an Issue that reports a fact about the version, not damage (kind ``nonfinite``)
+FINDING = "finding"
 
 #: damage kinds of one object
 OBJECT_KINDS = ("missing", "truncated", "oversized", "corrupt", "digest", "frame-count", "undecodable")
 #: damage kinds of a version as a whole
 VERSION_KINDS = ("manifest", "key", "metadata", "marked", "divergent")
+#: findings about a version that are not damage
+FINDING_KINDS = ("nonfinite",)
 
 
 @dataclasses.dataclass
@@ -62,7 +74,8 @@ class ObjectCheck:
 
 @dataclasses.dataclass
 class Issue:
-    """A finding about a version as a whole (``kind`` in :data:`VERSION_KINDS`, or a note)."""
+    """A finding about a version as a whole (``kind`` in :data:`VERSION_KINDS`, or a note; with
+    ``status`` :data:`FINDING`, a kind of :data:`FINDING_KINDS`: not damage)."""
 
     kind: str
     detail: str
@@ -137,9 +150,16 @@ class ScrubReport:
             return EXIT_KEY
         if UNCHECKED in st or self.unreachable:
             return EXIT_UNCHECKED
+        if self.nonfinite():
+            return EXIT_NONFINITE
         if REPAIRED in st:
             return EXIT_REPAIRED
         return EXIT_CLEAN
+
+    def nonfinite(self) -> list[tuple[str, str, str]]:
+        """``(tier, version, what)`` of every version copy whose manifest records NaN/Inf values."""
+        return [(v.tier, v.version, i.detail) for v in self.versions for i in v.issues
+                if i.status == FINDING and i.kind == "nonfinite"]
 
     def damage(self) -> list[tuple[str, str, str, str]]:
         """``(tier, version, object or '', kind)`` of every damage found (repaired or not)."""
@@ -166,6 +186,7 @@ class ScrubReport:
                 "damaged": sum(1 for v in self.versions if v.status == DAMAGED),
                 "repaired": sum(1 for v in self.versions if v.status == REPAIRED),
                 "unchecked": sum(1 for v in self.versions if v.status == UNCHECKED) + len(self.unreachable),
+                "nonfinite": len(self.nonfinite()),
             },
         }
 

@@ -17,7 +17,9 @@ key) and the manifest's HMAC verifies (kind ``manifest``) — :func:`codec_for`;
 references only objects the manifest lists and frames that exist in them, exactly (kind
 ``metadata``) — :func:`check_metadata`. They need the key of an encrypted version; without it the
 deep part of that version is reported as *not checked*. Every data key a scrub unwraps is
-unwrapped here (:func:`codec_for`, :func:`ref_codec` for referenced objects).
+unwrapped here (:func:`codec_for`, :func:`ref_codec` for referenced objects), by the master key —
+raw or AWS KMS (:mod:`ckptstore.keys`). A key service that refuses or does not answer
+(:class:`~ckptstore.errors.KeyServiceError`) leaves the deep part *not checked*, never damaged.
 
 **In parallel**: a :class:`Verifier` of ``jobs`` worker threads (default :func:`default_jobs`)
 hashes — and with ``deep`` decodes — the frames while each object's walker parses the headers in
@@ -33,14 +35,16 @@ import os
 import threading
 from typing import Callable
 
-from ..codec.crypto import FrameCipher, unwrap_key
+from ..codec.crypto import FrameCipher, WrappedKey
 from ..codec.frame import FIXED_LEN, MAX_CODEC_LEN, FrameCodec, FrameWalk, parse_header, xxh3, xxh3_stream
 from ..errors import (
     CkptStoreError,
     IntegrityError,
     KeyMismatchError,
+    KeyServiceError,
     ManifestError,
     ObjectNotFoundError,
+    TransientStorageError,
     UnsupportedFormatError,
 )
 from ..manifest import layout
@@ -300,20 +304,27 @@ def codec_for(vc: VersionCheck, te, master, key_problem) -> FrameCodec | None:
     m = te.manifest
     if not m.encrypted:
         return FrameCodec(m.version, m.attempt, None)
+    w = WrappedKey.of_encryption(m.encryption)
     if master is None:
         vc.issues.append(Issue("key", key_problem or (
             f"version is encrypted (key id {m.encryption['key_id']}); the deep check needs the key "
-            "(--key-file, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE)"), UNCHECKED))
+            "(--key-file, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE)" if w.kms_key_arn is None else
+            f"version is encrypted with the AWS KMS key {w.kms_key_arn}; the deep check needs it "
+            "(--kms-key or CKPTSTORE_KMS_KEY_ID)"), UNCHECKED))
         return None
     try:
-        data_key = unwrap_key(master, m.encryption["wrapped_key"], m.version, m.attempt, m.encryption["key_id"])
+        data_key = master.unwrap(w, m.version, m.attempt)
     except KeyMismatchError as e:
         vc.issues.append(Issue("key", str(e), UNCHECKED))
         vc.wrong_key = True
         return None
-    except IntegrityError:
-        vc.issues.append(Issue("key", "the wrapped data key does not authenticate under the master key "
-                                      "whose key id the manifest names: the wrapped key is damaged"))
+    except KeyServiceError as e:  # not damage: the key service refused or did not answer
+        vc.issues.append(Issue("key", f"not checked: {e}", UNCHECKED))
+        return None
+    except IntegrityError as e:
+        vc.issues.append(Issue("key", str(e) if w.kms_key_arn is not None else (
+            "the wrapped data key does not authenticate under the master key "
+            "whose key id the manifest names: the wrapped key is damaged")))
         return None
     try:
         te.parsed.verify_mac(data_key)
@@ -324,10 +335,11 @@ def codec_for(vc: VersionCheck, te, master, key_problem) -> FrameCodec | None:
 
 def ref_codec(ref, master) -> FrameCodec:
     """The frame codec of a referenced object (docs/FORMAT.md, "References"): the attempt and the
-    data key (unwrapped with ``master``) of the version that wrote it, for a deep check."""
+    data key (unwrapped with ``master``) of the version that wrote it, for a deep check. Raises what
+    :meth:`unwrap` raises (``KeyMismatchError``, ``IntegrityError``, ``KeyServiceError``)."""
     cipher = None
     if ref.wrapped_key is not None:
-        cipher = FrameCipher(unwrap_key(master, ref.wrapped_key, ref.version, ref.attempt, ref.key_id))
+        cipher = FrameCipher(master.unwrap(WrappedKey.of(ref), ref.version, ref.attempt))
     return FrameCodec(ref.version, ref.attempt, cipher)
 
 
@@ -350,7 +362,8 @@ def check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, m
             reader = StorageReader(None, remote=tier, key=master if master is not None else _NO_KEY,
                                    version=vc.version, allow_unencrypted=True)
             md = reader.read_metadata()
-        except KeyMismatchError as e:
+        except (KeyMismatchError, KeyServiceError, TransientStorageError) as e:
+            # no key, or storage that did not answer: not checked, never damage (docs/FORMAT.md, Read rule 5)
             vc.issues.append(Issue("metadata", f"not checked: {e}", UNCHECKED))
             return
         except (CkptStoreError, OSError) as e:
@@ -367,6 +380,9 @@ def check_metadata(tier: Tier, vc: VersionCheck, te, codec: FrameCodec | None, m
             finally:
                 close()
             md = _restricted_loads(blob, entry.name)
+        except TransientStorageError as e:
+            vc.issues.append(Issue("metadata", f"not checked: {e}", UNCHECKED))
+            return
         except (CkptStoreError, OSError) as e:
             vc.issues.append(Issue("metadata", f"DCP metadata does not decode: {e}"))
             return

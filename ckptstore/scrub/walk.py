@@ -14,7 +14,9 @@ earlier version that a version references (docs/FORMAT.md, "References") is chec
 origin when that is committed in the tier, else with the first version that references it.
 
 Tiers that hold different attempts of one name are reported (kind ``divergent``,
-:func:`_check_divergence`). Verifying is :mod:`ckptstore.scrub.verify`'s, repairing
+:func:`_check_divergence`). A version whose manifest records NaN/Inf values is reported as a finding
+(kind ``nonfinite``, status ``finding``: not damage, never marked or repaired; exit 13).
+Verifying is :mod:`ckptstore.scrub.verify`'s, repairing
 :mod:`ckptstore.scrub.repair`'s, the report :mod:`ckptstore.scrub.report`'s.
 """
 
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..codec.crypto import resolve_key
 from ..codec.frame import FrameCodec
-from ..errors import CkptStoreError, version_not_found
+from ..errors import CkptStoreError, IntegrityError, KeyMismatchError, KeyServiceError, version_not_found
+from ..keys import resolve_master
 from ..manifest import catalogue, layout, placement
 from ..tiers.base import tiers_of
 from .repair import repair_objects, settle_mark
-from .report import Issue, ScrubReport, VersionCheck
+from ..manifest.schema import nonfinite_text
+from .report import FINDING, Issue, ScrubReport, VersionCheck
 from .verify import Verifier, check_metadata, check_object, codec_for, ref_codec
 
 
@@ -45,8 +48,10 @@ def scrub(
 ) -> ScrubReport:
     """Verify (and with ``repair`` fix) the committed versions of ``store`` (a :class:`Store` or a
     ``{name: Tier}`` mapping). ``version``: only that one (raises :class:`VersionNotFoundError` when
-    no reachable tier commits it). ``key``: master key for ``deep`` (default ``CKPTSTORE_KEY`` /
-    ``CKPTSTORE_KEY_FILE``). ``on_total(bytes)``/``on_bytes(n)``: progress callbacks (``on_bytes``
+    no reachable tier commits it). ``key``: master key for ``deep`` — 32 bytes, a key provider, a
+    :class:`ckptstore.KmsKey` or ``"kms://…"`` (default ``CKPTSTORE_KEY`` / ``CKPTSTORE_KEY_FILE`` /
+    ``CKPTSTORE_KMS_KEY_ID``); a key service that refuses or does not answer leaves the deep part
+    of the versions it wraps *not checked* (exit 12), never damaged. ``on_total(bytes)``/``on_bytes(n)``: progress callbacks (``on_bytes``
     may be called from several threads). ``jobs``: worker threads that verify objects and frames
     (and run ranged GETs on S3); default :func:`default_jobs`.
 
@@ -61,7 +66,7 @@ def scrub(
     master = None
     key_problem = None
     if deep:  # an invalid key, however given (key=, CKPTSTORE_KEY, CKPTSTORE_KEY_FILE): KeyMismatchError, exit 5
-        master = resolve_key(key if key is not None else getattr(store, "key", None))
+        master = resolve_master(key if key is not None else getattr(store, "key", None))
     entries: dict[str, dict] = {}
     for name, t in tiers.items():
         problems: list = []
@@ -158,6 +163,26 @@ def _check_divergence(holders: dict, checks: dict[str, VersionCheck]) -> None:
                 f"--tier {n}' (the {winner} copy stays), or let the pending upload replace it")))
 
 
+def _ref_codec(vc: VersionCheck, ref, master) -> FrameCodec | None:
+    """:func:`ref_codec`, or None (shallow check of that object) with the reason as an issue: a key
+    that does not fit or a key service that did not answer is *not checked*, a wrapped key that does
+    not authenticate is damage (kind ``key``)."""
+    from .report import UNCHECKED, Issue
+
+    try:
+        if master is None and ref.wrapped_key is not None:
+            raise KeyMismatchError(f"{ref.name} of {ref.version!r} is encrypted and no key was given")
+        return ref_codec(ref, master)
+    except KeyMismatchError as e:
+        vc.issues.append(Issue("key", f"{ref.name} of {ref.version!r}: {e}", UNCHECKED))
+        vc.wrong_key = master is not None
+    except KeyServiceError as e:
+        vc.issues.append(Issue("key", f"{ref.name} of {ref.version!r}: not checked: {e}", UNCHECKED))
+    except IntegrityError as e:
+        vc.issues.append(Issue("key", f"{ref.name} of {ref.version!r}: {e}"))
+    return None
+
+
 def _check_version(tier, name, version, te, part, deep, master, key_problem, on_bytes,
                    verifier: Verifier, refs=()) -> tuple[VersionCheck, FrameCodec | None]:
     m = te.manifest
@@ -165,12 +190,15 @@ def _check_version(tier, name, version, te, part, deep, master, key_problem, on_
     # scrub reports it and --repair removes it
     marked = te.damaged or tier.exists(layout.damaged_key(version))
     vc = VersionCheck(name, version, m.attempt, encrypted=m.encrypted, deep=deep, was_marked=marked, part=part)
+    if m.nonfinite_count:  # a fact the manifest records, not damage: the bytes are what was saved
+        vc.issues.append(Issue("nonfinite", f"its tensors hold {nonfinite_text(m.nonfinite)} (recorded at save; the "
+                                            "bytes are intact, the version is not the default restore point)", FINDING))
     codec = codec_for(vc, te, master, key_problem) if deep else None
     vc.deep = deep and codec is not None
     futs = [verifier.walkers.submit(check_object, tier, name, version, entry, codec, on_bytes, verifier)
             for entry in part.objects]
     for ref in refs:  # an earlier version's object this one references, whose origin is gone here
-        rc = ref_codec(ref, master) if vc.deep else None
+        rc = _ref_codec(vc, ref, master) if vc.deep else None
         futs.append(verifier.walkers.submit(check_object, tier, name, ref.version, ref.entry, rc, on_bytes, verifier))
     vc.objects.extend(f.result() for f in futs)
     for o in vc.objects:

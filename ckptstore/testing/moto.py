@@ -11,6 +11,12 @@ its main thread) dies, and stopped at interpreter exit. :class:`MotoServer` has 
 
     with MotoServer(buckets=("ckpt",)) as m:
         os.environ.update(m.env)          # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...
+
+The same endpoint answers the AWS KMS API (``GenerateDataKey``, ``Decrypt``, ``Encrypt``,
+``DescribeKey``, ``DisableKey``, aliases, encryption contexts), for :class:`ckptstore.KmsKey`:
+:meth:`MotoServer.kms_client` makes keys. moto 5.2.5 does not refuse cryptographic requests for a
+disabled key (AWS answers ``DisabledException``); ``DescribeKey`` reports the state, which
+``KmsKey`` checks before its first request.
 """
 
 from __future__ import annotations
@@ -74,6 +80,16 @@ class MotoServer(LoopbackServer):
         if readonly:
             raise MotoError("moto does not check credentials: there is no read-only identity")
         return super().client()
+
+    def kms_client(self):
+        """A botocore KMS client for this server (to create, alias, disable and enable keys)."""
+        import botocore.session
+
+        from ._server import REGION
+
+        return botocore.session.get_session().create_client(
+            "kms", endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key)
 
     def start(self) -> "MotoServer":
         if self.running:

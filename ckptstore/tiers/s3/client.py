@@ -2,7 +2,7 @@
 and the one translation of botocore's errors into ckptstore's.
 
 This package is the only part of the library that imports botocore (boto3's core; we need only its
-client, so boto3 itself is not imported).
+client, so boto3 itself is not imported) for S3; ``ckptstore/kms.py`` imports it for AWS KMS.
 
 Client and retries
 ------------------

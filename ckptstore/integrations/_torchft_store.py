@@ -1,0 +1,155 @@
+"""The ckptstore side of the torchft integration, as pure functions; imports nothing of torchft.
+
+* Version names: the main checkpoint ``step-N`` (one per due step, written by one group), and each
+  replica group's positions ``loader-g<G>-<N>`` (``G`` the group's *stable* index, ``N`` the
+  torchft step of the newest position in it).
+* :class:`Position` — one group's data-loader position (and RNG) after one torchft step; a positions
+  save holds the last few (``history``), so a save skipped while the previous one still ran loses no
+  step.
+* :func:`choose_main` — which main version a cold start restores: the newest one every group that was
+  active around it has saved its position for (docs/FORMAT.md, "torchft").
+* :func:`loader_plan` — what each group's loader continues from, when the number of groups changed.
+* :func:`job_is_live` — whether a starting group joins a live job (torchft heals it) or the whole
+  job starts (ckptstore restores it), from the lighthouse's view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+from typing import Any, Iterable
+
+MAIN_PREFIX = "step-"
+_LOADER = re.compile(r"loader-g(\d+)-(\d+)")
+_MAIN = re.compile(re.escape(MAIN_PREFIX) + r"(\d+)")
+
+
+def loader_prefix(group: int) -> str:
+    return f"loader-g{int(group)}-"
+
+
+def parse_loader_version(name: str) -> tuple[int, int] | None:
+    """``loader-g<G>-<N>`` → ``(G, N)``, else None."""
+    m = _LOADER.fullmatch(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def main_step(name: str) -> int | None:
+    m = _MAIN.fullmatch(name)
+    return None if m is None else int(m.group(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """One group's position after torchft step ``step``: ``batches`` its loader has delivered into
+    committed steps (the group's own count, across runs), ``participated`` whether its batch went into
+    that step, ``blob`` the loader's ``state_dict()`` and the RNG states (``torch.save`` bytes, read
+    back with ``weights_only=True``)."""
+
+    step: int
+    batches: int
+    participated: bool
+    blob: bytes
+
+
+def pack_history(history: Iterable[Position]) -> bytes:
+    """The bytes of a positions save (``torch.save`` of plain lists; ``weights_only`` loadable)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([[p.step, p.batches, p.participated, p.blob] for p in history], buf)
+    return buf.getvalue()
+
+
+def unpack_history(data: bytes) -> list[Position]:
+    import torch
+
+    rows = torch.load(io.BytesIO(data), weights_only=True)
+    return [Position(int(s), int(b), bool(part), bytes(blob)) for s, b, part, blob in rows]
+
+
+def position_at(positions: Iterable[Position], step: int) -> Position | None:
+    """The position of the greatest step ≤ ``step`` (never a newer one: its batches are not in the
+    checkpoint of ``step``), or None."""
+    best = None
+    for p in positions:
+        if p.step <= step and (best is None or p.step > best.step):
+            best = p
+    return best
+
+
+def choose_main(main_steps: Iterable[int], newest_position: dict[int, int], window: int) -> tuple[int | None, list[str]]:
+    """The main step a cold start restores, and why newer ones were passed over.
+
+    ``main_steps``: the committed main versions' steps; ``newest_position``: ``{group: N}`` the newest
+    step each group saved its position at; ``window``: steps (the save interval). A step ``S`` is
+    chosen when every group *active around it* (newest position ≥ ``S - window``) has a position at
+    or after ``S`` — otherwise that group's position at ``S`` may have died with it, and restoring
+    ``S`` would replay (or skip) its batches. A group whose newest position is older than
+    ``S - window`` was gone at ``S``: its position then is its newest one."""
+    skipped: list[str] = []
+    for s in sorted(set(main_steps), reverse=True):
+        lagging = sorted(g for g, n in newest_position.items() if s - window <= n < s)
+        if not lagging:
+            return s, skipped
+        skipped.append(f"{MAIN_PREFIX}{s}: the positions of group(s) {', '.join(map(str, lagging))} at that step "
+                       f"were not saved (newest: " + ", ".join(f"g{g} step {newest_position[g]}" for g in lagging) + ")")
+    return None, skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderChoice:
+    """What a group's loader continues from: ``how`` is ``"own"`` (its own position at or before the
+    restored step), ``"slowest"`` (a group index new to the store: the position of the group that had
+    delivered the fewest batches, so no sample of the new group's shard is seen twice), ``"initial"``
+    (nothing stored: the loader as the program built it) or ``"peer"`` (joining a live job: torchft
+    heals the model, the loader is the group's own newest position). ``source``: the group whose
+    position it is; ``step``/``batches``: that position's."""
+
+    group: int
+    how: str
+    source: int | None = None
+    step: int | None = None
+    batches: int | None = None
+    reason: str = ""
+
+
+def loader_plan(group: int, num_groups: int | None, at_step: dict[int, Position | None]) -> tuple[
+        LoaderChoice, Position | None, dict[int, int]]:
+    """The loader policy when a job restarts with ``num_groups`` groups (documented in README
+    "torchft"): group ``group`` continues its own position at the restored step; a group index with
+    no position takes the slowest stored group's; groups of the old run with an index ≥
+    ``num_groups`` are *orphaned* (returned ``{group: batches}``: their shards' remaining samples are
+    seen by no group until a group with that index runs again). ``at_step``: each stored group's
+    position at the restored step."""
+    orphaned = {g: p.batches for g, p in at_step.items() if p is not None and num_groups is not None and g >= num_groups}
+    own = at_step.get(group)
+    if own is not None:
+        return LoaderChoice(group, "own", group, own.step, own.batches, "its own position"), own, orphaned
+    others = [(p.batches, g, p) for g, p in at_step.items() if p is not None]
+    if others:
+        batches, src, p = min(others)
+        return (LoaderChoice(group, "slowest", src, p.step, batches,
+                             f"no position of group {group} is stored: it starts from the slowest group's ({src}, "
+                             f"{batches} batches)"), p, orphaned)
+    return LoaderChoice(group, "initial", None, None, 0, "no position is stored"), None, orphaned
+
+
+def job_is_live(members: dict[str, int], heartbeats: dict[str, float], fresh_s: float) -> tuple[bool, str]:
+    """Does a live job exist that a starting group joins (torchft heals it from a peer), or is the whole
+    job starting (ckptstore restores every group)? Live: a member of the lighthouse's previous quorum
+    at a step > 0 whose heartbeat is fresher than ``fresh_s`` seconds."""
+    live = sorted(r for r, step in members.items() if step > 0 and heartbeats.get(r, float("inf")) < fresh_s)
+    if live:
+        return True, f"replica(s) {', '.join(live)} of the previous quorum are alive at step {max(members[r] for r in live)}"
+    if members:
+        return False, "no member of the lighthouse's previous quorum is alive past step 0"
+    return False, "the lighthouse has formed no quorum yet"
+
+
+def manifest_user(quorum: int, group: int, replica_id: str | None, participants: int, ft_state: dict[str, Any]) -> dict:
+    """The ``torchft`` entry of a main version's user metadata (docs/FORMAT.md, "torchft")."""
+    return {"torchft": {"quorum_id": int(quorum), "group": int(group), "replica_id": replica_id,
+                        "participants": int(participants), "step": int(ft_state["step"]),
+                        "batches_committed": int(ft_state["batches_committed"])}}

@@ -1,0 +1,638 @@
+"""ckptstore as the durable tier under torchft's per-step fault tolerance.
+
+torchft keeps a job training through failures: a failed replica group drops out of the quorum and a
+group that comes back heals live from a healthy peer. It persists nothing. :class:`DurableTier`
+adds the durable tier for when every group is lost or the job is stopped (``pip install
+'ckptstore[torchft]'``; torchft is never a dependency of ckptstore itself)::
+
+    manager = torchft.Manager(pg=ProcessGroupGloo(), min_replica_size=2, ..., replica_id=f"g{GROUP}")
+    model = torchft.ddp.DistributedDataParallel(manager, model)
+    optim = torchft.optim.OptimizerWrapper(manager, torch.optim.AdamW(model.parameters()))
+    tier = DurableTier("/nvme/ckpt", manager, {"model": model, "optim": optim, "sched": sched},
+                       group=GROUP, num_groups=NUM_GROUPS, loader=loader, remote="s3://bucket/run-7",
+                       interval_steps=500)
+    tier.resume()                        # cold start: restores; joining a live job: torchft heals
+    for batch in tier.batches():         # the loader, re-positioned after a step that did not commit
+        optim.zero_grad(); loss_fn(model(batch)).backward(); optim.step()
+        tier.step_done()                 # never blocks on storage, never raises a storage error
+        if manager.current_step() >= steps:
+            break
+    tier.close()
+
+What it does (README "torchft"; docs/FORMAT.md, "torchft"):
+
+* **One writer per step, fenced.** At a due step (``step % interval_steps == 0``) only the group
+  that is rank 0 among the quorum's participants writes the main version ``step-N`` (model,
+  optimizer, schedulers and torchft's ``Manager.state_dict()``), with the quorum id and the group in
+  the manifest's user metadata. One version name per step makes the commit's put-if-absent the
+  fence: two groups that both believe they own a step cannot both commit (the other gets
+  :class:`~ckptstore.errors.VersionExistsError`, its attempt is garbage for gc); and right before
+  the commit point the writer asks torchft whether the group still owns the step
+  (:func:`._torchft_v0_2.claim_lost`): a group that left the quorum while its save was in flight
+  commits nothing (:class:`~ckptstore.errors.FencedError`).
+* **Per-group positions beside it.** Every group saves its data-loader position and RNG after every
+  step (``loader-g<G>-<N>``, under the group's *stable* index ``group``, not torchft's per-restart
+  uuid), asynchronously, on its own manager (never on torchft's process group), with its own retention (:data:`KeepLast` of ``positions_keep``). Each such save holds the last
+  ``positions_keep`` positions, so one skipped while the previous still ran loses no step.
+* **Cold start only.** :meth:`resume` asks the lighthouse (its ``/status`` page) whether a live job
+  exists: then torchft heals this group from a peer and the durable tier's main version is not
+  read (the group's loader continues from its own newest position); otherwise the whole job is
+  starting and every group restores the newest main version whose every active group's position is
+  saved, and pairs its loader with its own position *no newer than* that step.
+* **Never in the way.** Saves never wait (a due save while the previous still runs is skipped and
+  reported); a failed save is reported (event, metric, log), never raised; ckptstore's timeouts
+  (its gloo groups, S3 connect/read, the lighthouse probe) sit below torchft's ``timeout`` and
+  ``quorum_timeout``; nothing runs on torchft's process group; ``enabled=False`` or
+  ``CKPTSTORE_TORCHFT_DURABLE=0`` turns the tier off (every method a no-op, :meth:`batches` the
+  plain loader).
+
+One rank per replica group (torchft's DDP across groups); a group of several ranks is refused for now
+(the save decisions are per rank and would first have to be agreed across the group's ranks).
+
+Importing this module needs torchft (:data:`TESTED_VERSIONS`; another release warns once); what
+depends on torchft's private surface is in ``ckptstore/integrations/_torchft_v0_2.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import logging
+import os
+import random
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+try:
+    import torchft as _torchft  # noqa: F401
+    from importlib.metadata import version as _dist_version
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(f"ckptstore.integrations.torchft needs torchft ({e}); install it with "
+                      "pip install 'ckptstore[torchft]'") from e
+
+import torch
+
+from ..errors import CkptStoreError, JobBrokenError, TransientStorageError
+from . import _torchft_store as _st
+from . import _torchft_v0_2 as _ft
+from ._torchft_v0_2 import TESTED_VERSIONS
+
+__all__ = ["DurableTier", "RestoreReport", "LoaderChoice", "TESTED_VERSIONS", "ENV_DISABLE"]
+
+log = logging.getLogger("ckptstore.integrations.torchft")
+
+#: the kill switch: ``CKPTSTORE_TORCHFT_DURABLE=0`` (or ``off``/``false``/``no``) turns the tier off
+ENV_DISABLE = "CKPTSTORE_TORCHFT_DURABLE"
+LoaderChoice = _st.LoaderChoice
+
+try:
+    _version = _dist_version("torchft")
+except Exception:  # noqa: BLE001 - not installed as a distribution
+    _version = "unknown"
+if _version.split("+")[0] not in TESTED_VERSIONS:
+    warnings.warn(
+        f"ckptstore.integrations.torchft was tested with torchft {', '.join(TESTED_VERSIONS)}, not {_version}: it reads "
+        "private attributes of torchft's Manager and its lighthouse's status page (listed in ckptstore/integrations/"
+        "_torchft_v0_2.py); check that they still exist", RuntimeWarning, stacklevel=2)
+
+
+@dataclasses.dataclass
+class RestoreReport:
+    """What :meth:`DurableTier.resume` did. ``kind``: ``"cold-start"`` (restored ``version``),
+    ``"fresh"`` (nothing to restore), ``"join"`` (a live job: torchft heals this group; ``why``),
+    ``"disabled"``. ``step``: torchft's step now; ``writer``: the manifest's ``torchft`` entry (quorum
+    id, group) of the restored version; ``skipped``: newer main versions passed over and why;
+    ``loader``: what this group's loader continues from (:class:`LoaderChoice`); ``orphaned``:
+    ``{group: batches}`` of stored groups with an index ≥ ``num_groups``; ``seconds``."""
+
+    kind: str
+    step: int = 0
+    version: str | None = None
+    why: str = ""
+    writer: dict | None = None
+    skipped: list = dataclasses.field(default_factory=list)
+    loader: Any = None
+    orphaned: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class _FtState:
+    """torchft's ``Manager.state_dict()`` (``step``, ``batches_committed``) as a stateful value."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def state_dict(self) -> dict:
+        return dict(self.manager.state_dict())
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.manager.load_state_dict({"step": int(sd["step"]), "batches_committed": int(sd["batches_committed"])})
+
+
+class _Positions:
+    """The positions save's value: the packed history (``{"data": bytes}``), one object in DCP."""
+
+    def __init__(self, data: bytes = b"") -> None:
+        self.data = data
+
+    def state_dict(self) -> dict:
+        return {"data": self.data}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.data = bytes(sd["data"])
+
+
+def _enabled(enabled: bool | None) -> bool:
+    if enabled is not None:
+        return bool(enabled)
+    return os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+
+
+class DurableTier:
+    """ckptstore under a ``torchft.Manager`` (see the module docstring).
+
+    Args:
+        root: the local tier (a directory); replica groups that share it (a shared filesystem) are
+            fenced by the local commit, groups on their own disks by the remote tier's conditional
+            writes.
+        manager: the group's ``torchft.Manager``.
+        state: the main state: modules, optimizers (a ``torchft.optim.OptimizerWrapper`` is unwrapped),
+            schedulers and other stateful objects; torchft's own state is added as ``"torchft"``.
+        group: this replica group's stable index (0 … ``num_groups`` − 1), the same across restarts.
+        num_groups: how many groups the job runs now (for the loader policy when it changed).
+        loader: the group's data loader (``state_dict()``/``load_state_dict()``, e.g. torchdata's
+            ``StatefulDataLoader``), or None.
+        remote: ``"s3://bucket/prefix"``; its client's timeouts are set below ``timeout_s``.
+        interval_steps: the main version is written at steps ``N % interval_steps == 0``.
+        retention: a :class:`ckptstore.retention.RetentionPolicy` of the main versions (default: keep all).
+        positions_keep: positions kept per group: versions (retention ``KeepLast``) and the history in
+            each (default ``2 * interval_steps + 2``).
+        positions_every_s: a positions save starts after a step when the previous one started at least
+            this long ago and has finished (default 0.2 s: every step of a loop slower than that);
+            otherwise the next one carries this step's position (its history).
+        enabled: False turns the tier off; None (default): on unless ``CKPTSTORE_TORCHFT_DURABLE=0``.
+        lighthouse: the lighthouse address for the cold-start check (default ``TORCHFT_LIGHTHOUSE``);
+            None and no variable: every start is taken as a cold start (with a warning).
+        live_within_s: a member of the previous quorum counts as alive when its heartbeat is younger
+            than this (seconds; default 1.0: torchft heartbeats every 0.1 s).
+        timeout_s: ckptstore's timeouts (seconds): its gloo groups, the S3 client's connect/read
+            timeouts, the lighthouse probe. Default: half of the smaller of torchft's ``timeout`` and
+            ``quorum_timeout``; a value not below both raises ``ValueError``.
+        durability, key, on_event, event_log, **writer_options: as :class:`ckptstore.CheckpointManager`.
+    """
+
+    def __init__(self, root: str | os.PathLike, manager: Any, state: dict[str, Any], *, group: int,
+                 num_groups: int | None = None, loader: Any = None, remote: str | None = None, key: Any = None,
+                 interval_steps: int = 100, retention: Any = None, positions_keep: int | None = None,
+                 positions_every_s: float = 0.2,
+                 enabled: bool | None = None, lighthouse: str | None = None, live_within_s: float = 1.0,
+                 timeout_s: float | None = None, durability: str = "local",
+                 on_event: Callable[[dict], None] | None = None, event_log: Any = True, **writer_options: Any) -> None:
+        if interval_steps < 1:
+            raise ValueError("interval_steps must be >= 1")
+        if int(group) < 0 or (num_groups is not None and int(group) >= int(num_groups)):
+            raise ValueError(f"group must be in 0 … num_groups-1, got group={group} num_groups={num_groups}")
+        _rank, group_world = _ft.group_rank_world(manager)
+        if group_world != 1:
+            raise CkptStoreError(
+                f"DurableTier runs with one rank per replica group (this group has {group_world}): its save decisions "
+                "(skip while busy, the positions interval) are taken per rank, and ranks of one group that decided "
+                "differently would wait for each other in the save's collectives")
+        self.root = os.fspath(root)
+        self.manager = manager
+        self.group = int(group)
+        self.num_groups = None if num_groups is None else int(num_groups)
+        self.loader = loader
+        self.interval_steps = int(interval_steps)
+        self.positions_keep = int(positions_keep or 2 * self.interval_steps + 2)
+        self.enabled = _enabled(enabled)
+        self.lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        self.live_within_s = float(live_within_s)
+        ft_timeout, ft_quorum = _ft.timeouts_s(manager)
+        bound = min(ft_timeout, ft_quorum)
+        self.timeout_s = float(timeout_s) if timeout_s is not None else bound / 2
+        if not 0 < self.timeout_s < bound:
+            raise ValueError(f"timeout_s={self.timeout_s} must be positive and below torchft's timeout ({ft_timeout} s) "
+                             f"and quorum_timeout ({ft_quorum} s)")
+        self.on_event = on_event
+        self.counts = collections.Counter()
+        self._state = {k: _ft.inner_optimizer(v) for k, v in state.items()}
+        if "torchft" in self._state:
+            raise ValueError("state must not have a key 'torchft' (torchft's own state is saved under it)")
+        self._state["torchft"] = _FtState(manager)
+        self._history: collections.deque = collections.deque(maxlen=self.positions_keep)
+        self._batches = 0  # batches this group's loader delivered into committed steps (across runs)
+        self._loader_blob: bytes | None = None  # the loader's state after the last batch that counted
+        self._rewind = False
+        self._last_step = manager.current_step()
+        self._positions_saved: int | None = None  # the step of the newest positions save started
+        self._positions_t = float("-inf")  # when it started (monotonic)
+        self.positions_every_s = float(positions_every_s)
+        self._closed = False
+        if not self.enabled:
+            log.warning("ckptstore: the durable tier is off (%s)", "enabled=False" if enabled is False else f"{ENV_DISABLE}=0")
+            self._main = self._positions = None
+            return
+        if remote is not None and isinstance(remote, str):
+            remote = self._remote_tier(remote, writer_options.get("endpoint_url"))
+        self.remote = remote
+        self._key = key
+        common = dict(remote=remote, key=key, durability=durability, on_busy="skip", raise_errors=False,
+                      save_on_signal=None, group_timeout_s=self.timeout_s, save_rng=False)
+        from .. import CheckpointManager
+        from ..retention import KeepLast, RetentionPolicy
+
+        self._main = CheckpointManager(
+            self.root, None, interval_steps=self.interval_steps, retention=retention, prefix=_st.MAIN_PREFIX,
+            event_log=event_log, on_event=self._event("main"), on_save=self._saved("main"),
+            commit_check=self._claim, **common, **writer_options)
+        self._positions = CheckpointManager(
+            self.root, None, interval_steps=1, retention=RetentionPolicy(rules=(KeepLast(self.positions_keep),)),
+            prefix=_st.loader_prefix(self.group), event_log=False, on_event=self._event("positions"),
+            on_save=self._saved("positions"), per_rank_keys=("positions",), progress_s=3600.0, **common,
+            **{k: v for k, v in writer_options.items() if k in ("endpoint_url", "threads")})
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _remote_tier(self, url: str, endpoint_url: str | None):
+        from ..tiers.s3 import S3Tier
+
+        t = self.timeout_s
+        return S3Tier(url, endpoint_url=endpoint_url, connect_timeout=min(10.0, t / 4), read_timeout=min(60.0, t / 2),
+                      max_attempts=3)
+
+    def _event(self, which: str):
+        def on_event(e: dict) -> None:
+            if e.get("kind") == "save" and e.get("outcome") in ("failed", "skipped"):
+                log.log(logging.WARNING if e["outcome"] == "failed" else logging.DEBUG,
+                        "ckptstore: %s save of step %s %s: %s", which, e.get("step"), e["outcome"], e.get("error"))
+            if self.on_event is not None:
+                self.on_event({**e, "tier": which, "group": self.group})
+        return on_event
+
+    def _saved(self, which: str):
+        def on_save(info) -> None:
+            outcome = "failed" if info.error else "committed"
+            if info.error and info.local_commit_s is not None:
+                outcome = "committed-local"  # the upload or remote commit failed: retried later
+            elif info.error and "FencedError" in info.error:
+                outcome = "fenced"
+            elif info.error and "VersionExistsError" in info.error:
+                outcome = "lost-race"
+            self.counts[f"{which}.{outcome}"] += 1
+        return on_save
+
+    def _claim(self, version: str) -> str | None:
+        """The main writer's ``commit_check`` (docs/FORMAT.md, Save rule 9)."""
+        why = _ft.claim_lost(self.manager)
+        if why:
+            self.counts["main.fenced-check"] += 1
+            return f"replica group {self.group} no longer owns {version}: {why}"
+        return None
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def batches(self) -> Iterator[Any]:
+        """The loader's batches, iterated anew after :meth:`resume` and after a step in which this
+        group's batch was not committed (torchft's ``should_commit`` said no, or the group was healing):
+        the loader goes back to its position after the last batch that counted, so every sample of the
+        group's shard goes into exactly one committed step (torchft #309's gap). With the tier off: the
+        loader as it is."""
+        if self.loader is None:
+            raise CkptStoreError("DurableTier.batches() needs loader=")
+        it = None
+        while True:
+            if it is None or self._rewind:
+                if self._rewind and self._loader_blob is not None:
+                    self.loader.load_state_dict(torch.load(io.BytesIO(self._loader_blob), weights_only=True)["loader"])
+                self._rewind = False
+                it = iter(self.loader)
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            yield batch
+
+    def step_done(self) -> bool:
+        """Call after ``optimizer.step()`` (torchft's ``should_commit``) on every rank of the group.
+        Records this group's position, saves it (async; skipped while the previous save runs), and at a
+        due step, when this group is the quorum's participating rank 0, starts the main save (async).
+        Returns whether the step committed. Never raises a storage error (they are reported)."""
+        step = int(self.manager.current_step())
+        committed = step != self._last_step
+        if not self.enabled or self._closed:
+            self._last_step = step
+            return committed
+        counted = committed and bool(self.manager.is_participating())
+        if counted and self.loader is not None:
+            self._batches += 1
+            self._loader_blob = self._capture()
+        elif self.loader is not None:
+            self._rewind = True  # this step's batch went into no committed step: draw it again
+        if committed:
+            self._last_step = step
+        if self.loader is not None and self._loader_blob is not None:
+            self._history.append(_st.Position(step, self._batches, counted, self._loader_blob))
+            self._save_positions(step)
+        if counted and step % self.interval_steps == 0 and self._is_writer():
+            meta = _st.manifest_user(_ft.quorum_id(self.manager), self.group, _ft.replica_prefix(self.manager),
+                                     self.manager.num_participants(), self.manager.state_dict())
+            self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
+        return committed
+
+    def _save_positions(self, step: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._positions_t < self.positions_every_s:
+            self.counts["positions.coalesced"] += 1  # the next save carries this step's position
+            return
+
+        def save():
+            started = self._positions.save(step, {"positions": _Positions(_st.pack_history(self._history))}, force=True)
+            if started:
+                self._positions_saved = step
+                self._positions_t = now
+            return started
+
+        self._guard("positions", save)
+
+    def _is_writer(self) -> bool:
+        try:
+            return self.manager.participating_rank() == 0 and bool(self.manager.is_participating())
+        except Exception as e:  # noqa: BLE001 - the quorum failed: not the writer
+            log.debug("ckptstore: no main save (quorum: %s)", e)
+            return False
+
+    def _capture(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"loader": self.loader.state_dict(), "rng": _rng_state()}, buf)
+        return buf.getvalue()
+
+    def _guard(self, which: str, fn: Callable[[], Any]) -> None:
+        """Run a save call; its failure is counted and logged, never raised (docs/FORMAT.md, Save rule 9)."""
+        try:
+            started = fn()
+            self.counts[f"{which}.{'started' if started else 'skipped'}"] += 1
+        except JobBrokenError as e:  # the group lost ranks: torchft restarts it; stop saving here
+            self.counts[f"{which}.broken"] += 1
+            log.error("ckptstore: %s saves stop in this process: %s", which, e)
+            self.enabled = False
+        except Exception as e:  # noqa: BLE001 - never fail a training step
+            self.counts[f"{which}.error"] += 1
+            log.warning("ckptstore: %s save not started: %s: %s", which, type(e).__name__, e)
+
+    # -- the cold start --------------------------------------------------------------------------------
+    def resume(self) -> RestoreReport:
+        """Before the first step, on every rank of the group (after the torchft ``Manager`` exists). A
+        live job (the lighthouse's previous quorum has a member alive past step 0): torchft heals this
+        group from a peer; only the group's own newest position is read, for its loader (bounded by
+        ``timeout_s``). Otherwise the whole job is starting: restore the newest main version whose
+        active groups' positions are all saved (docs/FORMAT.md, "torchft"), torchft's step with it, and
+        this group's loader and RNG at its position no newer than that step (the loader policy when
+        the number of groups changed: README "torchft"). Raises what a restore raises when a version
+        cannot be read and no older one can either."""
+        t0 = time.monotonic()
+        if not self.enabled:
+            return RestoreReport("disabled", step=int(self.manager.current_step()))
+        live, why = self._live()
+        if live:
+            r = self._join(why)
+        else:
+            r = self._cold_start(why)
+        r.seconds = time.monotonic() - t0
+        self._last_step = int(self.manager.current_step())
+        r.step = self._last_step
+        self._rewind = False
+        self._emit("resume", outcome=r.kind, step=r.step, version=r.version, why=r.why, skipped=r.skipped,
+                   loader=dataclasses.asdict(r.loader) if r.loader is not None else None, orphaned=r.orphaned,
+                   seconds=r.seconds)
+        log.info("ckptstore: resume of group %d: %s (step %d%s)", self.group, r.kind, r.step,
+                 f", {r.version}" if r.version else "")
+        return r
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event({"kind": kind, "tier": "torchft", "group": self.group, **fields})
+            except Exception:  # noqa: BLE001 - a callback never breaks the loop
+                log.exception("ckptstore: on_event callback failed")
+
+    def _live(self) -> tuple[bool, str]:
+        if not self.lighthouse:
+            warnings.warn("DurableTier: no lighthouse address (lighthouse= or TORCHFT_LIGHTHOUSE): every start is taken "
+                          "as a cold start, also a group joining a live job", RuntimeWarning, stacklevel=3)
+            return False, "no lighthouse address"
+        try:
+            view = _ft.lighthouse_view(self.lighthouse, self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - an unreachable lighthouse: the job cannot be live either
+            return False, f"the lighthouse's status could not be read ({type(e).__name__}: {e})"
+        return _st.job_is_live(view.members, view.heartbeats, self.live_within_s)
+
+    def _store_versions(self) -> list[str]:
+        """The committed version names: the local root's and, when it answers, the remote tier's
+        (``self._attempts``: ``{name: {attempt, ...}}`` of both)."""
+        from ..store import Store
+
+        recs = list(Store(self.root, key=self._key).versions()) if os.path.isdir(self.root) else []
+        if self.remote is not None:
+            try:
+                recs += list(Store(None, remote=self.remote, key=self._key).versions())
+            except (TransientStorageError, CkptStoreError, OSError) as e:
+                log.warning("ckptstore: the remote tier was not consulted for the restore: %s", e)
+        self._attempts: dict[str, set] = collections.defaultdict(set)
+        for r in recs:
+            self._attempts[r.version].add(r.attempt)
+        return sorted(self._attempts)
+
+    def _supersede_positions(self, names: list[str], step: int) -> None:
+        """This group's positions saved after ``step`` belong to the timeline the restart abandoned: its
+        next saves of those names replace them (docs/FORMAT.md, "Superseding"), as the main manager's
+        restore does for ``step-N`` names after the restored one."""
+        why = f"abandoned timeline: the job restarted from {_st.MAIN_PREFIX}{step}"
+        for n in names:
+            gv = _st.parse_loader_version(n)
+            if gv is not None and gv[0] == self.group and gv[1] > step:
+                self._positions._supersede[n] = {a: why for a in self._attempts.get(n, ())}
+
+    def _read_positions(self, version: str, group: int) -> list[_st.Position]:
+        import torch.distributed.checkpoint as dcp
+
+        from ..dcp.reader import StorageReader
+
+        rank = _ft.group_rank_world(self.manager)[0]
+        key = f"positions/rank{rank}"
+        sd = {key: {"data": b""}}
+        reader = StorageReader(self.root, remote=self.remote, key=self._key, version=version, allow_partial_load=True)
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+        return _st.unpack_history(bytes(sd[key]["data"]))
+
+    def _positions_at(self, names: list[str], step: int) -> dict[int, _st.Position | None]:
+        """Every stored group's position at ``step`` (the greatest ≤ ``step``): per group, the oldest
+        positions save at or after ``step`` (its history reaches back), else the newest before it."""
+        by_group: dict[int, list[int]] = collections.defaultdict(list)
+        for n in names:
+            gv = _st.parse_loader_version(n)
+            if gv is not None:
+                by_group[gv[0]].append(gv[1])
+        out: dict[int, _st.Position | None] = {}
+        for g, steps in by_group.items():
+            steps.sort()
+            after = [s for s in steps if s >= step]
+            before = [s for s in steps if s < step]
+            tries = after[:1] + before[-1:]
+            pos = None
+            for s in tries:
+                try:
+                    pos = _st.position_at(self._read_positions(f"{_st.loader_prefix(g)}{s}", g), step)
+                except Exception as e:  # noqa: BLE001 - the next candidate
+                    log.warning("ckptstore: positions %s%d unreadable: %s", _st.loader_prefix(g), s, e)
+                    continue
+                if pos is not None:
+                    break
+            out[g] = pos
+        return out
+
+    def _cold_start(self, why: str) -> RestoreReport:
+        names = self._store_versions()
+        main_steps = [s for s in (_st.main_step(n) for n in names) if s is not None]
+        newest: dict[int, int] = {}
+        for n in names:
+            gv = _st.parse_loader_version(n)
+            if gv is not None:
+                newest[gv[0]] = max(newest.get(gv[0], -1), gv[1])
+        chosen, skipped = _st.choose_main(main_steps, newest, self.interval_steps)
+        version = None
+        while chosen is not None:
+            version = f"{_st.MAIN_PREFIX}{chosen}"
+            try:
+                self._main.restore(self._state, version=version)
+                break
+            except CkptStoreError as e:
+                skipped.append(f"{version}: {type(e).__name__}: {e}")
+                log.warning("ckptstore: %s could not be restored (%s); trying an older one", version, e)
+                chosen, more = _st.choose_main([s for s in main_steps if s < chosen], newest, self.interval_steps)
+                skipped.extend(more)
+                version = None
+        if chosen is None:
+            self._supersede_positions(names, 0)
+            r = RestoreReport("fresh", why=why, skipped=skipped)
+            r.loader = _st.LoaderChoice(self.group, "initial", reason="no main version is restored")
+            return r
+        try:
+            from ..manifest import catalogue
+
+            writer = (catalogue.read_manifest(self._main._writer._tier, version).manifest.user or {}).get("torchft")
+        except Exception:  # noqa: BLE001 - the report's detail only
+            writer = None
+        r = RestoreReport("cold-start", version=version, why=why, writer=writer, skipped=skipped)
+        self._supersede_positions(names, chosen)
+        if self.loader is not None:
+            at = self._positions_at(names, chosen)
+            choice, pos, r.orphaned = _st.loader_plan(self.group, self.num_groups, at)
+            r.loader = choice
+            if pos is not None:
+                self._apply(pos, own=choice.how == "own")
+        return r
+
+    def _join(self, why: str) -> RestoreReport:
+        r = RestoreReport("join", why=why)
+        if self.loader is None:
+            return r
+        names = [n for n in self._store_versions_local() if _st.parse_loader_version(n) is not None
+                 and _st.parse_loader_version(n)[0] == self.group]
+        pos = None
+        if names:
+            newest = max(_st.parse_loader_version(n)[1] for n in names)
+            try:
+                hist = self._read_positions(f"{_st.loader_prefix(self.group)}{newest}", self.group)
+                pos = max(hist, key=lambda p: p.step) if hist else None
+            except Exception as e:  # noqa: BLE001 - reported; the loader stays as built
+                r.why += f"; its own position could not be read ({type(e).__name__}: {e})"
+        if pos is not None:
+            self._apply(pos, own=True)
+            r.loader = _st.LoaderChoice(self.group, "peer", self.group, pos.step, pos.batches,
+                                        "joining: torchft heals the model; the loader continues from its own newest position")
+        else:
+            r.loader = _st.LoaderChoice(self.group, "initial", reason="joining: no position of this group is stored")
+        return r
+
+    def _store_versions_local(self) -> list[str]:
+        from ..store import Store
+
+        if not os.path.isdir(self.root):
+            return []
+        try:
+            return [r.version for r in Store(self.root, key=self._key).versions()]
+        except CkptStoreError as e:
+            log.warning("ckptstore: the local root could not be listed: %s", e)
+            return []
+
+    def _apply(self, pos: _st.Position, own: bool) -> None:
+        got = torch.load(io.BytesIO(pos.blob), weights_only=True)
+        self.loader.load_state_dict(got["loader"])
+        if own:
+            _set_rng(got["rng"])
+        self._batches = pos.batches
+        self._loader_blob = pos.blob
+        self._history.clear()
+
+    # -- reporting and shutdown ------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Counters: ``main.started``/``skipped``/``committed``/``committed-local`` (the upload failed;
+        retried)/``failed``/``fenced``/``lost-race``, the same for ``positions`` (and
+        ``positions.coalesced``: steps carried by the next positions save)."""
+        return dict(self.counts)
+
+    def metrics_text(self, which: str = "main") -> str:
+        """The Prometheus text of the main versions' manager (``which="positions"``: the positions')."""
+        if not self.enabled and self._main is None:
+            return ""
+        return (self._main if which == "main" else self._positions).metrics_text()
+
+    def wait(self) -> None:
+        """Save the newest position if no save carries it yet, and wait for every save in flight (the
+        end of a job, tests); errors are reported, not raised."""
+        if not self.enabled or self._closed:
+            return
+        self._flush_positions()
+        for m in (self._main, self._positions):
+            m.wait()
+
+    def _flush_positions(self) -> None:
+        if self._history and self._positions_saved != self._history[-1].step:
+            try:
+                self._positions.wait()
+            except CkptStoreError as e:
+                log.warning("ckptstore: positions saves: %s", e)
+            self._save_positions(self._history[-1].step, force=True)
+
+    def close(self) -> None:
+        """Save the newest position if the last one was skipped, wait for the saves in flight and their uploads (the writer's ``upload_timeout``); what was
+        not uploaded is logged (a later run's first save uploads it), never raised."""
+        if self._closed:
+            return
+        if self.enabled:  # the newest position, if no save carries it yet: a restart pairs with it
+            self._flush_positions()
+        self._closed = True
+        for name, m in (("main", self._main), ("positions", self._positions)):
+            if m is None:
+                continue
+            try:
+                m.close()
+            except CkptStoreError as e:
+                self.counts[f"{name}.not-uploaded"] += 1
+                log.warning("ckptstore: closing the %s saves: %s", name, e)
+
+    def __enter__(self) -> "DurableTier":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
