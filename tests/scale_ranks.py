@@ -65,3 +65,37 @@ def save_then_load(rank, world, roots, versions):
     step = int(sd["step"][0].item())
     ok = torch.equal(sd[f"rank{rank}"], torch.arange(8) + 100 * rank + step)
     return {"version": r.version, "ok": bool(ok), "log": buf.getvalue()}
+
+
+def sim_roots(base: str, n: int, per_root: int | None, versions: int) -> list:
+    """Roots on disk of a job of ``n`` ranks that committed ``versions`` versions, without running
+    ranks (as ``benchmarks/scale_sim.py`` builds them): one real sealed manifest per version,
+    hard-linked into every root (the copies of one commit are byte-identical), and in each root its
+    group's shard objects and the metadata object (empty files: a restore's listing reads names).
+    ``per_root`` ranks share a root (None: one shared root). Returns each rank's root directory."""
+    import os
+
+    from ckptstore.manifest import layout
+    from ckptstore.manifest.schema import Manifest, ObjectEntry
+
+    os.makedirs(base, exist_ok=True)
+    per = per_root or n
+    groups = [list(range(k, min(k + per, n))) for k in range(0, n, per)]
+    dirs = [os.path.join(base, f"node{k:05d}") for k in range(len(groups))]
+    for i in range(versions):
+        v = f"step-{i:04d}"
+        attempt = layout.new_attempt()
+        objects = [ObjectEntry(layout.shard_name(attempt, r), 1 << 20, f"{r:016x}", 4, r, 4 << 20) for r in range(n)]
+        meta = ObjectEntry(layout.metadata_name(attempt), 1 << 16, "0" * 16, 1, None, 1 << 17)
+        m = Manifest(version=v, attempt=attempt, created=f"2026-12-01T10:{i:02d}:00.000000Z", world_size=n, objects=objects,
+                     metadata_object=meta, nbytes=n * (4 << 20), stored_bytes=n * (1 << 20), step=i + 1, writer="test",
+                     placement=groups if len(groups) > 1 else None, seq=i + 1)
+        master = os.path.join(base, f"manifest-{i}.json")
+        with open(master, "wb") as f:
+            f.write(m.to_bytes(None))
+        for k, rd in enumerate(dirs):
+            os.makedirs(os.path.join(rd, *layout.object_key(v, layout.attempt_dir(attempt)).split("/")), exist_ok=True)
+            for name in [meta.name] + [layout.shard_name(attempt, r) for r in groups[k]]:
+                open(os.path.join(rd, *layout.object_key(v, name).split("/")), "wb").close()
+            os.link(master, os.path.join(rd, *layout.manifest_key(v).split("/")))
+    return [dirs[r // per] for r in range(n)]

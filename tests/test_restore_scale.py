@@ -6,11 +6,13 @@ simulated 16,384-rank job are in ``benchmarks/restore_bytes.py`` and ``benchmark
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 
 import ckptstore
 import scale_ranks
+from ckptstore.choice import decide
 from ckptstore.dcp import _job, _roots
 from ckptstore.manifest import catalogue, layout
 from ckptstore.manifest.objsets import ObjSet
@@ -32,6 +34,7 @@ def _job_of(tmp_path, world: int, per_root: int | None, tag: str) -> list:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_root", [None, 2], ids=["shared-root", "node-roots"])
 def test_restore_bytes_per_rank_do_not_grow_with_the_square(tmp_path, per_root):
     """2 → 8 ranks: what ckptstore's collectives deliver to a rank grows at most linearly (the old
@@ -43,6 +46,7 @@ def test_restore_bytes_per_rank_do_not_grow_with_the_square(tmp_path, per_root):
     assert 0 < b8 <= 4 * b2, (b2, b8)  # 4x the ranks: at most 4x the bytes (squared would be 16x)
 
 
+@pytest.mark.slow
 def test_listings_per_rank_do_not_grow_with_ranks_on_a_shared_root(tmp_path):
     """4 → 16 ranks on one shared root: one rank lists it, the others do not list or stat it at all."""
     fs4 = sorted(o["fs"] for o in _job_of(tmp_path, 4, None, "4"))
@@ -64,6 +68,7 @@ def test_clean_16_rank_save_then_load_on_4_node_roots_reports_nothing(tmp_path):
         assert [r.version for r in ckptstore.Store(roots[4 * k]).versions()] == VERSIONS
 
 
+@pytest.mark.slow
 def test_a_real_crash_between_commit_and_copy_is_repaired_and_reported_once(tmp_path):
     """The leader of node 1 dies right before it writes its copy of s1's manifest: the next job's
     load repairs node 1 and says so once (the rank that listed node 1), not once per rank."""
@@ -117,16 +122,15 @@ def test_object_sets_hold_a_nodes_part_as_one_run():
 
 
 def test_a_root_report_lists_versions_and_attempts_not_every_object_with_a_stat(tmp_path):
-    """One root of one node: the report of _job (a run of ranks per version, each manifest's facts
-    once), made with one scandir/listdir per directory level and no stat per object."""
+    """One root of one node (ranks 2-3 of 4): the report of _job (a run of ranks per version, each
+    manifest's facts once), made with one scandir/listdir per directory level and no stat per object."""
     from ckptstore.testing.meter import metered
 
-    roots = [str(tmp_path / "node0")] * 2 + [str(tmp_path / "node1")] * 2
-    run_ranks(scale_ranks.save, 4, roots, VERSIONS, timeout=300, **FAST)
+    roots = scale_ranks.sim_roots(str(tmp_path), 4, 2, 3)
     tier = LocalTier(roots[2])
     with metered() as m:
         rep, facts = _job.root_report(tier, first=True)
-    assert sorted(rep["committed"]) == VERSIONS and len(facts) == 3
+    assert sorted(rep["committed"]) == ["step-0000", "step-0001", "step-0002"] and len(facts) == 3
     for v, per in rep["held"].items():
         [(a, st)] = per.items()
         assert st == [1, [2, 4], []]  # the metadata object and ranks 2-3: node 1's part
@@ -136,6 +140,35 @@ def test_a_root_report_lists_versions_and_attempts_not_every_object_with_a_stat(
     known = frozenset(d for d, _x in rep["committed"].values())
     rep2, facts2 = _job.root_report(tier, known)
     assert facts2 == {} and rep2["committed"] == rep["committed"] and "restores" not in rep2
+
+
+@pytest.mark.parametrize("per_root", [None, 4], ids=["shared-root", "node-roots"])
+def test_the_job_report_grows_with_roots_not_with_ranks_squared(tmp_path, per_root):
+    """16 → 128 simulated ranks (real roots, real manifests, the real listing and assembly of
+    ``_job``; no process group): the job report every rank receives stays the same on one shared
+    root and grows with the roots (8x here) on node roots — never with ranks × ranks (64x), as the
+    old all-gather of every rank's full report did. Each root is listed once, by its leader."""
+    size = {}
+    for n in (16, 128):
+        roots = scale_ranks.sim_roots(str(tmp_path / str(n)), n, per_root, 3)
+        tiers = {d: LocalTier(d) for d in set(roots)}
+        leaders = [_roots.claim(tiers[d], "load-t", r) for r, d in enumerate(roots)]
+        order = _job._root_order(leaders)
+        assert len(order) == len(tiers)
+        got = {0: _job.root_report(tiers[roots[0]], first=True)}
+        known = frozenset(got[0][1])
+        got.update({lead: _job.root_report(tiers[roots[lead]], known) for lead in order if lead != 0})
+        job = _job._assemble(order, got)
+        size[n] = len(pickle.dumps(job))
+        index = {lead: k for k, lead in enumerate(order)}
+        job["ranks"] = [[i, index[lead]] for i, lead in enumerate(leaders)]
+        view = decide(job, None)
+        assert view.version == "step-0002" and not view.missing()[0]
+        assert all(view.has_manifest(i) for i in range(n))
+        if per_root:  # the view's root ids: ranks of one node share one, for the read-once exchange
+            assert view.root_id(0) == view.root_id(per_root - 1) != view.root_id(per_root)
+    limit = 1.3 if per_root is None else 8 * 1.3
+    assert size[128] <= limit * size[16], size
 
 
 @pytest.mark.s3
