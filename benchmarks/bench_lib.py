@@ -427,7 +427,8 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
         off = 0
         name = f"attempts/{attempt}/r{r:05d}.ckd" if kind.startswith("ckpt") else f"__{r}_0.distcp"
         for i in range(items_per_rank):
-            idx = MetadataIndex(f"layers.{i}.weight", torch.Size([r * shard_rows, 0]), 0)
+            # the index DCP's create_default_global_save_plan gives it: the chunk's position in the tensor's list
+            idx = MetadataIndex(f"layers.{i}.weight", torch.Size([r * shard_rows, 0]), r)
             if kind.startswith("ckpt"):
                 frames = []
                 for j in range(0, n, fs):
