@@ -31,7 +31,7 @@ def check_version(name: object) -> str:
             f"version name must be a str, got {type(name).__name__}: {name!r}"
         )
     if name in ("", ".", ".."):
-        raise InvalidNameError(f"version name {name!r} is not allowed; use e.g. 'step-000100'")
+        raise InvalidNameError(f"version name {name!r} is not allowed; use e.g. 'step-100'")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
         raise InvalidNameError(f"version name {name!r} contains control characters")
     if len(name.encode("utf-8")) > MAX_VERSION_BYTES:

@@ -57,7 +57,7 @@ import re
 from typing import Mapping
 
 from .errors import (CkptStoreError, DamagedVersionError, IntegrityError, ManifestError, TransientStorageError,
-                     VersionNotFoundError)
+                     VersionNotFoundError, version_not_found)
 from .manifest.objsets import ObjSet, runs_of
 from .manifest.order import order_key, resolve
 from .manifest.schema import nonfinite_text
@@ -385,6 +385,7 @@ class _Choice:
         self.remote = job.get("remote") or {}
         self.remote_error = job.get("remote_error")
         self.restores = job.get("restores") or []
+        self.scope = scope
         self.facts, self.order = _resolved(job, self.roots, scope)
         self.newest = (self.order[0], self.facts[self.order[0]]["attempt"]) if self.order else None
 
@@ -462,11 +463,20 @@ class _Choice:
         invalid += [self.job["invalid"][version]] if version in (self.job.get("invalid") or {}) else []
         if invalid:
             return ManifestError(f"version {version!r} has an invalid manifest: {invalid[0]}; run 'ckptstore scrub'")
+        names = {v for rep in self.roots.reports for v in rep["committed"]} | set(self.remote)
+        if version in names and version not in self.facts:  # committed, but not a name of this scope
+            shown = scope_shown(self.scope)
+            return VersionNotFoundError(
+                f"version {version!r} is committed, but it is outside this manager's names ({shown}): a manager "
+                f"restores only the versions it names (docs/FORMAT.md, \"Restore choice\", rule 2). Restore it with a "
+                f"CheckpointManager whose prefix= or version_format= names it, or load it with "
+                f"dcp.load(state, checkpoint_id={version!r}, storage_reader=ckptstore.StorageReader(root))")
         if self.remote_error:
             return TransientStorageError(f"version {version!r} is not committed on any root of this job, and the remote "
                                          f"tier could not be read ({self.remote_error}); try again when it answers")
-        return VersionNotFoundError(f"version {version!r} is not committed on any root of this job nor in {where}; "
-                                    "run 'ckptstore list' on the nodes to see what is")
+        in_scope = sorted(self.facts) if self.scope else sorted(names)
+        return version_not_found(version, f"any root of this job or the {where}" if where else "any root of this job",
+                                 in_scope)
 
     def walk(self, *, world_size: int | None, reshard: bool, fall_back_after: int | None,
              allow_nonfinite: bool = False) -> tuple[View | None, list]:
@@ -566,6 +576,13 @@ def decide(
 def _shown(names: list, total: int | None = None) -> str:
     total = len(names) if total is None else total
     return ", ".join(names[:8]) + (f" ... ({total} in all)" if total > 8 else "") if names else "every object"
+
+
+def scope_shown(scope: str | None) -> str:
+    """A scope written by :func:`version_pattern` as a reader would (``step\\-\\d+`` → ``step-N``)."""
+    if not scope:
+        return "every name"
+    return "names " + re.sub(r"\\(.)", r"\1", scope.replace(r"\d+", "N"))
 
 
 def version_pattern(prefix: str = "", version_format: str | None = None) -> str:

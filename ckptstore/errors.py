@@ -102,7 +102,7 @@ class VersionNotFoundError(CkptStoreError, FileNotFoundError):
 def version_not_found(version: str, where: str, committed=()) -> VersionNotFoundError:
     """The one "not found" of a named version (``show``, ``pin``, ``drop``, ``scrub --version``,
     ``Store.get``): where it was looked for, the closest committed names when there are near misses
-    (``step-00018`` → "did you mean 'step-000180'?"), and where to see the versions."""
+    (``step-18`` → "did you mean 'step-180'?"), and where to see the versions."""
     import difflib
 
     close = difflib.get_close_matches(str(version), sorted(set(committed)), n=3, cutoff=0.75)

@@ -1,4 +1,4 @@
-"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-9).
+"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-12).
 
 ``ckptstore gc`` works in three steps:
 
@@ -20,10 +20,12 @@
      their un-commit failed or was skipped. All un-commits of the plan come before any object
      deletion, so a crash mid-gc never leaves a committed version with missing objects.
    * garbage: objects under ``versions/`` that no committed manifest references — objects of
-     aborted or superseded attempts, ``.tmp-*`` files, rank upload markers, leftovers of deleted
-     versions — deleted only when older than the grace period (age from the object's mtime; for a
-     superseded attempt of a committed version, from the newer of the object and the manifest), and
-     only when their size and mtime are still what was planned (a growing file is skipped).
+     aborted attempts, ``.tmp-*`` files, rank upload markers, leftovers of deleted versions —
+     deleted only when older than the grace period (age from the object's mtime; for an attempt of
+     a committed version that its manifest does not name, from the newer of the object and the
+     manifest), and only when their size and mtime are still what was planned (a growing file is
+     skipped). Objects of an attempt that a committed manifest lists in ``supersedes`` go at once
+     (Delete rule 12: retired by that commit, nothing writes to them any more).
      Fault point ``gc.delete`` before each object deletion.
    * stale incomplete multipart uploads (tiers that declare ``supports_multipart``) older than grace
      are aborted; empty local directories older than grace are removed; root claims
@@ -338,6 +340,7 @@ class _Committed:
     manifest_mtime: dict[str, float]  # version dir -> mtime of its manifest
     attempt: dict[str, str]  # version dir -> the committed attempt
     referenced: dict = dataclasses.field(default_factory=dict)  # key -> versions whose manifests reference it
+    superseded: dict = dataclasses.field(default_factory=dict)  # version dir -> attempts its manifest supersedes
 
     @classmethod
     def of(cls, s: TierSnapshot, sizes: Mapping[str, ObjectInfo]) -> "_Committed":
@@ -345,6 +348,9 @@ class _Committed:
         for v, e in s.entries.items():
             d = layout.version_dir(v) + "/"
             c.attempt[d] = e.manifest.attempt
+            gone = e.manifest.superseded_attempts - {e.manifest.attempt}
+            if gone:
+                c.superseded[d] = gone
             c.claimed.update((d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED))
             c.claimed.update(d + o.name for o in e.manifest.all_objects())
             c.claimed.update(layout.object_key(r.version, r.name) for r in e.manifest.refs)  # referenced objects
@@ -404,6 +410,11 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
         if left_alone is not None:
             parts.survivors.append(Survivor(s.name, info.key, left_alone, info.size))
             continue
+        attempt = layout.attempt_of_key(info.key)
+        if attempt is not None and attempt in committed.superseded.get(layout.version_dir_of(info.key), ()):
+            parts.garbage.append(Action(s.name, DELETE, info.key, "garbage", _superseded_reason(attempt),
+                                        version=layout.version_of_key(info.key), size=info.size, mtime=info.mtime))
+            continue
         what, ref_t = _describe_garbage(info, committed, deleted_dirs)
         age = now_ts - ref_t
         if age >= grace:
@@ -413,6 +424,34 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
         else:
             parts.survivors.append(Survivor(s.name, info.key, f"{what}; younger than the grace period "
                                             f"(age {format_duration(age)} < {format_duration(grace)})", info.size))
+
+
+def _superseded_reason(attempt: str) -> str:
+    return (f"object of attempt {attempt}, which the committed manifest supersedes: retired by that commit, "
+            "not in flight, so no grace period (Delete rule 12)")
+
+
+def superseded_actions(tier: str, entries: Mapping, listing: Iterable[ObjectInfo], referenced: Mapping[str, list],
+                       scope: Callable[[str], bool] = lambda v: True) -> list[Action]:
+    """The deletion of every object of an attempt that a committed manifest of ``entries`` (``{version:
+    TierEntry}``, one tier) supersedes (docs/FORMAT.md, Delete rule 12): keys under
+    ``versions/<v>/attempts/<a>/`` of ``listing`` for each ``a`` in ``v``'s ``supersedes`` (never
+    ``v``'s own attempt), except objects in ``referenced`` (``{key: [versions]}``: frames a committed
+    manifest references). No grace period: such an attempt was committed before it was superseded,
+    so nothing writes to it any more. ``scope(version)``: the versions considered."""
+    gone: dict[str, frozenset] = {}
+    for v, e in entries.items():
+        atts = e.manifest.superseded_attempts - {e.manifest.attempt}
+        if atts and scope(v):
+            gone[layout.version_dir(v) + "/"] = atts
+    out = []
+    for info in listing:
+        vd = layout.version_dir_of(info.key)
+        attempt = layout.attempt_of_key(info.key)
+        if vd in gone and attempt in gone[vd] and info.key not in referenced:
+            out.append(Action(tier, DELETE, info.key, "garbage", _superseded_reason(attempt),
+                              version=layout.version_of_key(info.key), size=info.size, mtime=info.mtime))
+    return out
 
 
 def _left_alone(key: str, skip_dirs: set[str]) -> str | None:
@@ -465,17 +504,20 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
 
 
 def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
-    """Root claims (``probes/root.<token>``, and older releases' ``probes/r<rank>.<nonce>``) and
-    conditional-write probes left by a killed process (``probes/put-if-absent.<nonce>``) older than
+    """Root claims (``probes/root.<token>``, and older releases' ``probes/r<rank>.<nonce>``),
+    conditional-write probes left by a killed process (``probes/put-if-absent.<nonce>``) and the
+    temporary files of a probe write a killed process left (``probes/.tmp-<random>``) older than
     ``grace`` are deleted; younger ones (a save or load running now) and anything else under
     ``probes/`` survive."""
     for info in s.probes:
         base = info.key[len(PROBES) + 1:]
-        if not _PROBE_NAME.fullmatch(base):
+        temporary = "/" not in base and layout.is_temporary(base)  # a probe being written, or a killed writer's
+        if not (_PROBE_NAME.fullmatch(base) or temporary):
             parts.survivors.append(Survivor(s.name, info.key, "not a root-sharing probe; left alone", info.size))
             continue
         age = now_ts - info.mtime
-        what = "conditional-write probe" if base.startswith(layout.CONDITIONAL_PROBE) else "root-sharing probe"
+        what = ("temporary file of a probe" if temporary else
+                "conditional-write probe" if base.startswith(layout.CONDITIONAL_PROBE) else "root-sharing probe")
         if age >= grace:
             parts.garbage.append(Action(s.name, DELETE, info.key, "probe",
                                         f"{what}; age {format_duration(age)} >= grace {format_duration(grace)}",
@@ -687,7 +729,35 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
             log.info("retention: deleted version %r from the %s tier (%s)", d.version, name, "; ".join(d.reasons))
         except Exception as ex:  # noqa: BLE001
             log.warning("retention: could not delete version %r from the %s tier: %s", d.version, name, ex)
+    _reclaim_superseded(tier, name, entries, kept_refs, policy)
     return decisions
+
+
+def _reclaim_superseded(tier: Tier, name: str, entries: Mapping, referenced: Mapping[str, list],
+                        policy: RetentionPolicy) -> None:
+    """Retention's second half (docs/FORMAT.md, Delete rule 12): the objects of the attempts that the
+    committed manifests in scope supersede — the abandoned ``step-6`` after a rewind to ``step-4`` —
+    once no kept manifest references them (also when retention just deleted the superseding version).
+    Best effort, like the rest of :func:`apply_after_commit`: failures are logged."""
+    dirs = [layout.version_dir(v) + "/" for v, e in entries.items()
+            if policy.in_scope(v) and e.manifest.superseded_attempts - {e.manifest.attempt}]
+    if not dirs:
+        return
+    try:
+        listing = [i for d in dirs for i in tier.list(d)]
+        acts = superseded_actions(name, entries, listing, referenced, policy.in_scope)
+    except Exception as e:  # noqa: BLE001 - the save is committed; this is best effort
+        log.warning("retention: could not list superseded attempts in the %s tier: %s", name, e)
+        return
+    for a in acts:
+        try:
+            _faults.point("gc.delete")
+            tier.delete(a.key)
+        except Exception as e:  # noqa: BLE001
+            log.warning("retention: could not delete %s of a superseded attempt from the %s tier: %s", a.key, name, e)
+            return
+    if acts:
+        log.info("retention: deleted %d object(s) of superseded attempts from the %s tier", len(acts), name)
 
 
 def _records_or_none(tier: Tier, name: str):

@@ -50,7 +50,7 @@ from ._manager.sink import EventSink
 from ._manager.state import StateDicts
 from ._state_keys import canonical_fqn  # noqa: F401 - public here
 from .dcp import StorageWriter
-from .errors import CkptStoreError
+from .errors import CkptStoreError, JobBrokenError
 from .events import process_start_time
 
 log = logging.getLogger("ckptstore")
@@ -83,7 +83,12 @@ class CheckpointManager:
             and plain values (see :mod:`ckptstore._manager.state`); None: pass ``state`` to each call.
         remote: ``"s3://bucket/prefix"`` to also stage every version there.
         key: master key (see :class:`ckptstore.StorageWriter`).
-        interval_steps: ``save(step, ...)`` saves when ``step % interval_steps == 0`` (or ``force``).
+        key_file: instead of ``key``, a key file (32 bytes or their base64, what ``ckptstore keygen``
+            writes; the CLI's ``--key-file``, torchtitan's ``key_file``). Not with ``key``.
+        interval_steps: ``save(step, ...)`` saves when ``step % interval_steps == 0`` (or ``force``);
+            None: only with ``force`` (a framework that decides when to save, as torchtitan's
+            checkpointer does, calls ``save(step)`` at every step so that a preemption signal is
+            noticed at the next step boundary, and ``save(step, force=True)`` to save).
         retention: a :class:`ckptstore.retention.RetentionPolicy` applied after each commit.
         durability: ``"local"``, ``"replicated"`` or ``"remote"`` (see :class:`ckptstore.StorageWriter`).
         replicas (a writer option): replication factor F — every node's objects are also copied to
@@ -164,6 +169,8 @@ class CheckpointManager:
     event_log = _Kept("_events")
     metrics_file = _Kept("_events")
     grace_s = _Kept("_preempt")
+    #: the last sentence of the preemption message: how to resume (``{step}``, ``{version}`` filled in)
+    resume_hint = _Kept("_preempt")
     _sig = _Kept("_preempt", "sig")
     _sig_mono = _Kept("_preempt", "sig_mono")
     _healing = _Kept("_restorer", "healing")
@@ -175,7 +182,8 @@ class CheckpointManager:
         *,
         remote: str | None = None,
         key: Any = None,
-        interval_steps: int = 1,
+        key_file: str | os.PathLike | None = None,
+        interval_steps: int | None = 1,
         retention: Any = None,
         durability: str = "local",
         executor: str | AsyncCheckpointerType = "thread",
@@ -204,6 +212,10 @@ class CheckpointManager:
         if on_busy not in ("wait", "skip"):
             raise ValueError("on_busy must be 'wait' or 'skip'")
         kind = _executor_kind(executor, interval_steps, max_pending, writer_options)
+        if key_file is not None:
+            from .codec.crypto import key_or_file
+
+            key = key_or_file(key, key_file)
         self._names = registry.names_of(root, prefix, version_format)
         registry.close_previous(self._names)
         _check_bounds(fall_back_after, grace_s, progress_s)
@@ -287,22 +299,25 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return step % self.interval_steps == 0
+        return self.interval_steps is not None and step % self.interval_steps == 0
 
     def version_name(self, step: int) -> str:
         if self.version_format is not None:
             return self.version_format.format(step=int(step))
         return f"{self.prefix}{int(step)}"
 
-    def _state(self, state: dict[str, Any] | None) -> dict[str, Any]:
+    def _state(self, state: dict[str, Any] | Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
         state = self.state if state is None else state
         if state is None:
             raise TypeError("no state: pass CheckpointManager(root, state) or state= to this call")
+        if callable(state) and not isinstance(state, dict) and not hasattr(state, "state_dict"):
+            state = state()  # built only when a save starts (save(step, lambda: ...))
         return state
 
-    def save(self, step: int, state: dict[str, Any] | None = None, *, force: bool = False,
-             metadata: dict[str, Any] | None = None) -> bool:
-        """Stage ``state`` (default: the constructor's) and queue its save as version
+    def save(self, step: int, state: dict[str, Any] | Callable[[], dict[str, Any]] | None = None, *,
+             force: bool = False, metadata: dict[str, Any] | None = None) -> bool:
+        """Stage ``state`` (default: the constructor's; a callable returning it is called only when a
+        save starts, so a loop may pass one at every step for nothing) and queue its save as version
         :meth:`version_name` ``(step)``; return True if a save was started, False when ``step`` is
         not due (``step % interval_steps != 0``) and not ``force``. ``metadata``: JSON-serialisable
         user metadata recorded in the version's manifest (``ckptstore gc --keep-best`` reads it).
@@ -543,7 +558,7 @@ class CheckpointManager:
         if self.mtbf and out["mean_blocked_s"] is not None:
             from .advise import advise
 
-            cur = self.interval_steps * self._step_time if self._step_time else None
+            cur = self.interval_steps * self._step_time if self._step_time and self.interval_steps else None
             out["advice"] = advise(
                 cost_s=out["mean_blocked_s"], mtbf_s=self.mtbf, restart_s=self.restart_s,
                 step_time_s=self._step_time, current_interval_s=cur,
@@ -609,13 +624,15 @@ class CheckpointManager:
         try:  # the loop already failed: finish what can be finished, never hide its error
             self._close(exc)
         except BaseException as e:  # noqa: BLE001
+            if isinstance(exc, JobBrokenError) and isinstance(e, JobBrokenError):
+                return  # the loop's own error says it (once)
             log.error("ckptstore: CheckpointManager.close() after %s: %s", exc_type.__name__, e)
 
 
-def _executor_kind(executor, interval_steps: int, max_pending: int, writer_options: dict) -> str:
+def _executor_kind(executor, interval_steps: int | None, max_pending: int, writer_options: dict) -> str:
     """Check the options of the save queue; the executor's name (``"thread"`` or ``"process"``)."""
-    if interval_steps < 1:
-        raise ValueError("interval_steps must be >= 1")
+    if interval_steps is not None and interval_steps < 1:
+        raise ValueError("interval_steps must be >= 1 (or None: save only with force=True)")
     if max_pending < 1:
         raise ValueError("max_pending must be >= 1")
     kind = executor.value if isinstance(executor, AsyncCheckpointerType) else str(executor)

@@ -7,7 +7,14 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from .errors import DamagedVersionError, TransientStorageError, VersionNotFoundError, version_not_found
+from .errors import (
+    DamagedVersionError,
+    StorageError,
+    StoreNotFoundError,
+    TransientStorageError,
+    VersionNotFoundError,
+    version_not_found,
+)
 from .manifest import catalogue, layout, placement
 from .manifest.catalogue import VersionRecord
 from .manifest.schema import ParsedManifest
@@ -23,12 +30,26 @@ class Store:
     ``root``: local directory (created on first write); None or ``""``: no local tier (an
     S3-only store — ``""`` is never the current directory). ``remote``: ``"s3://bucket/prefix"``
     or None; endpoint/credentials from the boto3 chain or ``endpoint_url``. ``key``: master key
-    (32 bytes or a key provider) — only needed to read encrypted data, not to list.
+    (32 bytes or a key provider), or ``key_file`` (a key file, as the CLI's ``--key-file``) — only
+    needed to read encrypted data, not to list.
+
+    The catalogue (:meth:`versions`, :meth:`latest`, :meth:`get`) checks the local root as the
+    command line does (:func:`check_root`): without a ``remote``, a root that does not exist, is not
+    a directory, or is a non-empty directory that is no store raises :class:`StoreNotFoundError`
+    (one that cannot be read :class:`StorageError`), so a typo never reads as "no versions yet". An
+    existing empty directory, or one holding only ckptstore's own files (``probes/``,
+    ``events.jsonl``, ``restores.jsonl``: a job that has not saved yet), is an empty store.
     """
 
-    def __init__(self, root: str | os.PathLike | None, *, remote: str | None = None, key=None, endpoint_url: str | None = None):
+    def __init__(self, root: str | os.PathLike | None, *, remote: str | None = None, key=None, endpoint_url: str | None = None,
+                 key_file: str | os.PathLike | None = None):
+        if key_file is not None:
+            from .codec.crypto import key_or_file
+
+            key = key_or_file(key, key_file)
         if root is not None and not os.fspath(root):
             root = None
+        self._given_root = None if root is None else os.fspath(root)
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.local: Tier | None = None if root is None else LocalTier(self.root)
         self.remote: Tier | None = make_remote(remote, endpoint_url=endpoint_url)
@@ -63,6 +84,8 @@ class Store:
         ``damaged``, ``local_part`` (the part this local root holds of a version split over several
         roots, else None), ``nonfinite`` (NaN/Inf values its tensors hold; None: not counted).
         """
+        if self.local is not None and self.remote is None:
+            check_root(self._given_root)
         scans = self._scan()
         recs = [self._with_part(r, scans) for r in catalogue.merge(scans)]
         if not include_damaged:
@@ -119,8 +142,8 @@ class Store:
             for r in self.versions():
                 if r.version == view.version and r.attempt == view.attempt:
                     return r
-        except TransientStorageError:  # the remote tier does not answer: the view's facts suffice
-            pass
+        except (TransientStorageError, StoreNotFoundError):  # the remote tier does not answer, or this
+            pass  # node's root was never created (its part is on peers): the view's facts suffice
         return record_of(view)
 
     def choose(self, version: str | None = None, process_group=None, **choice) -> "View | None":
@@ -179,6 +202,71 @@ class Store:
     def close(self) -> None:
         for t in self.tiers.values():
             t.close()
+
+
+#: what ckptstore itself puts at the top of a local root (docs/FORMAT.md, "Layout by example"): a
+#: non-empty directory with none of these is not a store (a typo for the directory above or below one)
+VERSIONS = layout.VERSIONS
+OWN_ENTRIES = frozenset({VERSIONS, "probes", "restores.jsonl", "events.jsonl"})
+
+
+def check_root(root: str) -> None:
+    """Check that ``root`` is a local store (docs/FORMAT.md, "An initialised store"): an existing,
+    readable directory that is empty, or holds ``versions/`` or another of ckptstore's own entries
+    (:data:`OWN_ENTRIES`: a job that has not saved yet). The one check of ``Store``'s catalogue and
+    the command line.
+
+    Raises :class:`StoreNotFoundError` (exit 9) for a root that does not exist, is not a directory,
+    or holds other things only (naming a store just above or below it); :class:`StorageError`
+    (exit 7) for one that cannot be read."""
+    if not os.path.exists(root):
+        raise StoreNotFoundError(
+            f"no ckptstore store at {root!r}: the directory does not exist (a typo? for an S3-only store "
+            "pass '' as ROOT with --remote, or Store(None, remote=URL))"
+        )
+    if not os.path.isdir(root):
+        raise StoreNotFoundError(f"no ckptstore store at {root!r}: not a directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise StorageError(f"cannot read the store directory {root!r}: permission denied")
+    try:
+        names = os.listdir(root)
+    except OSError as e:
+        raise StorageError(f"cannot read the store directory {root!r}: {e.strerror}") from None
+    if names and not OWN_ENTRIES.intersection(names):
+        raise StoreNotFoundError(f"no ckptstore store at {root!r}: the directory is not empty but holds no "
+                                 f"{VERSIONS}/ (an empty directory is an empty store)" + _store_nearby(root))
+
+
+def _is_store(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, VERSIONS))
+
+
+def _store_nearby(root: str) -> str:
+    """"; the store is at X" for a store just above or below ``root`` (``ROOT/versions`` named as
+    ROOT, or the directory that holds the store), else ""."""
+    here = os.path.abspath(root)
+    parent = os.path.dirname(here)
+    if os.path.basename(here) == VERSIONS and _is_store(parent):
+        shown_parent = os.path.dirname(os.path.normpath(root)) or "."  # in the form ROOT was given
+        return f"; it is the {VERSIONS}/ directory of the store {shown_parent!r}: pass that as ROOT"
+    found = []
+    try:
+        for d in sorted(os.listdir(here)):
+            p = os.path.join(here, d)
+            if _is_store(p):
+                found.append(p)
+            elif os.path.isdir(p) and len(found) < 5:
+                try:
+                    found += [os.path.join(p, e) for e in sorted(os.listdir(p)) if _is_store(os.path.join(p, e))]
+                except OSError:
+                    pass
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    # named as ROOT was given (absolute stays absolute), not relative to the working directory
+    shown = ", ".join(repr(os.path.join(root, os.path.relpath(f, here))) for f in found[:5])
+    return f"; the store below it is {shown}" if len(found) == 1 else f"; stores below it: {shown}"
 
 
 def record_of(view) -> VersionRecord:

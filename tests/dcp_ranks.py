@@ -204,3 +204,48 @@ def load_then_destroy(rank, world, root, version, seed, remote=None):
     dist.destroy_process_group()
     left = sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptstore-"))
     return good, left
+
+
+def fsdp1_two_step_load(rank, world, root):
+    """PyTorch's FSDP1 recipe (the ``load_sharded_optimizer_state_dict`` docstring): save the model's
+    and the optimizer's sharded state dicts under ``model`` and ``optim``; load the model alone into a
+    fresh FSDP model, then the optimizer with ``load_sharded_optimizer_state_dict`` — each through a
+    default ``ckptstore.StorageReader``. Returns (parameters equal, optimizer state equal, a further
+    step's parameters equal) against the saving model and optimizer."""
+    import ckptstore
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = FSDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                 device_id=torch.device("cpu"))
+        return m, torch.optim.Adam(m.parameters(), lr=0.1)
+
+    def step(m, o, seed):
+        g = torch.Generator().manual_seed(seed)
+        m(torch.rand(4, 8, generator=g)).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    model, optim = build(0)
+    step(model, optim, 1)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        dcp.save(sd, checkpoint_id="v1", storage_writer=ckptstore.StorageWriter(root))
+    model2, optim2 = build(1)
+    with FSDP.state_dict_type(model2, StateDictType.SHARDED_STATE_DICT):
+        ck = {"model": model2.state_dict()}
+        dcp.load(ck, checkpoint_id="v1", storage_reader=ckptstore.StorageReader(root))
+        model2.load_state_dict(ck["model"])
+        osd = load_sharded_optimizer_state_dict(model_state_dict=ck["model"], optimizer_key="optim",
+                                                storage_reader=ckptstore.StorageReader(root, version="v1"))
+        optim2.load_state_dict(FSDP.optim_state_dict_to_load(model2, optim2, osd["optim"]))
+    params = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    s1, s2 = optim.state_dict()["state"], optim2.state_dict()["state"]
+    state = s1.keys() == s2.keys() and all(torch.equal(s1[k][n], s2[k][n]) for k in s1 for n in s1[k])
+    step(model, optim, 2)
+    step(model2, optim2, 2)
+    after = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    return params, state, after

@@ -149,6 +149,37 @@ def test_empty_existing_root_is_an_empty_store(tmp_path):
     assert "no committed versions" in cli("list", root).stdout
 
 
+def test_a_root_holding_only_ckptstores_own_files_is_an_empty_store(tmp_path):
+    """A job's checkpoint folder before its first save holds ``events.jsonl`` (the manager's ``open``
+    line) and maybe ``probes/``: an empty store (exit 0, before: exit 9 "not a store")."""
+    for own in (["events.jsonl"], ["probes/r00000.ab12"], ["restores.jsonl"]):
+        root = tmp_path / own[0].split("/")[0].replace(".", "_")
+        for rel in own:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text("{}\n")
+        r = cli("list", root)
+        assert r.exit_code == 0 and "no committed versions" in r.stdout, (own, r.output)
+        assert ckptstore.Store(str(root)).versions() == []
+
+
+def test_the_python_catalogue_checks_the_root_as_the_cli_does(tmp_path):
+    """``Store("/path/with/typo").latest()`` was None (the README's load pattern then failed with
+    AttributeError); now the same StoreNotFoundError as ``ckptstore list`` (exit 9)."""
+    typo = tmp_path / "typo"
+    with pytest.raises(ckptstore.StoreNotFoundError, match="does not exist"):
+        ckptstore.Store(str(typo)).latest()
+    assert not typo.exists()
+    (tmp_path / "notes.txt").write_text("x")
+    save(tmp_path / "ckpt", "v1", 1)
+    with pytest.raises(ckptstore.StoreNotFoundError, match="holds no versions/.*ckpt"):
+        ckptstore.Store(str(tmp_path)).versions()
+    with pytest.raises(ckptstore.StoreNotFoundError, match="not a directory"):
+        ckptstore.Store(str(tmp_path / "notes.txt")).get("v1")
+    assert ckptstore.Store(str(tmp_path / "ckpt")).latest().version == "v1"
+    (tmp_path / "empty").mkdir()
+    assert ckptstore.Store(str(tmp_path / "empty")).latest() is None
+
+
 def test_a_file_as_root_is_an_error(tmp_path):
     f = tmp_path / "f"
     f.write_text("x")
@@ -249,6 +280,10 @@ def test_a_damaged_newest_version_can_be_dropped(store):
     assert "v3" in [v["version"] for v in cli_json("list", store)[1]["versions"]]  # gc never removes the newest
     r = cli("drop", store, "v3")  # no terminal, no --yes: refused, nothing removed
     assert r.exit_code == 2 and "--yes" in r.output
+    # the listing it prints first is marked as a plan before the refusal (before: read as done)
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("drop v3: ") and "plan only: nothing is removed without --yes" in first, r.stdout
+    assert "nothing was removed" in r.stderr, r.stderr
     r = cli("drop", store, "v3", "--dry-run")
     assert r.exit_code == 0 and "uncommit" in r.stdout and "dry run" in r.stdout
     assert [v["version"] for v in cli_json("list", store)[1]["versions"]] == ["v2", "v3"]

@@ -170,6 +170,32 @@ def _step(model, optim):
     optim.zero_grad()
 
 
+def test_pytorchs_fsdp1_recipe_model_then_load_sharded_optimizer_state_dict(tmp_path):
+    """PyTorch's documented FSDP1 load (the model alone, then ``load_sharded_optimizer_state_dict``)
+    with a default ``StorageReader`` on 2 gloo ranks: both steps load, parameters and optimizer state
+    equal the saved ones and a further step stays equal (before: the model load was refused, "holds
+    30 key(s) that no rank's state dict asks for", the optimizer's)."""
+    assert run_ranks(dcp_ranks.fsdp1_two_step_load, 2, str(tmp_path), timeout=240) == [(True, True, True)] * 2
+
+
+def test_a_partial_load_may_leave_whole_entries_unread_but_not_part_of_one(tmp_path):
+    """The rule behind the recipe: a load that asks nothing of a top-level entry (``optim``) leaves
+    it unread; one that asks for part of an entry (the parameter groups of a fresh optimizer, not its
+    ``state``) is still refused, naming the entry."""
+    root = str(tmp_path)
+    model, optim = _model_and_optim(0)
+    _step(model, optim)
+    save({"model": model.state_dict(), "optim": optim.state_dict(), "rng": {"rank0": 1, "rank1": 2}}, root, "v1")
+    m2, o2 = _model_and_optim(1)
+    tgt = {"model": m2.state_dict()}
+    load(tgt, root, "v1")  # the model alone
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), tgt["model"].values()))
+    errs = failures(load_error({"model": m2.state_dict(), "optim": o2.state_dict()}, root, "v1"))
+    assert any(isinstance(e, ckptstore.StateDictKeysError) and "under 'optim'" in str(e) for e in errs), errs
+    errs = failures(load_error({"rng": {"rank0": 0}}, root, "v1"))  # per-rank entries of more ranks
+    assert any(isinstance(e, ckptstore.StateDictKeysError) and "'rng.rank1'" in str(e) for e in errs), errs
+
+
 def test_fresh_optimizer_round_trips_with_get_state_dict(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

@@ -644,3 +644,88 @@ def test_gc_s3_only(tmp_path, monkeypatch, request):
     assert res.ok and p.deleted_versions == {"remote": ["s1", "s2", "s3", "s4", "s5"]}
     assert [r.version for r in st.versions()] == ["s6"]
     assert not [i.key for i in st.remote.list("versions/") if not i.key.startswith("versions/s6/")]
+
+
+# -- superseded attempts (docs/FORMAT.md, Delete rule 12) -------------------------------------------------
+def _attempt_dirs(root: str) -> dict[str, list[str]]:
+    """``{version dir name: [attempt dirs]}`` on disk."""
+    out = {}
+    vroot = os.path.join(root, "versions")
+    for v in sorted(os.listdir(vroot)):
+        adir = os.path.join(vroot, v, "attempts")
+        out[v] = sorted(os.listdir(adir)) if os.path.isdir(adir) else []
+    return out
+
+
+def test_retention_reclaims_superseded_attempts_once_no_manifest_references_them(tmp_path):
+    """A rewind (``restore(version="step-0")``, torchtitan's ``--checkpoint.load-step``) then saves
+    under retention: the abandoned attempts of ``step-1`` and ``step-2`` go with the retention run of
+    the commit that superseded them — before, they stayed (a whole checkpoint each) until a
+    ``ckptstore gc`` an hour later — except an object the abandoned ``step-2`` still references
+    (incremental), which goes once ``step-2`` is superseded too. ``gc`` deletes such objects without
+    waiting for the grace period."""
+    from ckptstore import CheckpointManager
+
+    root = str(tmp_path)
+    state = {"base": torch.arange(4096.0), "x": torch.zeros(256), "y": torch.zeros(256)}
+    with CheckpointManager(root, {"s": state}, incremental=True, save_rng=False) as mgr:
+        for step in (0, 1, 2):
+            state["x"].fill_(step)
+            if step == 1:
+                state["y"].fill_(1)  # y changes at step 1 only: step-2 references step-1's object
+            mgr.save(step)
+            mgr.wait()
+    old = {v: ckptstore.Store(root).get(v).attempt for v in ("step-1", "step-2")}
+    m2 = catalogue.read_manifest(LocalTier(root), "step-2").manifest
+    assert any(r.version == "step-1" for r in m2.refs)  # the abandoned step-2 references old step-1's object
+    keep = R.RetentionPolicy([R.KeepLast(10)])
+    with CheckpointManager(root, {"s": state}, incremental=True, save_rng=False, retention=keep) as mgr:
+        assert mgr.restore(version="step-0") == 0
+        state["x"].fill_(11)
+        mgr.save(1)
+        mgr.wait()
+        dirs = _attempt_dirs(root)
+        new1 = ckptstore.Store(root).get("step-1").attempt
+        assert dirs["step-1"] == sorted([new1, old["step-1"]]), dirs  # the referenced object is kept ...
+        kept_old = os.listdir(os.path.join(root, "versions", "step-1", "attempts", old["step-1"]))
+        assert kept_old == [r.name.split("/")[-1] for r in m2.refs if r.version == "step-1"], kept_old
+        mgr.save(2)  # ... until step-2 is superseded too: then nothing of the old timeline is left
+        mgr.wait()
+    dirs = _attempt_dirs(root)
+    assert dirs == {"step-0": [ckptstore.Store(root).get("step-0").attempt],
+                    "step-1": [new1], "step-2": [ckptstore.Store(root).get("step-2").attempt]}, dirs
+    assert _scrub_deep(root) == 0
+
+
+def _scrub_deep(root: str) -> int:
+    from click.testing import CliRunner
+
+    from ckptstore.cli import main
+
+    return CliRunner().invoke(main, ["scrub", root, "--deep"], catch_exceptions=False).exit_code
+
+
+def test_gc_deletes_a_superseded_attempt_without_the_grace_period(tmp_path):
+    """Without retention in the job, ``ckptstore gc`` (default grace 1 h) reclaims a superseded attempt
+    at once: it was committed before it was superseded, nothing writes to it (Delete rule 12); an
+    aborted attempt of the same age still waits for the grace period."""
+    from ckptstore import CheckpointManager
+
+    root = str(tmp_path)
+    model = torch.nn.Linear(64, 64)
+    with CheckpointManager(root, {"model": model}, save_rng=False) as mgr:
+        for s in (1, 2):
+            mgr.save(s)
+    with CheckpointManager(root, {"model": model}, save_rng=False) as mgr:
+        assert mgr.restore(version="step-1") == 1
+        mgr.save(2)
+    rec = ckptstore.Store(root).get("step-2")
+    (old,) = [a for a, _ in rec.supersedes]
+    put_garbage(LocalTier(root), "versions/step-9/attempts/20260101T000000-aaaaaaaaaaaa-00001/r00000.ckd",
+                dt.datetime.now().timestamp())
+    p, res = G.run({"local": LocalTier(root)}, None)
+    gone = {a.key for a in p.actions}
+    assert gone and all(f"/attempts/{old}/" in k for k in gone), gone
+    assert all("Delete rule 12" in a.reason for a in p.actions)
+    assert res.ok and _attempt_dirs(root)["step-2"] == [rec.attempt]
+    assert any("younger than the grace period" in s.reason for s in p.survivors if "step-9" in s.key)

@@ -138,7 +138,7 @@ def _readme_example() -> str:
 
 def test_readme_training_loop_example_runs_as_written(tmp_path):
     """The README's 5-line example (save in the loop + resume), run as written inside a tiny
-    training script, twice: the second run restores step 6 and continues from step 7."""
+    training script, twice: the second run restores step 1000 and continues from step 1001."""
     example = _readme_example()
     lines = [ln for ln in example.strip().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert len(lines) <= 5, example
@@ -149,16 +149,17 @@ def test_readme_training_loop_example_runs_as_written(tmp_path):
         "def train_step():\n"
         "    model(torch.randn(4, 8)).sum().backward(); optimizer.step(); optimizer.zero_grad()\n"
         f"root = {str(tmp_path)!r}\n"
-        "steps = 7\n" + example + "\nprint('latest', mgr.latest(), 'last step', step, 'restored', mgr.last_restore)\n"
+        "import sys\nsteps = int(sys.argv[1])\n" + example
+        + "\nprint('latest', mgr.latest(), 'last step', step, 'restored', mgr.last_restore)\n"
     )
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    p = subprocess.run([sys.executable, "-c", script, "1001"], env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "latest step-6 last step 7 restored None" in p.stdout, p.stdout  # saved at 2, 4, 6
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert "latest step-1000 last step 1001 restored None" in p.stdout, p.stdout  # saved at 500, 1000
+    p = subprocess.run([sys.executable, "-c", script, "1002"], env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    # the second run restored step 6 and ran only step 7
-    assert "latest step-6 last step 7 restored RestoreInfo(version='step-6', step=6" in p.stdout, p.stdout
+    # the second run restored step 1000 and ran only steps 1001 and 1002
+    assert "latest step-1000 last step 1002 restored RestoreInfo(version='step-1000', step=1000" in p.stdout, p.stdout
 
 
 def test_advise_young_daly_and_command():
@@ -182,3 +183,25 @@ def test_advise_young_daly_and_command():
     assert r.exit_code == 0 and "checkpoint every" in r.output and "steps" in r.output, r.output
     r = CliRunner().invoke(cli_main, ["advise", "--mtbf", "soon", "--cost", "2"])
     assert r.exit_code == 2 and "not a duration" in r.output
+
+
+def test_interval_none_saves_only_when_forced_and_builds_a_callable_state_only_then(tmp_path):
+    """``interval_steps=None`` (a framework decides when to save, as torchtitan's checkpointer): a
+    plain ``save(step)`` saves nothing and does not build the state it is given as a callable;
+    ``force=True`` builds it once and saves."""
+    import torch
+
+    import ckptstore
+
+    built = []
+
+    def state():
+        built.append(1)
+        return {"w": torch.ones(3)}
+
+    with ckptstore.CheckpointManager(str(tmp_path), interval_steps=None, save_rng=False) as mgr:
+        assert [mgr.save(s, state) for s in (1, 2, 100)] == [False] * 3 and built == []
+        assert mgr.save(3, state, force=True) and built == [1]
+    assert [r.version for r in ckptstore.Store(str(tmp_path)).versions()] == ["step-3"]
+    with pytest.raises(ValueError, match="or None"):
+        ckptstore.CheckpointManager(str(tmp_path / "x"), interval_steps=0)

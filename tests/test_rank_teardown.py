@@ -108,3 +108,22 @@ def test_rank_killed_before_returning_or_dying_after_fails_run_ranks():
     assert set(f) == {1, 2}, f
     assert f[1] == "exited with code -9 without reporting", f
     assert f[2] == "returned, then exited with code -6", f
+
+
+def test_results_over_a_pipe_buffer_and_tensors_come_back_and_unpicklable_ones_fail():
+    """A rank's result of 4 MiB (a pipe holds 64 KiB) and a returned tensor come back whole; a
+    result that cannot be pickled fails that rank with the reason — nothing waits past the timeout
+    (before: the rank blocked in the pipe until the timeout, then the parent waited forever on the
+    partial message; a tensor came back through shared memory that was gone: FileNotFoundError)."""
+    import time
+
+    import torch
+
+    t0 = time.monotonic()
+    job = Ranks(teardown_ranks.big_results, 2, 4 << 20)
+    assert job.wait(120) == {0: 0, 1: 1}
+    assert time.monotonic() - t0 < 110 and not job.timed_out
+    assert job.results[1][0] == "err" and "could not be pickled" in job.results[1][1], job.results[1]
+    out = job.results[0][1]
+    assert out["blob"] == bytes(range(256)) * (4 << 12)
+    assert torch.equal(out["t"], torch.arange(1 << 20, dtype=torch.int32))

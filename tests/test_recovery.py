@@ -243,7 +243,8 @@ def _save_with_clock(root, name, step, offset=None, with_step=True):
     cmd = [sys.executable, "-c", _SAVE, root, name, str(step if with_step else -1)]
     if offset:
         if shutil.which("faketime") is None:
-            pytest.skip("needs libfaketime's 'faketime' (Debian package faketime; .ci/run installs it)")
+            pytest.skip("needs libfaketime's 'faketime' (Debian package faketime: scripts/test.sh installs it when "
+                        "run as root with apt-get; README, 'The two commands')")
         cmd = ["faketime", "-f", offset] + cmd
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)

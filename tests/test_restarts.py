@@ -75,6 +75,11 @@ def run_restarts(tmp_path: Path, restarts: int, timeout: float) -> None:
     assert [r.step for r in ckptstore.Store(str(root)).versions()] == list(range(1, restarts + 2))
 
 
+def test_manager_group_survives_an_in_place_restart(tmp_path):
+    run_restarts(tmp_path, 1, timeout=180)
+
+
+@pytest.mark.slow
 def test_manager_group_survives_three_in_place_restarts(tmp_path):
     run_restarts(tmp_path, 3, timeout=240)
 

@@ -153,12 +153,15 @@ def test_gc_deletes_old_probes_only(roots):
     pdir = os.path.join(a, "probes")
     shutil.rmtree(pdir, ignore_errors=True)  # the fixture's saves left their (fresh) probes
     os.makedirs(pdir)
-    for name in ("r0.old1", "r1.fresh", "notes.txt", "put-if-absent.00ff00ff00ff00ff"):
+    names = ("r0.old1", "r1.fresh", "notes.txt", "put-if-absent.00ff00ff00ff00ff", ".tmp-0a1b2c3d4e5f6a7b",
+             ".tmp-fresh00000000")
+    for name in names:
         with open(os.path.join(pdir, name), "w") as f:
             f.write("x")
     old = time.time() - 2 * 3600
-    # a conditional-write probe left by a killed process (docs/FORMAT.md, "Conditional writes")
-    for name in ("r0.old1", "notes.txt", "put-if-absent.00ff00ff00ff00ff"):
+    # a conditional-write probe left by a killed process (docs/FORMAT.md, "Conditional writes"), and
+    # the temp file of a probe write a killed job left (before: kept forever)
+    for name in ("r0.old1", "notes.txt", "put-if-absent.00ff00ff00ff00ff", ".tmp-0a1b2c3d4e5f6a7b"):
         os.utime(os.path.join(pdir, name), (old, old))
     before = files_under(a, "versions/")
     code, out = cli_json("scrub", a)
@@ -168,8 +171,9 @@ def test_gc_deletes_old_probes_only(roots):
     code, out = cli_json("gc", a)
     assert code == 0
     probes = [x for x in out["plan"]["actions"] if x["kind"] == "probe"]
-    assert sorted(x["key"] for x in probes) == ["probes/put-if-absent.00ff00ff00ff00ff", "probes/r0.old1"]
-    assert sorted(os.listdir(pdir)) == ["notes.txt", "r1.fresh"]
+    assert sorted(x["key"] for x in probes) == ["probes/.tmp-0a1b2c3d4e5f6a7b", "probes/put-if-absent.00ff00ff00ff00ff",
+                                                "probes/r0.old1"]
+    assert sorted(os.listdir(pdir)) == [".tmp-fresh00000000", "notes.txt", "r1.fresh"]
     assert files_under(a, "versions/") == before
 
 

@@ -159,3 +159,76 @@ def test_load_step_that_is_not_committed_is_a_clear_error(tmp_path):
 def test_folder_that_is_a_uri_is_refused():
     with pytest.raises(ckptstore.CkptStoreError, match="remote"):
         ts.train(_cfg(keep_latest_k=0, folder="s3://bucket/ckpt"), 1, base_folder="")
+
+
+# -- preemption under torchtitan: the next step boundary, not the next due save ----------------------------
+def _preempt_job(base, steps: int, kill_at: int, interval: int, nproc: int = 0):
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "titan_preempt_job.py")
+    args = [str(base), str(steps), str(kill_at), str(interval)]
+    cmd = ([sys.executable, script] if not nproc else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]), OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300, env=env)
+    outs = []
+    for r in range(max(1, nproc)):
+        with open(os.path.join(base, f"rank{r}.json")) as f:
+            outs.append(json.load(f))
+    return p, outs
+
+
+def _check_preempted(p, outs, root, saved_step: int, before: tuple = ()):
+    for o in outs:
+        assert o["exit"] == 143 and o["saved"] == f"step-{saved_step}", (o, p.stderr[-3000:])
+        assert o["reached"] == saved_step  # it stopped at that step boundary: no step trained after it
+        assert o["t_end"] - outs[0]["t_signal"] < 10, o  # well within the 30 s grace period
+        assert "Resume by running the same torchtitan command again" in o["message"], o["message"]
+        assert "mgr.resume()" not in o["message"]
+    assert "ended the process" not in p.stderr and "grace period over" not in p.stderr, p.stderr[-3000:]
+    assert _versions(root) == [(v, False) for v in before] + [(f"step-{saved_step}", False)]
+
+
+def test_sigterm_saves_the_next_step_boundary_not_the_next_interval(tmp_path):
+    """``--checkpoint.interval 100``, SIGTERM at step 3 (one process): step 3 is saved and the process
+    exits 143 at once, with a message in torchtitan's terms (before: training went on to the next due
+    save — step 100, or the watchdog ended it after 27 s with nothing saved); the next run resumes at 4."""
+    base = tmp_path / "run"
+    base.mkdir()
+    p, outs = _preempt_job(base, 40, 3, 100)
+    assert p.returncode == 143, p.stderr[-3000:]
+    _check_preempted(p, outs, str(base / "checkpoint"), 3)
+    p, outs = _preempt_job(base, 5, -1, 100)
+    assert p.returncode == 0 and outs[0]["start"] == 4, (outs, p.stderr[-3000:])
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_under_torchrun_saves_the_same_step_on_both(tmp_path):
+    """Two ranks under ``torchrun``, interval 4, SIGTERM to rank 0 at step 5: both ranks learn it at
+    the next step's ``save()`` call and save step 6 (before: step 8 or later, and "Resume with
+    mgr.resume()")."""
+    base = tmp_path / "run"
+    base.mkdir()
+    p, outs = _preempt_job(base, 40, 5, 4, nproc=2)
+    _check_preempted(p, outs, str(base / "checkpoint"), 6, before=("step-4",))
+
+
+def test_a_rewind_with_keep_latest_k_leaves_no_abandoned_attempt_on_disk(tmp_path):
+    """``--checkpoint.load-step 4`` on a store holding step-6, then saves to 14 with
+    ``--checkpoint.keep-latest-k 2``: the abandoned step-6 attempt goes with the retention of the
+    commit that superseded it (before: 56 MiB stayed after the new step-6 was deleted, until a
+    ``ckptstore gc`` the section never mentioned); only step-12 and step-14 remain on disk."""
+    base = str(tmp_path)
+    root = os.path.join(base, "checkpoint")
+    ts.train(_cfg(keep_latest_k=0), 6, base_folder=base)
+    old6 = ckptstore.Store(root).get("step-6").attempt
+    run = ts.train(_cfg(keep_latest_k=2, load_step=4), 6, base_folder=base)
+    assert run["start"] == 5
+    adir = os.path.join(root, "versions", "step-6", "attempts")
+    assert old6 not in os.listdir(adir)  # reclaimed by the commit's retention, not an hour later
+    ts.train(_cfg(keep_latest_k=2), 14, base_folder=base)
+    assert _versions(root) == [("step-12", False), ("step-14", False)]
+    assert sorted(os.listdir(os.path.join(root, "versions"))) == ["step-12", "step-14"]

@@ -1,6 +1,6 @@
 """torchtitan's own trainer checkpointing through ckptstore, end to end (opt-in).
 
-Skipped unless torchtitan is installed (``pip install 'ckptstore[torchtitan]'``; on a CPU-only
+Skipped unless torchtitan is installed (``pip install -e '.[torchtitan]'`` in the clone; on a CPU-only
 torch also ``triton``, which torchtitan imports: docs/TESTING.md, "torchtitan"). Real ``torchrun``
 jobs of ``torchtitan.train`` (through ``tests/titan_cpu.py``, the CPU launcher) training the
 ``llama3_debugmodel`` (6.2 M parameters) with ``--override.imports
@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
-    reason="torchtitan is not installed (pip install 'ckptstore[torchtitan]'; see docs/TESTING.md, 'torchtitan')",
+    reason="torchtitan is not installed (pip install -e '.[torchtitan]' triton; see docs/TESTING.md, 'torchtitan')",
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -141,3 +141,49 @@ def test_readme_command_line_is_the_one_tested():
     with open(os.path.join(REPO, "README.md")) as f:
         readme = f.read()
     assert f"--override.imports {OVERRIDE}" in readme or f"--override.imports '{OVERRIDE}=" in readme
+
+
+def test_sigterm_saves_the_step_reached_and_says_how_to_resume(tmp_path):
+    """``--checkpoint.interval 100`` and SIGTERM to ``torchrun`` after step 3: the workers save the
+    step they reached at the next step boundary and exit 143 within the grace period, saying how to
+    resume in torchtitan's terms; the next run resumes after that step (before: training went on to
+    step 34 and the watchdog ended it with nothing saved)."""
+    import signal
+    import time
+
+    data_dir, tok_dir = _assets(str(tmp_path.parent / "titan-assets"))
+    dump = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           os.path.join(HERE, "titan_cpu.py"), "--module", "llama3", "--config", "llama3_debugmodel",
+           "--hf_assets_path", tok_dir, "--dataloader.dataset_path", data_dir, "--training.steps", "200",
+           "--lr_scheduler.total_steps", "200", "--training.seq_len", "128", "--training.local_batch_size", "2",
+           "--debug.seed", "42", "--validator.no-enable", "--dump_folder", dump,
+           "--checkpoint.enable", "--checkpoint.interval", "100", "--override.imports", OVERRIDE]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(tmp_path), start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and p.poll() is None:
+        steps = [int(s) for s, _ in _LOSS.findall(_ANSI.sub("", log.read_text()))]
+        if steps and max(steps) >= 3:
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, log.read_text()[-6000:]
+    t_sig = time.monotonic()
+    os.kill(p.pid, signal.SIGTERM)
+    p.wait(timeout=60)
+    took = time.monotonic() - t_sig
+    out = _ANSI.sub("", log.read_text())
+    listed = _listed(os.path.join(dump, "checkpoint"))
+    assert len(listed) == 1, out[-6000:]
+    saved = int(listed[0][0].split("-")[1])
+    reached = max(int(s) for s, _ in _LOSS.findall(out))
+    print(f"\nSIGTERM after step 3: saved {listed[0][0]}, last step trained {reached}, torchrun gone {took:.1f} s after it")
+    assert saved == reached and 3 <= saved < 100, out[-6000:]
+    assert "Resume by running the same torchtitan command again" in out and "exiting with status 143" in out, out[-6000:]
+    assert took < 30, out[-6000:]
+    losses, out2 = _train(tmp_path, dump, saved + 2, checkpoint=["--checkpoint.enable", "--checkpoint.interval", "100",
+                                                                "--override.imports", OVERRIDE])
+    assert f"ckptstore: loading {listed[0][0]}" in out2 and sorted(losses) == [saved + 1, saved + 2]

@@ -18,7 +18,8 @@ changes, made here before torchtitan is imported (nothing of them touches checkp
   ``scaled_dot_product_attention``), so the debug model's masks are kept.
 
 At the end the process leaves through ``ckptstore._groups.exit_process`` (pytorch/pytorch #190489:
-no interpreter finalisation a gloo thread could abort).
+no interpreter finalisation a gloo thread could abort), with the exit status of a ``SystemExit``
+(``ckptstore.Preempted``: 143 after SIGTERM) or 1 after an error.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ if __name__ == "__main__":
 
     try:
         code = main()
+    except SystemExit as e:  # ckptstore.Preempted (143 after SIGTERM), or torchtitan's own exit
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - printed, then a failed exit
         traceback.print_exc()
         code = 1

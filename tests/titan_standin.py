@@ -318,8 +318,9 @@ class TrainState:
         self.step = sd["step"]
 
 
-def train(config, steps: int, *, base_folder: str, total: int = 10, seed: int = 0) -> dict:
-    """torchtitan's loop in small: ``load(load_step)``, then per step train, ``save(step, last_step=...)``.
+def train(config, steps: int, *, base_folder: str, total: int = 10, seed: int = 0, on_step=None) -> dict:
+    """torchtitan's loop in small: ``load(load_step)``, then per step train, ``save(step, last_step=...)``
+    (``on_step(step)`` is called after the step's training, before its ``save``).
     Returns ``{"losses": {step: loss}, "start": first step, "loader_pos": ..., "groups": ..., "purge_threads": ...}``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -349,6 +350,8 @@ def train(config, steps: int, *, base_folder: str, total: int = 10, seed: int = 
             opt.step()
             sched.step()
             losses[ts.step] = loss.item()
+            if on_step is not None:
+                on_step(ts.step)
             ckpt.maybe_wait_for_staging()
             ckpt.save(ts.step, last_step=ts.step == steps)
     finally:

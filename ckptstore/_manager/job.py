@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import re
 import threading
 
 import torch.distributed as dist
@@ -70,17 +71,17 @@ class Job:
     # -- a broken job (docs/FORMAT.md, Save rule 6) ------------------------------------------------
     @staticmethod
     def broken_message(why: str) -> str:
-        return (f"the job lost ranks ({why}); this CheckpointManager refuses every save, wait and restore so "
-                "that no rank commits without its peers. Restart the whole job: it resumes from the newest "
-                "version all ranks committed")
+        """What :class:`JobBrokenError` says: the job lost ranks and what to do, once, then the cause once."""
+        return ("the job lost ranks. Restart the whole job: it resumes from the newest version all ranks committed "
+                f"(this manager refuses every further save and restore, so no rank commits without its peers). Cause: {why}")
 
     def lose(self, why: str) -> None:
-        """Mark the job broken (the first reason stays) and say so once."""
+        """Mark the job broken (the first reason stays). Said by the :class:`JobBrokenError` the next
+        ``save()``, ``wait()`` or ``close()`` raises, not logged apart: one message per rank."""
         with self._lock:
-            if self.broken is not None:
-                return
-            self.broken = why
-        log.error("ckptstore: %s", self.broken_message(why))
+            if self.broken is None:
+                self.broken = why
+                log.debug("ckptstore: the job lost ranks: %s", why)
 
     def check(self) -> None:
         """Raise :class:`JobBrokenError` when the job is broken, or when the manager's process group
@@ -96,7 +97,7 @@ class Job:
             return fn(*args)
         except Exception as e:
             if group_failure(e):
-                self.lose(f"a collective of a restore failed: {type(e).__name__}: {e}")
+                self.lose(f"a collective of a restore failed: {short_cause(e)}")
                 raise JobBrokenError(self.broken_message(self.broken)) from e
             raise
 
@@ -135,6 +136,27 @@ def group_failure(e: BaseException) -> bool:
     if isinstance(e, CkptStoreError):
         return False
     return isinstance(e, Exception)
+
+
+#: the source location gloo puts before its messages (``[/__w/pytorch/.../pair.cc:537] ``)
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def short_cause(e: BaseException) -> str:
+    """``Type: message`` of a collective's failure in one short line: gloo's source location and its
+    advice after the first sentence ("This is typically caused by a remote worker hanging …") cut,
+    a ``JobBrokenError``'s own cause taken as it is, at most 300 characters."""
+    if isinstance(e, JobBrokenError):
+        text = str(e)
+        return text.split("Cause: ", 1)[1] if "Cause: " in text else text
+    lines = str(e).strip().splitlines()
+    text = _SOURCE_PREFIX.sub("", lines[0] if lines else "")
+    cut = text.find(". ")
+    if cut != -1 and cut + 2 < len(text):
+        text = text[:cut]
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def group_alive(pg) -> bool:

@@ -104,6 +104,8 @@ class Preemption:
         self.grace_s = grace_s
         self.rank = rank
         self._emit = emit
+        #: how to resume, in the words of the loop's framework (``{step}``, ``{version}`` filled in)
+        self.resume_hint = "Resume with mgr.resume()"
         wanted, explicit = wanted_signals(save_on_signal)
         #: a signal was asked for (whether or not this rank could install a handler for it)
         self.wanted = bool(wanted)
@@ -356,7 +358,8 @@ class Preemption:
         if last.saved:
             msg = (f"{name}: saved step {step} ({version}) {seconds:.1f} s after the signal, committed "
                    f"{'remotely' if last.durability == 'remote' else 'locally'}"
-                   + (f" ({last.reason})" if last.reason else "") + f"; exiting with status {code}. Resume with mgr.resume()")
+                   + (f" ({last.reason})" if last.reason else "") + f"; exiting with status {code}. "
+                   + self.resume_hint.format(step=step, version=version))
         else:
             msg = f"{name}: step {step} not saved ({last.reason}); exiting with status {code}"
         exc = Preempted(msg, signal=signum, step=int(step), version=version if last.saved else None, saved=last.saved,

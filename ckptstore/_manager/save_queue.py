@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import CkptStoreError, JobBrokenError
-from .job import group_failure
+from .job import group_failure, short_cause
 
 log = logging.getLogger("ckptstore")
 
@@ -170,9 +170,13 @@ class SaveQueue:
         self._report(info)
 
     def _failed(self, info, e: BaseException) -> None:
-        if group_failure(e):
-            self._job.lose(f"the save of step {info.step} ({info.version}) failed in a collective: {type(e).__name__}: {e}")
         info.error = f"{type(e).__name__}: {e}"
+        if group_failure(e):
+            # the job lost ranks: the JobBrokenError that the next call raises says so, with this cause,
+            # once (a queued save that did not run because of it adds nothing)
+            self._job.lose(f"the save of step {info.step} ({info.version}) failed in a collective: {short_cause(e)}")
+            self._report(info)
+            return
         if self.raise_errors_later:
             with self.lock:
                 self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")

@@ -215,60 +215,9 @@ def _check_remote(tier) -> None:
 
 
 def _check_local_root(root: str) -> None:
-    if not os.path.exists(root):
-        raise StoreNotFoundError(
-            f"no ckptstore store at {root!r}: the directory does not exist (a typo? "
-            "pass '' as ROOT for an S3-only store with --remote)"
-        )
-    if not os.path.isdir(root):
-        raise StoreNotFoundError(f"no ckptstore store at {root!r}: not a directory")
-    if not os.access(root, os.R_OK | os.X_OK):
-        raise StorageError(f"cannot read the store directory {root!r}: permission denied")
-    try:
-        names = os.listdir(root)
-    except OSError as e:
-        raise StorageError(f"cannot read the store directory {root!r}: {e.strerror}") from None
-    if names and not _STORE_ENTRIES.intersection(names):
-        raise StoreNotFoundError(f"no ckptstore store at {root!r}: the directory is not empty but holds no "
-                                 f"{_VERSIONS}/ (an empty directory is an empty store)" + _store_nearby(root))
+    from ..store import check_root
 
-
-#: what the top of a local root holds (docs/FORMAT.md, "Layout by example"): a non-empty directory
-#: with none of these is not a store (a typo for the directory above or below one)
-_VERSIONS = "versions"
-_STORE_ENTRIES = frozenset({_VERSIONS, "probes", "restores.jsonl"})
-
-
-def _is_store(path: str) -> bool:
-    return os.path.isdir(os.path.join(path, _VERSIONS))
-
-
-def _store_nearby(root: str) -> str:
-    """"; the store is at X" for a store just above or below ``root`` (``ROOT/versions`` named as
-    ROOT, or the directory that holds the store), else ""."""
-    here = os.path.abspath(root)
-    parent = os.path.dirname(here)
-    if os.path.basename(here) == _VERSIONS and _is_store(parent):
-        shown_parent = os.path.dirname(os.path.normpath(root)) or "."  # in the form ROOT was given
-        return f"; it is the {_VERSIONS}/ directory of the store {shown_parent!r}: pass that as ROOT"
-    found = []
-    try:
-        for d in sorted(os.listdir(here)):
-            p = os.path.join(here, d)
-            if _is_store(p):
-                found.append(p)
-            elif os.path.isdir(p) and len(found) < 5:
-                try:
-                    found += [os.path.join(p, e) for e in sorted(os.listdir(p)) if _is_store(os.path.join(p, e))]
-                except OSError:
-                    pass
-    except OSError:
-        return ""
-    if not found:
-        return ""
-    # named as ROOT was given (absolute stays absolute), not relative to the working directory
-    shown = ", ".join(repr(os.path.join(root, os.path.relpath(f, here))) for f in found[:5])
-    return f"; the store below it is {shown}" if len(found) == 1 else f"; stores below it: {shown}"
+    check_root(root)
 
 
 # -- output ------------------------------------------------------------------------------------------------

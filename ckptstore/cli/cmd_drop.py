@@ -35,9 +35,13 @@ def drop(root, remote, endpoint_url, as_json, version, tiers, force, yes, dry_ru
     with reported_here():
         p = _gc.plan_drop(st, version, tiers=tiers or None, force=force)
     n_bytes = sum(a.size or 0 for a in p.actions)
+    # off a terminal without --yes nothing is removed: the listing below is a plan, said before it
+    refuse = bool(p.actions) and not (yes or dry_run) and not sys.stdin.isatty()
     if not as_json:
-        click.echo(f"drop {version}: {plural(len(p.actions), 'action')} ({human(n_bytes)})"
-                   + (" (dry run: nothing is removed)" if dry_run else ""))
+        note = (" (dry run: nothing is removed)" if dry_run else
+                " (plan only: nothing is removed without --yes off a terminal)" if refuse else
+                " (plan: asks before removing anything)" if not yes and p.actions else "")
+        click.echo(f"drop {version}: {plural(len(p.actions), 'action')} ({human(n_bytes)}){note}")
         for a in p.actions:
             size = f" ({human(a.size)})" if a.size else ""
             click.echo(f"  {a.op:<12} {a.tier:<6} {a.key}{size}")
@@ -46,8 +50,9 @@ def drop(root, remote, endpoint_url, as_json, version, tiers, force, yes, dry_ru
             emit_json({"dry_run": dry_run, "plan": p.to_json(), "result": None})
         return
     if not yes:
-        if not sys.stdin.isatty():
-            raise click.UsageError("drop removes data: confirm with --yes when not attached to a terminal")
+        if refuse:
+            raise click.UsageError("drop removes data: nothing was removed; confirm with --yes when not attached "
+                                   "to a terminal (the plan above is what it would remove)")
         if not click.confirm(f"Remove version {version!r}? This cannot be undone", default=False):
             click.echo("nothing removed")
             return

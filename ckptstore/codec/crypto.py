@@ -95,6 +95,18 @@ def _decode_key_text(text: str, where: str) -> bytes:
     return key
 
 
+def key_or_file(key: Any, key_file: Any) -> Any:
+    """The ``key=`` to use when a constructor was given ``key`` and/or ``key_file`` (a path to a key
+    file: 32 raw bytes or their base64 on one line, what ``ckptstore keygen`` writes; ``~`` expanded).
+    Raises ``ValueError`` when both are given, :class:`KeyMismatchError` for a file that cannot be
+    read or holds no key."""
+    if key_file is None:
+        return key
+    if key is not None:
+        raise ValueError("give key= or key_file=, not both")
+    return load_key_file(os.path.expanduser(os.fspath(key_file)))
+
+
 def resolve_key(key: Any) -> bytes | None:
     """Turn the ``key=`` argument into 32 bytes (or None: no encryption)."""
     if key is None:

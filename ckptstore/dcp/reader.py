@@ -11,7 +11,9 @@ Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.Stor
 2. (all ranks) ``set_up_storage_reader(metadata, is_coordinator, rank=, use_collectives=)``.
 3. (all ranks) ``prepare_local_plan`` — unchanged.
 4. (coordinator) ``prepare_global_plan`` — refuses (``StateDictKeysError``) when the checkpoint
-   holds keys no rank asked for, unless ``allow_partial_load=True``: nothing is dropped silently.
+   holds keys no rank asked for under a top-level entry the load asks for other keys of (the
+   entries it does not ask for at all stay unread: loading the model alone, then the optimizer),
+   unless ``allow_partial_load=True``: nothing is dropped silently.
 5. (all ranks) ``read_data`` — fetches only the frames each read item overlaps (ranged, coalesced,
    in parallel), verifies each against the index and its checksum/tag, decodes, narrows by
    ``storage_offsets``/``lengths`` and copies into the destination; bytes items go through
@@ -47,6 +49,7 @@ from torch.futures import Future
 from .. import _groups
 from .._names import check_version
 from ..codec import FrameCodec
+from ..codec.crypto import key_or_file
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError, IntegrityError, StateDictKeysError, TransientStorageError
 from ..keys import resolve_master
@@ -75,6 +78,7 @@ class StorageReader(_DCPStorageReader):
         root: local directory of the store (may be empty or absent when reading from S3 only).
         remote: ``"s3://bucket/prefix"`` or None.
         key: master key (32 bytes or key provider); default ``CKPTSTORE_KEY``/``CKPTSTORE_KEY_FILE``.
+        key_file: instead of ``key``, a key file (32 bytes or their base64; the CLI's ``--key-file``).
         version: version to load when no ``checkpoint_id`` is given; default the newest committed
             version every rank can load that holds no NaN/Inf values (``allow_nonfinite``).
         allow_cast: load into destination tensors of another dtype (default: raise
@@ -83,7 +87,10 @@ class StorageReader(_DCPStorageReader):
             :class:`UnsupportedStateError`; the values must read back bit for bit).
         allow_partial_load: allow the checkpoint to hold keys the destination state dict lacks
             (True), or only keys starting with one of the given prefixes (a tuple of strings: e.g.
-            ``("rng/rank",)`` for per-rank values of the saving ranks in a resharded load).
+            ``("rng/rank",)`` for per-rank values of the saving ranks in a resharded load). Without
+            it, a load may leave whole top-level entries it asks nothing of unread (``{"model": ...}``
+            of a version that also holds ``"optim"``: PyTorch's recipe of loading the model, then
+            ``load_sharded_optimizer_state_dict``), but not keys of an entry it asks for.
         allow_unencrypted: accept an unencrypted version although a key is configured.
         threads: decode threads (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
         read_repair: when an object fails verification in the tier read first (local) and the
@@ -132,6 +139,7 @@ class StorageReader(_DCPStorageReader):
         *,
         remote: str | None = None,
         key: Any = None,
+        key_file: str | os.PathLike | None = None,
         version: str | None = None,
         allow_cast: bool = False,
         allow_partial_load: bool | tuple = False,
@@ -162,7 +170,7 @@ class StorageReader(_DCPStorageReader):
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.remote_url = remote
         self.endpoint_url = endpoint_url
-        self._keys = DataKeys(resolve_master(key))
+        self._keys = DataKeys(resolve_master(key_or_file(key, key_file)))
         self.version = check_version(version) if version is not None else None
         self.allow_cast = allow_cast
         self.allow_partial_load = allow_partial_load
@@ -416,12 +424,21 @@ class StorageReader(_DCPStorageReader):
         unread = sorted(stored - requested)
         if isinstance(self.allow_partial_load, (tuple, list, set, frozenset)):
             unread = [k for k in unread if not k.startswith(tuple(self.allow_partial_load))]
+        # a load of whole parts (the model alone, then the optimizer: PyTorch's documented FSDP recipe
+        # with load_sharded_optimizer_state_dict) leaves the top-level entries it does not ask for at
+        # all unread; within an entry it asks for, every stored key must be asked for
+        paths = getattr(self._metadata, "planner_data", None)
+        asked = {_entry_of(k, paths) for k in requested}
+        unread = [k for k in unread if _entry_of(k, paths) in asked]
         if unread:
             shown = ", ".join(repr(k) for k in unread[:20]) + (" ..." if len(unread) > 20 else "")
+            entries = sorted({_entry_of(k, paths) for k in unread})
             raise StateDictKeysError(
-                f"version {self.version!r} holds {len(unread)} key(s) that no rank's state dict asks for: {shown}. "
+                f"version {self.version!r} holds {len(unread)} key(s) that no rank's state dict asks for, under "
+                f"{', '.join(repr(e) for e in entries)} which the load asks for other keys of: {shown}. "
                 "They would be dropped silently (e.g. per-rank entries saved on more ranks than are loading). "
-                "Load them explicitly, or pass allow_partial_load=True to StorageReader"
+                "Load them explicitly, or pass allow_partial_load=True (or a tuple of key prefixes that may stay "
+                "unread) to StorageReader"
                 + (_OPTIM_HINT if any(".state." in k for k in unread) else "")
             )
         return plans
@@ -567,6 +584,18 @@ class StorageReader(_DCPStorageReader):
             h.update(p)
         with self._alt_lock:
             self.item_digests[item_key(ri.storage_index)] = (h.intdigest(), loc)
+
+
+def _entry_of(fqn: str, paths) -> str:
+    """The top-level entry of the state dict a stored key belongs to: the first element of its
+    object path (DCP's ``planner_data``; ``"model"`` for ``{"model": {...}}``), up to its first ``.``
+    or ``/`` (``"layers"`` for a flattened ``"layers.0.w"``, ``"rng"`` for ``"rng/rank3"``)."""
+    path = paths.get(fqn) if isinstance(paths, dict) else None
+    first = str(path[0]) if isinstance(path, (tuple, list)) and path else fqn
+    for i, ch in enumerate(first):
+        if ch in "./":
+            return first[:i]
+    return first
 
 
 _OPTIM_HINT = (

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._names import check_version
+from ..codec.crypto import key_or_file
 from ..codec.stages import env_threads
 from ..errors import CkptStoreError
 from ..keys import resolve_master
@@ -87,6 +88,8 @@ class StorageWriter(_DCPStorageWriter):
             ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE`` / ``CKPTSTORE_KMS_KEY_ID``. With a key
             everything is encrypted; with KMS a save that cannot get its data key raises
             :class:`KeyServiceError` before anything is written.
+        key_file: instead of ``key``, a key file (32 bytes or their base64, what ``ckptstore keygen``
+            writes; the CLI's ``--key-file``). Not with ``key`` (``ValueError``).
         version: version name when ``dcp.save`` is called without ``checkpoint_id``.
         overwrite: replace an existing version atomically instead of raising
             :class:`VersionExistsError`.
@@ -210,6 +213,7 @@ class StorageWriter(_DCPStorageWriter):
         *,
         remote: str | None = None,
         key: Any = None,
+        key_file: str | os.PathLike | None = None,
         version: str | None = None,
         overwrite: bool = False,
         step: int | None = None,
@@ -244,7 +248,7 @@ class StorageWriter(_DCPStorageWriter):
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
             incremental=bool(incremental), count_nonfinite=bool(count_nonfinite), commit_check=commit_check,
             replica_domain=resolve_domain(replica_domain))
-        self._keys = DataKeys(resolve_master(key))
+        self._keys = DataKeys(resolve_master(key_or_file(key, key_file)))
         if durability == "remote" and not remote:
             raise ValueError("durability='remote' needs remote='s3://...'")
         self._default_version = check_version(version) if version is not None else None

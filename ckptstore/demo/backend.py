@@ -8,13 +8,6 @@ from typing import Any
 
 import ckptstore
 
-VERSION_FORMAT = "step-{step:06d}"  # CheckpointManager(version_format=...): names sort by step
-
-
-def version_name(step: int) -> str:
-    return VERSION_FORMAT.format(step=step)
-
-
 @dataclass
 class Rec:
     version: str

@@ -46,18 +46,9 @@ class Goodput:
     saves: int = 0
     steps: int = 0  # steps whose results are in the final model
     restarts: int = 0
-
-    def advice(self, mtbf_s: float = 6 * 3600.0):
-        """The goodput-maximising checkpoint interval (:mod:`ckptstore.advise`, Young/Daly) for this
-        run's measured costs — blocking per save, restart cost per crash, step time — at ``mtbf_s``."""
-        from ..advise import advise
-
-        if not self.saves or not self.steps:
-            return None
-        return advise(
-            cost_s=self.blocked / self.saves, mtbf_s=mtbf_s,
-            restart_s=self.recovery / self.restarts if self.restarts else 0.0, step_time_s=self.useful / self.steps,
-        )
+    #: the interval advice of ``ckptstore goodput`` (:attr:`ckptstore.goodput.Report.advice`) for this
+    #: run: one computation, so the demo prints the figure the command prints (None: not from a report)
+    advice: Any = None
 
     @property
     def goodput(self) -> float:
@@ -65,9 +56,9 @@ class Goodput:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("advice")
         d["goodput"] = self.goodput
-        a = self.advice()
-        d["advice_mtbf_6h"] = None if a is None else a.to_json()
+        d["advice_mtbf_6h"] = None if self.advice is None else self.advice.to_json()
         return d
 
 
@@ -75,7 +66,7 @@ def from_report(rep) -> Goodput:
     """The table's figures from a :class:`ckptstore.goodput.Report` (``ckptstore goodput`` on the run's log)."""
     kept_saves = sum(a.saves for a in rep.attempts)
     return Goodput(rep.wall, rep.useful, rep.blocked, rep.lost, rep.recovery, rep.startup, rep.other, rep.restart,
-                   rep.init, rep.load, kept_saves, rep.steps, rep.restarts)
+                   rep.init, rep.load, kept_saves, rep.steps, rep.restarts, rep.advice)
 
 
 #: rows of the table the two accountings must agree on, and the tolerance (seconds): each is a

@@ -45,7 +45,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import ckptstore  # noqa: E402
 
-from . import backend  # noqa: E402
 from .data import ByteWindows, GlobalBatchSampler, collate, load_corpus  # noqa: E402
 from .model import ByteGPT, count_params  # noqa: E402
 
@@ -167,7 +166,7 @@ def _manager(cfg: dict[str, Any], state: dict[str, Any], log: EventLog) -> ckpts
             local_commit_s=info.local_commit_s, remote_commit_s=info.remote_commit_s)
 
     return ckptstore.CheckpointManager(
-        root, state, remote=cfg.get("remote"), interval_steps=cfg["save_every"], version_format=backend.VERSION_FORMAT,
+        root, state, remote=cfg.get("remote"), interval_steps=cfg["save_every"],
         on_save=saved,
         # --resume-world-size: the restarted job loads the crashed job's versions resharded, on purpose
         reshard=cfg.get("resume_world_size") not in (None, cfg["world_size"]),

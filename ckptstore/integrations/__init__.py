@@ -1,7 +1,7 @@
 """Integrations of ckptstore into training frameworks (optional extras, never core dependencies).
 
 * :mod:`ckptstore.integrations.torchtitan` — torchtitan's checkpointer saving through ckptstore
-  (``pip install 'ckptstore[torchtitan]'``).
+  (torchtitan 0.3.0: ``pip install -e '.[torchtitan]'`` in a clone of ckptstore).
 * :mod:`ckptstore.integrations.torchft` — ckptstore as the durable tier under torchft's per-step
   fault tolerance (``pip install 'ckptstore[torchft]'``).
 * :mod:`ckptstore.integrations.lightning` — PyTorch Lightning's ``CheckpointIO`` and

@@ -7,7 +7,6 @@ discovery and prune of a torchtitan job, from the options of torchtitan's checkp
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -60,14 +59,20 @@ def is_version(checkpoint_id: str) -> bool:
 
 
 def open_manager(folder: str, *, async_mode: str, keep_latest_k: int, remote: str | None, key_file: str | None,
-                 durability: str, endpoint_url: str | None):
+                 durability: str, endpoint_url: str | None, load_only: bool = False):
     """The :class:`ckptstore.CheckpointManager` of a torchtitan job (collective: every rank calls it).
 
     ``folder``: torchtitan's ``dump_folder``/``checkpoint.folder``, the local root (a directory;
     S3 goes in ``remote``). ``async_mode``: ``"disabled"`` and ``"async"`` save on the manager's
     worker thread, ``"async_with_pinned_mem"`` in DCP's checkpoint subprocess (PROCESS).
     ``keep_latest_k`` > 0: retention ``KeepLast(k)`` in every tier, applied after each commit.
-    ``key_file``: the master key (else ``CKPTSTORE_KEY`` / ``CKPTSTORE_KEY_FILE``)."""
+    ``key_file``: the master key (else ``CKPTSTORE_KEY`` / ``CKPTSTORE_KEY_FILE``).
+
+    torchtitan decides when to save (``interval``, ``last_step``, the first step), so the manager has
+    no interval of its own (``interval_steps=None``): the subclass calls ``save(step, force=True)``
+    to save and ``save(step)`` at every other step, where a preemption signal (SIGTERM) becomes the
+    save of that step and exit status 143 within the grace period. ``load_only``: no saves at all, so
+    no signal handler either (SIGTERM ends the process as in stock torchtitan)."""
     from .. import CheckpointManager
     from ..retention import KeepLast, RetentionPolicy
 
@@ -77,15 +82,17 @@ def open_manager(folder: str, *, async_mode: str, keep_latest_k: int, remote: st
             "and S3 is given as remote (override kwarg {\"remote\": \"s3://bucket/prefix\"})")
     if durability not in DURABILITY:
         raise CkptStoreError(f"durability must be one of {DURABILITY}, got {durability!r}")
-    key = None
-    if key_file:
-        from ..codec.crypto import load_key_file
-
-        key = load_key_file(os.path.expanduser(key_file))
     retention = RetentionPolicy(rules=(KeepLast(keep_latest_k),)) if keep_latest_k > 0 else None
     extra = {"endpoint_url": endpoint_url} if endpoint_url else {}
-    return CheckpointManager(
-        folder, None, remote=remote, key=key, interval_steps=1, retention=retention, durability=durability,
-        executor="process" if async_mode == "async_with_pinned_mem" else "thread", save_rng=False,
-        prefix=PREFIX, **extra,
+    mgr = CheckpointManager(
+        folder, None, remote=remote, key_file=key_file or None, interval_steps=None, retention=retention,
+        durability=durability, executor="process" if async_mode == "async_with_pinned_mem" else "thread", save_rng=False,
+        prefix=PREFIX, save_on_signal=None if load_only else "auto", **extra,
     )
+    mgr.resume_hint = RESUME_HINT.format(folder=folder, step="{step}", version="{version}")
+    return mgr
+
+
+#: how a preempted torchtitan job resumes (the last sentence of ckptstore's preemption message)
+RESUME_HINT = ("Resume by running the same torchtitan command again: it loads {version} from {folder} (the newest "
+               "version every rank can load; --checkpoint.load-step N for another step)")

@@ -8,8 +8,11 @@ of it — a release that changes any of it needs this module changed (and a new 
 * the constructor ``__init__(config, *, dataloader, model_parts, optimizers, lr_schedulers, states,
   sd_adapter, base_folder)`` and the attributes it sets: ``enable``, ``folder``, ``states`` (with
   ``"model"`` a ``ModelWrapper``), ``async_mode`` (an ``AsyncMode``), ``exclude_from_loading``,
-  ``save_future``; its ``Config`` dataclass (``async_mode``, ``keep_latest_k``, ``load_step`` …);
-* the hooks overridden here: ``dcp_save(state_dict, checkpoint_id, async_mode,
+  ``save_future``, ``load_only``; its ``Config`` dataclass (``async_mode``, ``keep_latest_k``,
+  ``load_step``, ``load_only`` …);
+* that the trainer calls ``save(step, last_step)`` at every step and ``save`` calls ``_save``;
+  ``_should_save(curr_step, last_step)`` and ``_flattened_model_states_sd()`` (called);
+* the hooks overridden here: ``_save(curr_step, last_step)``, ``dcp_save(state_dict, checkpoint_id, async_mode,
   enable_garbage_collection=False, to_hf=False)`` (every save goes through it), ``dcp_load(state_dict,
   checkpoint_id, from_hf, from_quantized)``, ``_load(step)``, ``_find_load_step(folder="")``,
   ``_create_checkpoint_id(step, folder="")``, ``_purge_stale_checkpoints()``, ``_wait_for_saving()``,
@@ -23,6 +26,11 @@ What the subclass changes (each a torchtitan behaviour that ckptstore does inste
 * **saves** go to one :class:`ckptstore.CheckpointManager` (:func:`._titan_store.open_manager`) as version
   ``step-N``; ``"async"`` saves on its worker thread, ``"async_with_pinned_mem"`` in DCP's checkpoint
   subprocess (ckptstore's own staging buffers, not torchtitan's pinned-memory stager);
+* **preemption**: every step torchtitan does not save still calls the store's ``save(step)``, so a
+  SIGTERM (Slurm, Kubernetes, ``torchrun`` forwarding it) is noticed at the next step boundary: that
+  step is saved on every rank within the grace period and the process exits with status 143, saying
+  how to resume in torchtitan's terms (stock torchtitan dies at once and loses the steps since the
+  last interval; a check at due saves only noticed it at the next one, often after the grace period);
 * **its own gloo group**: the manager's (survives ``torchrun --max-restarts`` in-place restarts);
   torchtitan's ``dist.new_group(backend="gloo")`` is never made;
 * **retention** ``KeepLast(keep_latest_k)`` runs after each commit on committed versions only
@@ -91,12 +99,25 @@ class _StoreCheckpointing:
         self._ckpt = _store.open_manager(
             self.folder, async_mode=str(self.async_mode.value), keep_latest_k=config.keep_latest_k,
             remote=config.remote, key_file=config.key_file, durability=config.durability,
-            endpoint_url=config.endpoint_url,
+            endpoint_url=config.endpoint_url, load_only=bool(getattr(config, "load_only", False)),
         )
         log.info("ckptstore: checkpoints of this job are versions step-N of the store %s%s", self.folder,
                  f" (remote {config.remote})" if config.remote else "")
 
     # -- saving ------------------------------------------------------------------------------
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """torchtitan calls ``save(step)`` at every step: a step it does not save still goes through
+        the store's ``save(step)``, so a preemption signal becomes the save of this step (and exit
+        status 143) at the next step boundary, within the grace period, whatever the interval."""
+        if self._should_save(curr_step, last_step):
+            return super()._save(curr_step, last_step)  # -> dcp_save -> the store's save(step, force=True)
+        self._ckpt.save(curr_step, self._full_state)  # saves nothing unless a preemption signal came
+        return False
+
+    def _full_state(self) -> dict:
+        """The state a preemption save writes: torchtitan's full checkpoint of this step (built only then)."""
+        return _store.adapt(self._flattened_model_states_sd())
+
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         if to_hf:  # an HF export: torchtitan's own writer, into a folder outside the store
             path = checkpoint_id if not _store.is_version(checkpoint_id) else os.path.join(self.folder, "hf", checkpoint_id)

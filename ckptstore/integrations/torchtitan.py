@@ -1,7 +1,9 @@
 """torchtitan's checkpointer on ckptstore: saves, loads, discovery and retention through a store.
 
-``pip install 'ckptstore[torchtitan]'`` (torchtitan is never a dependency of ckptstore itself), then
-activate it with torchtitan's own override mechanism — no change to torchtitan or to its configs::
+Install torchtitan 0.3.0 next to ckptstore (from a clone of ckptstore: ``pip install -e '.[torchtitan]'``;
+from a package index: ``pip install 'ckptstore[torchtitan]'``; torchtitan is never a dependency of
+ckptstore itself), then activate it with torchtitan's own override mechanism — no change to
+torchtitan or to its configs::
 
     torchrun --nproc-per-node=8 -m torchtitan.train --module llama3 --config llama3_8b \\
         --checkpoint.enable --checkpoint.interval 500 --checkpoint.keep-latest-k 3 \\
@@ -32,8 +34,9 @@ try:
     from torchtitan.config.override import override as _override
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"ckptstore.integrations.torchtitan needs torchtitan ({e}); install it with "
-        "pip install 'ckptstore[torchtitan]'"
+        f"ckptstore.integrations.torchtitan needs torchtitan 0.3.0 ({e}): from a clone of ckptstore "
+        "pip install -e '.[torchtitan]' (in the clone's folder), from a package index "
+        "pip install 'ckptstore[torchtitan]'; on a CPU-only torch also pip install triton (README, \"torchtitan\")"
     ) from e
 
 from ._titan_v0_3 import TESTED_VERSIONS, manager_class

@@ -18,7 +18,11 @@ environment (so S3 settings made by fixtures reach it, minus any armed ``CKPTSTO
 module-level function). ``faulthandler`` is on in every rank, so a rank killed by a signal
 (SIGSEGV, SIGABRT) prints every thread's Python stack to stderr.
 
-A rank reports its result (or its exception's traceback) and then leaves through
+A rank reports its result (or its exception's traceback) by writing it, pickled with the standard
+:mod:`pickle` (tensors by value, not through torch's shared-memory reductions, whose files are gone
+once the rank exits), into a file of its own in a temporary directory (written whole, then renamed:
+a rank killed mid-write leaves no partial report), so a result of any size neither blocks the rank
+in a pipe nor leaves the parent waiting for the rest of a message. It then leaves through
 :func:`ckptstore._groups.exit_process`: every process group destroyed, ``atexit`` handlers run,
 streams flushed, ``os._exit`` (0 after a result, 1 after an exception) with no interpreter
 finalisation, where torch 2.13's gloo threads could abort a rank that did its work
@@ -32,7 +36,10 @@ import faulthandler
 import multiprocessing as _mp
 from multiprocessing.connection import wait as _wait_any
 import os
+import pickle
+import shutil
 import socket
+import tempfile
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -64,7 +71,24 @@ def context(start_method: str = "spawn", preload: Sequence[str] = ()):
     return ctx
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict, q) -> None:
+def _report(out_dir: str, rank: int, status: str, value: Any) -> bool:
+    """Write ``(status, value)`` as ``out_dir/rank<r>.pkl`` (temp file, fsync-free rename); a value
+    that cannot be pickled is reported as an error instead. Returns whether ``status`` was reported."""
+    try:
+        data = pickle.dumps((status, value), protocol=pickle.HIGHEST_PROTOCOL)
+        ok = True
+    except BaseException as e:  # noqa: BLE001 - reported as the rank's failure
+        data = pickle.dumps(("err", f"the rank's result could not be pickled ({type(e).__name__}: {e}); "
+                                    f"return plain values (tensors are fine): {type(value).__name__}"))
+        ok = False
+    tmp = os.path.join(out_dir, f".rank{rank}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(out_dir, f"rank{rank}.pkl"))
+    return ok
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict, out_dir: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -80,12 +104,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        q.put((rank, "ok", out))
+        if not _report(out_dir, rank, "ok", out):
+            code = 1
     except BaseException:
         code = 1
-        q.put((rank, "err", traceback.format_exc()))
-    # the result is in the pipe (SimpleQueue.put writes it before returning): destroy the groups, run
-    # atexit, flush, os._exit; a gloo thread can abort a finalising interpreter (pytorch/pytorch #190489)
+        _report(out_dir, rank, "err", traceback.format_exc())
+    # the result is in its file: destroy the groups, run atexit, flush, os._exit; a gloo thread can
+    # abort a finalising interpreter (pytorch/pytorch #190489)
     exit_process(code)
 
 
@@ -113,11 +138,11 @@ class Ranks:
     def __init__(self, fn: Callable, world_size: int, *args: Any, env: dict | list | None = None,
                  start_method: str = "spawn", preload: Sequence[str] = ()):
         ctx = context(start_method, preload)
-        self.q = ctx.SimpleQueue()
+        self.dir = tempfile.mkdtemp(prefix="ckptstore-ranks-")
         port = free_port()
         envs = env if isinstance(env, list) else [dict(env or {})] * world_size
         base = {k: v for k, v in os.environ.items() if k not in _DROP}
-        self.procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, {**base, **envs[r]}, self.q))
+        self.procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, {**base, **envs[r]}, self.dir))
                       for r in range(world_size)]
         for r, p in enumerate(self.procs):
             with patched_environ(envs[r]):  # e.g. PYTHONHASHSEED must be set when a spawned interpreter starts
@@ -139,10 +164,21 @@ class Ranks:
             if p.is_alive():
                 p.kill()
                 p.join()
-        while not self.q.empty():
-            r, status, val = self.q.get()
-            self.results[r] = (status, val)
+        self._read_reports()
         return {r: p.exitcode for r, p in enumerate(self.procs)}
+
+    def _read_reports(self) -> None:
+        """The reports the ranks wrote (a rank that died first wrote none), then the directory goes."""
+        for r in range(len(self.procs)):
+            path = os.path.join(self.dir, f"rank{r}.pkl")
+            try:
+                with open(path, "rb") as f:
+                    self.results[r] = pickle.load(f)  # written by our own rank process
+            except FileNotFoundError:
+                pass
+            except Exception as e:  # noqa: BLE001 - a report that does not load is the rank's failure
+                self.results[r] = ("err", f"its report could not be read ({type(e).__name__}: {e})")
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | list | None = None, timeout: float = 240,
