@@ -278,7 +278,10 @@ class _ItemChunks:
         fq = a["item.fqn"]
         key = fq.astype(np.uint16) if n and int(fq.max()) < 65536 else fq  # radix sort for up to 65,536 names
         self.order = np.argsort(key, kind="stable")
-        self.sorted = fq[self.order]
+        srt = fq[self.order]
+        # each name's first position in the sorted items, for every name at once (not two binary
+        # searches per tensor): items of name f are order[bounds[f]:bounds[f + 1]]
+        self.bounds = np.searchsorted(srt, np.arange(int(fq.max()) + 2 if n else 1), "left")
         on = np.maximum(a["item.offset_ndim"], 0).astype(np.int64)
         sn = np.maximum(a["item.shape_ndim"], 0).astype(np.int64)
         self.ostart = np.cumsum(on) - on
@@ -289,7 +292,9 @@ class _ItemChunks:
         dimensions) from its items, when they are DCP's chunk list (checked on a sample of the
         objects); else None."""
         a = self.a
-        lo, hi = np.searchsorted(self.sorted, fid, "left"), np.searchsorted(self.sorted, fid, "right")
+        if fid + 1 >= len(self.bounds):
+            return None
+        lo, hi = int(self.bounds[fid]), int(self.bounds[fid + 1])
         if hi - lo != count:
             return None
         pos = self.order[lo:hi]
