@@ -185,7 +185,8 @@ def _line(row: dict, args) -> str:
                 f"per other rank {r['fs_other_max']}; save discovery {row['save']['fs_per_rank']:.1f} fs calls/rank, "
                 f"{row['save']['groups']} groups")
     if c is not None:
-        out += f"; commit {c['seconds']:.2f} s ({args.items} tensors/rank, manifest {c['manifest_bytes'] / 1e6:.1f} MB)"
+        out += (f"; commit {c['seconds']:.2f} s wall, {c['cpu_seconds']:.2f} s CPU ({args.items} tensors/rank, manifest "
+                f"{c['manifest_bytes'] / 1e6:.1f} MB, metadata object {c['metadata_bytes'] / 1e6:.1f} MB)")
     return out
 
 
@@ -229,7 +230,7 @@ def main(argv=None) -> int:
         cells = ["-"] * 4 if r is None else [
             f"{r['bytes_rank'] / 1e6:.2f} MB ({r['bytes_first'] / 1e6:.2f} MB)", f"{r['choice_s']:.3f} s",
             f"{r['fs_leader_max']} / {r['fs_other_max']}", f"{row['save']['fs_per_rank']:.1f}"]
-        print(f"| {row['ranks']:,} | {row['roots']:,} | " + " | ".join(cells) + (f" | {c['seconds']:.2f} s |" if c else " | - |"))
+        print(f"| {row['ranks']:,} | {row['roots']:,} | " + " | ".join(cells) + (f" | {c['seconds']:.2f} s ({c['cpu_seconds']:.2f} s CPU) |" if c else " | - |"))
     last = rows[-1]
     ok = all(r["restore"]["newest"] and r["save"]["groups"] == r["roots"] for r in rows if "restore" in r)
     goals = []
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
         goals += [("received per rank <= 4 MB", max(last["restore"]["bytes_first"], last["restore"]["bytes_rank"]) <= TARGET_BYTES),
                   ("choice <= 1 s", last["restore"]["choice_s"] <= TARGET_CHOICE_S)]
     if "commit" in last:
-        goals.append(("commit < 2 s", last["commit"]["seconds"] < TARGET_COMMIT_S))
+        goals.append(("commit < 2 s (wall)", last["commit"]["seconds"] < TARGET_COMMIT_S))
+        goals.append(("commit < 2 s (CPU)", last["commit"]["cpu_seconds"] < TARGET_COMMIT_S))
     for what, met in goals:
         print(f"goal at {last['ranks']:,} ranks, {what}: {'met' if met else 'NOT met'}")
     os.makedirs(args.out, exist_ok=True)
