@@ -6,7 +6,10 @@ the end of its restore (``restore`` line; the ``open`` line when it made none) f
 step (0 without one), and its ``progress`` lines say when ``save(step)`` returned for the steps it
 reached (always for a step it saved, otherwise at most every ``progress_s``), with the seconds that
 call blocked. A later attempt that restored step ``r`` redid everything the earlier attempts did
-after ``r``: that is *lost* work. So, with ``keep(a)`` = the smallest step a later attempt restored:
+after ``r``: that is *lost* work. A ``rollback()`` (a ``restore`` line with ``rollback``) cuts its
+attempt in two: the part after it trains from the step it restored, in the same process (no restart,
+nothing until the next process), so what the part before it did after that step is lost too, and the
+rollback's restore is recovery (``rollback_s``). So, with ``keep(a)`` = the smallest step a later attempt restored:
 
 - ``useful``: from an attempt's training start to its ``save(keep(a))`` returning (to its end when
   nothing later restored an earlier step), less ``blocked``;
@@ -64,6 +67,7 @@ class Attempt:
     lost: float = 0.0
     lost_steps: int = 0
     saves: int = 0
+    rollback: bool = False  # this part of a manager's run began with a rollback() (no new process)
     points: dict = dataclasses.field(default_factory=dict, repr=False)  # step -> (t, blocked_s, version)
 
     def to_json(self) -> dict[str, Any]:
@@ -86,6 +90,7 @@ class Report:
     restart: float = 0.0  # recovery: until the next process started
     init: float = 0.0  # recovery: process start -> restore began
     load: float = 0.0  # recovery: the restores
+    rollback_s: float = 0.0  # recovery spent in rollback() (its restores), not in restarts
     attempts: list[Attempt] = dataclasses.field(default_factory=list)
     steps: int = 0  # steps whose results are in the final state
     saves: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -101,7 +106,17 @@ class Report:
 
     @property
     def restarts(self) -> int:
-        return max(0, len(self.attempts) - 1)
+        """Attempts after the first that a new process made (a rollback is not a restart)."""
+        return sum(1 for a in self.attempts[1:] if not a.rollback)
+
+    @property
+    def rollbacks(self) -> int:
+        return sum(1 for a in self.attempts if a.rollback)
+
+    @property
+    def restart_cost(self) -> float:
+        """Mean recovery per restart (rollbacks apart), seconds; 0 without a restart."""
+        return (self.recovery - self.rollback_s) / self.restarts if self.restarts else 0.0
 
     @property
     def failures(self) -> int:
@@ -147,8 +162,8 @@ class Report:
         return {
             "wall_s": self.wall, "useful_s": self.useful, "blocked_s": self.blocked, "lost_s": self.lost,
             "restart_s": self.recovery, "startup_s": self.startup, "other_s": self.other,
-            "recovery": {"restart_s": self.restart, "init_s": self.init, "load_s": self.load},
-            "goodput": self.goodput, "attempts": len(self.attempts), "restarts": self.restarts,
+            "recovery": {"restart_s": self.restart, "init_s": self.init, "load_s": self.load, "rollback_s": self.rollback_s},
+            "goodput": self.goodput, "attempts": self.restarts + 1, "restarts": self.restarts, "rollbacks": self.rollbacks,
             "failures": self.failures, "preemptions": self.preemptions, "steps": self.steps,
             "step_time_s": self.step_time, "saves": self.saves, "lost_work": self.lost_work(),
             "lost_distribution": self.lost_distribution(), "mtbf_s": self.mtbf_s, "mtbf_source": self.mtbf_source,
@@ -161,7 +176,14 @@ def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def _is_rollback(e: dict[str, Any]) -> bool:
+    return e["kind"] == "restore" and bool(e.get("rollback")) and e.get("outcome") == "restored"
+
+
 def _attempts(events: list[dict[str, Any]]) -> list[Attempt]:
+    """One :class:`Attempt` per manager (``a``), cut at each ``rollback()``: the part after a rollback
+    trains from the step it restored, in the same process, so the steps the part before it ran after that
+    step were redone (lost), and the rollback's restore is recovery."""
     by: dict[str, list[dict[str, Any]]] = {}
     for e in events:
         a = e.get("a")
@@ -172,44 +194,72 @@ def _attempts(events: list[dict[str, Any]]) -> list[Attempt]:
         opened = next((e for e in es if e["kind"] == "open"), None)
         t_open = opened["t"] if opened else min(e["t"] for e in es)
         proc_start = _num(opened.get("proc_start")) if opened else None
-        restore = next((e for e in es if e["kind"] == "restore"), None)
-        start_step, restored, r_t0, r_s = 0, None, None, 0.0
-        train_start = t_open
-        if restore is not None:
-            train_start = restore["t"]
-            r_s = _num(restore.get("seconds")) or 0.0
-            r_t0 = _num(restore.get("t0")) or train_start - r_s
-            if restore.get("outcome") == "restored" and isinstance(restore.get("step"), int):
-                start_step, restored = restore["step"], restore.get("version")
-        points: dict[int, tuple[float, float, str | None]] = {}
-        alive = [train_start]
-        for e in es:
-            if e["kind"] == "progress" and isinstance(e.get("step"), int):
-                points[e["step"]] = (e["t"], _num(e.get("blocked_s")) or 0.0, e.get("save"))
-                alive.append(e["t"])
-            elif e["kind"] == "save" and e.get("outcome") in ("committed", "committed-local"):
-                alive.append(e["t"])
-        close = next((e for e in es if e["kind"] == "close"), None)
-        preempt = next((e for e in es if e["kind"] == "preempt" and e.get("saved")), None)
-        if preempt is not None:  # saved the step reached, then exited
-            end = (_num(close.get("t0")) or close["t"]) if close is not None else preempt["t"]
-            end_wall = close["t"] if close is not None else preempt["t"]
-            ended = "preempted"
-        elif close is not None and not close.get("loop_error") and not any(e["kind"] == "preempt" for e in es):
-            end = _num(close.get("t0")) or close["t"]
-            end_wall = close["t"]
-            ended = "closed"
-        else:  # the process died, the loop failed (a peer died), or a preemption that could not save:
-            end = end_wall = max(alive)  # counted from the last sign of progress
-            ended = "crashed"
-        out.append(Attempt(
-            id=aid, opened=t_open, proc_start=proc_start if proc_start is not None else t_open,
-            train_start=train_start, end=max(end, train_start), end_wall=max(end_wall, train_start), ended=ended,
-            start_step=start_step, last_step=max([start_step, *points]), restored=restored, restore_t0=r_t0,
-            restore_s=r_s, interval_steps=opened.get("interval_steps") if opened else None, points=points,
-        ))
+        interval = opened.get("interval_steps") if opened else None
+        cuts = [e for e in es if _is_rollback(e)]
+        parts: list[tuple[list[dict[str, Any]], dict[str, Any] | None]] = []
+        rest = [e for e in es if not _is_rollback(e)]
+        before: dict[str, Any] | None = None
+        for rb in cuts:  # lines before the rollback began belong to the part it ended
+            t0 = _num(rb.get("t0")) or rb["t"]
+            parts.append(([e for e in rest if e["t"] < t0], before))
+            rest = [e for e in rest if e["t"] >= t0]
+            before = rb
+        parts.append((rest, before))
+        for i, (part, rb) in enumerate(parts):
+            last = i == len(parts) - 1
+            if rb is None:
+                a = _attempt(aid, part, t_open, proc_start, interval, None if last else cuts[i])
+            else:
+                t0 = _num(rb.get("t0")) or rb["t"]
+                a = _attempt(f"{aid}/rollback{i}", [rb, *part], t0, t0, interval, None if last else cuts[i])
+                a.rollback = True
+            out.append(a)
     out.sort(key=lambda a: (a.opened, a.train_start))
     return out
+
+
+def _attempt(aid: str, es: list[dict[str, Any]], t_open: float, proc_start: float | None, interval: int | None,
+             rolled_back: dict[str, Any] | None) -> Attempt:
+    """The attempt (or the part of one) whose lines are ``es``; ``rolled_back``: the rollback that ended it."""
+    restore = next((e for e in es if e["kind"] == "restore"), None)
+    start_step, restored, r_t0, r_s = 0, None, None, 0.0
+    train_start = t_open
+    if restore is not None:
+        train_start = restore["t"]
+        r_s = _num(restore.get("seconds")) or 0.0
+        r_t0 = _num(restore.get("t0")) or train_start - r_s
+        if restore.get("outcome") == "restored" and isinstance(restore.get("step"), int):
+            start_step, restored = restore["step"], restore.get("version")
+    points: dict[int, tuple[float, float, str | None]] = {}
+    alive = [train_start]
+    for e in es:
+        if e["kind"] == "progress" and isinstance(e.get("step"), int):
+            points[e["step"]] = (e["t"], _num(e.get("blocked_s")) or 0.0, e.get("save"))
+            alive.append(e["t"])
+        elif e["kind"] == "save" and e.get("outcome") in ("committed", "committed-local"):
+            alive.append(e["t"])
+    close = next((e for e in es if e["kind"] == "close"), None)
+    preempt = next((e for e in es if e["kind"] == "preempt" and e.get("saved")), None)
+    if rolled_back is not None:  # the loop went back: this part ended when the rollback began
+        end = end_wall = _num(rolled_back.get("t0")) or rolled_back["t"]
+        ended = "rolled back"
+    elif preempt is not None:  # saved the step reached, then exited
+        end = (_num(close.get("t0")) or close["t"]) if close is not None else preempt["t"]
+        end_wall = close["t"] if close is not None else preempt["t"]
+        ended = "preempted"
+    elif close is not None and not close.get("loop_error") and not any(e["kind"] == "preempt" for e in es):
+        end = _num(close.get("t0")) or close["t"]
+        end_wall = close["t"]
+        ended = "closed"
+    else:  # the process died, the loop failed (a peer died), or a preemption that could not save:
+        end = end_wall = max(alive)  # counted from the last sign of progress
+        ended = "crashed"
+    return Attempt(
+        id=aid, opened=t_open, proc_start=proc_start if proc_start is not None else t_open,
+        train_start=train_start, end=max(end, train_start), end_wall=max(end_wall, train_start), ended=ended,
+        start_step=start_step, last_step=max([start_step, *points]), restored=restored, restore_t0=r_t0,
+        restore_s=r_s, interval_steps=interval, points=points,
+    )
 
 
 def _account_attempt(a: Attempt, keep: int | None) -> None:
@@ -275,10 +325,12 @@ def account(events: Iterable[dict[str, Any]], *, mtbf_s: float | None = None, mi
     for i, a in enumerate(attempts):
         later = [b.start_step for b in attempts[i + 1:]]
         _account_attempt(a, min(later) if later else None)
-    recovery = restart = init = load = 0.0
+    recovery = restart = init = load = rolled = 0.0
     for prev, a in zip(attempts, attempts[1:]):
         rec = max(0.0, a.train_start - prev.end_wall)
         recovery += rec
+        if a.rollback:
+            rolled += rec
         r = min(rec, max(0.0, a.proc_start - prev.end_wall))
         began = max(a.proc_start, prev.end_wall)
         ld = min(a.restore_s, max(0.0, rec - r)) if a.restore_t0 is not None else 0.0
@@ -295,12 +347,53 @@ def account(events: Iterable[dict[str, Any]], *, mtbf_s: float | None = None, mi
     lost = sum(a.lost for a in attempts)
     startup = max(0.0, attempts[0].train_start - t0)
     other = wall - useful - blocked - lost - recovery - startup
-    rep = Report(wall, useful, blocked, lost, recovery, startup, other, restart, init, load, attempts,
+    rep = Report(wall, useful, blocked, lost, recovery, startup, other, restart, init, load, rolled, attempts,
                  steps=sum(max(0, (a.keep_step if a.keep_step is not None else a.last_step) - a.start_step)
                            for a in attempts),
                  saves=_save_stats(events), skipped_lines=skipped_lines)
     _advise(rep, mtbf_s, min_failures)
     return rep
+
+
+#: Google's buckets (ml-goodput-measurement's ``BadputType``, README "Badput Breakdown Details",
+#: github.com/AI-Hypercomputer/ml-goodput-measurement), in the order :func:`google_buckets` gives them
+GOOGLE_BUCKETS = (
+    ("productive", "productive (goodput)"),
+    ("checkpoint_save", "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME"),
+    ("checkpoint_restore", "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME"),
+    ("wasted_progress", "WASTED_PROGRESS_FROM_DISRUPTION"),
+    ("infrastructure_recovery", "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION"),
+    ("other", "OTHER (start-up, training preparation, shutdown)"),
+)
+
+
+def google_buckets(rep: Report) -> dict[str, Any]:
+    """``rep``'s wall time in the buckets of Google's ml-goodput-measurement (seconds), which sum to the wall:
+
+    - ``productive``: ``useful`` (their goodput: productive step time);
+    - ``checkpoint_save``: ``blocked`` — UNPRODUCTIVE_CHECKPOINT_SAVE_TIME, "the first blocking operation"
+      of an asynchronous save (the copy to host memory) plus a preemption's synchronous save;
+    - ``checkpoint_restore``: the restores (``restart``'s *restore* part) — UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME;
+    - ``wasted_progress``: ``lost`` — WASTED_PROGRESS_FROM_DISRUPTION, "time that was spent on productive
+      training but lost after restart";
+    - ``infrastructure_recovery``: ``restart``'s part until the next process started —
+      INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION, which their calculator takes as the next job start minus
+      the last disruption;
+    - ``other``: process start-up after a restart (imports, process group, model: their
+      TPU_INITIALIZATION, TRAINING_PREP and PROGRAM_STARTUP, which ckptstore does not tell apart), the first
+      start-up, close and shutdown.
+
+    Also ``wall``, ``goodput`` and ``steps``."""
+    out = {
+        "productive": rep.useful,
+        "checkpoint_save": rep.blocked,
+        "checkpoint_restore": rep.load,
+        "wasted_progress": rep.lost,
+        "infrastructure_recovery": rep.restart,
+        "other": rep.init + rep.startup + rep.other,
+    }
+    out.update(wall=rep.wall, goodput=rep.goodput, steps=rep.steps)
+    return out
 
 
 def _advise(rep: Report, mtbf_s: float | None, min_failures: int) -> None:
@@ -317,7 +410,7 @@ def _advise(rep: Report, mtbf_s: float | None, min_failures: int) -> None:
     if cost is None or not rep.steps:
         rep.advice_note = "no interval advice: no save measured"
         return
-    restart = rep.recovery / rep.restarts if rep.restarts else 0.0
+    restart = rep.restart_cost
     iv = rep.attempts[-1].interval_steps
     cur = iv * rep.step_time if iv and rep.step_time else None
     rep.advice = advise(cost_s=cost, mtbf_s=rep.mtbf_s, restart_s=restart, step_time_s=rep.step_time,

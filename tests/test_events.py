@@ -120,6 +120,33 @@ def test_goodput_crash_then_restart_counts_lost_work_and_recovery():
     assert r.blocked == pytest.approx(4 * 0.5)  # saves 5, 10 (kept) and 15, 20
 
 
+def test_goodput_in_googles_buckets_sums_to_the_wall(tmp_path):
+    """``google_buckets``: ml-goodput-measurement's BadputType buckets from the same accounting, summing to
+    the wall time; ``ckptstore goodput --buckets google|both`` prints them, ``--json`` holds them."""
+    a0, t_crash = _attempt("a", 100.0, 0, 40, crash_after=13, close=False)
+    a1, t_end = _attempt("b", t_crash + 10.0, 10, 20, restore=10, proc_start=t_crash + 4.0)
+    evs = [{"kind": "launch", "t": 95.0}] + a0 + a1 + [{"kind": "exit", "t": t_end + 2}]
+    r = goodput.account(evs)
+    g = goodput.google_buckets(r)
+    assert g["productive"] == pytest.approx(20.0) and g["checkpoint_save"] == pytest.approx(2.0)
+    assert g["wasted_progress"] == pytest.approx(3.0)  # steps 11-13, redone
+    assert g["infrastructure_recovery"] == pytest.approx(4.0)  # the crash -> the next process started
+    assert g["checkpoint_restore"] == pytest.approx(2.0)
+    assert g["other"] == pytest.approx(r.init + r.startup + r.other) and g["other"] > 0
+    assert sum(g[k] for k, _label in goodput.GOOGLE_BUCKETS) == pytest.approx(r.wall) == pytest.approx(g["wall"])
+    assert g["goodput"] == pytest.approx(r.goodput)
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in evs))
+    p = _cli("goodput", str(path), "--buckets", "google")
+    assert p.returncode == 0, p.stderr
+    assert "WASTED_PROGRESS_FROM_DISRUPTION" in p.stdout and "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION" in p.stdout
+    assert "useful training" not in p.stdout
+    p = _cli("goodput", str(path), "--buckets", "both")
+    assert "useful training" in p.stdout and "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME" in p.stdout
+    p = _cli("goodput", str(path), "--json")
+    assert json.loads(p.stdout)["google"]["wasted_progress"] == pytest.approx(3.0)
+
+
 def test_goodput_two_restarts_count_both_and_give_the_lost_work_distribution():
     a0, t0 = _attempt("a", 100.0, 0, 40, crash_after=13, close=False)
     a1, t1 = _attempt("b", t0 + 10, 10, 40, restore=10, crash_after=27, close=False)
@@ -155,6 +182,33 @@ def test_goodput_preempted_run_loses_nothing_and_a_fallback_loses_a_whole_attemp
     assert r.attempts[0].lost == pytest.approx(8 * 1.0 + 0.5)  # steps 6-13 and the save of step 10
     assert r.attempts[1].useful == 0 and r.attempts[1].lost == pytest.approx(2 * 1.0)  # all it did: steps 11, 12
     assert r.steps == 20
+
+
+def test_goodput_counts_the_steps_a_rollback_redoes_as_lost():
+    """``mgr.rollback()`` (a NaN loss) restores an earlier step inside the same attempt: the steps after it
+    were redone, so they are lost work and the rollback's restore is recovery, not useful training (before:
+    one attempt, nothing lost, the redone steps and the restore counted useful)."""
+    evs, t = _attempt("a", 100.0, 0, 12, close=False)  # saves 5, 10; the loss of step 12 is NaN
+    t_rb0, t_rb1 = t + 0.1, t + 1.6
+    evs.append({"kind": "restore", "t": t_rb1, "a": "a", "rank": 0, "t0": t_rb0, "seconds": 1.5, "outcome": "restored",
+                "step": 10, "version": "step-10", "rollback": True})
+    tt = t_rb1
+    for s in range(11, 21):
+        tt += 1.0
+        if s % 5 == 0:
+            tt += 0.5
+            evs.append({"kind": "progress", "t": tt, "a": "a", "rank": 0, "step": s, "save": f"step-{s}", "blocked_s": 0.5})
+        else:
+            evs.append({"kind": "progress", "t": tt, "a": "a", "rank": 0, "step": s})
+    evs.append({"kind": "close", "t": tt + 1.0, "a": "a", "rank": 0, "t0": tt, "seconds": 1.0})
+    r = goodput.account(evs)
+    assert r.restarts == 0 and r.failures == 0 and r.rollbacks == 1
+    assert r.lost == pytest.approx(2.0 + 0.1)  # steps 11-12 (and the NaN check before the rollback began)
+    assert r.lost_work() == [{"attempt": "a", "ended": "rolled back", "lost_s": pytest.approx(2.1), "lost_steps": 2,
+                              "kept_to_step": 10}]
+    assert r.load == pytest.approx(1.5) and r.restart == 0 and r.recovery == pytest.approx(1.5)
+    assert r.useful == pytest.approx(20.0) and r.steps == 20 and r.blocked == pytest.approx(4 * 0.5)
+    assert goodput.google_buckets(r)["wasted_progress"] == pytest.approx(2.1)
 
 
 def test_goodput_reads_one_rank_of_a_shared_log_and_skips_torn_lines(tmp_path):

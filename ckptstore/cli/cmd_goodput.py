@@ -20,14 +20,17 @@ def _s(x: float | None) -> str:
               help="MTBF for the interval advice when the log has fewer than --min-failures crashes (e.g. 6h).")
 @click.option("--min-failures", type=int, default=3, show_default=True,
               help="Crashes needed to take the MTBF from the log.")
+@click.option("--buckets", type=click.Choice(["ckptstore", "google", "both"]), default="ckptstore", show_default=True,
+              help="The table's rows: ckptstore's, the buckets of Google's ml-goodput-measurement (productive, "
+                   "checkpoint save, checkpoint restore, wasted progress, infrastructure recovery, other), or both.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def goodput(log, mtbf, min_failures, as_json):
+def goodput(log, mtbf, min_failures, buckets, as_json):
     """Useful, blocked, lost and restart time of a run, its goodput, the work each crash lost, the
     measured save cost and the Young/Daly interval, from the event log LOG (a CheckpointManager's
     ROOT/events.jsonl, or ROOT itself). Every restart of a run that crashed counts."""
     from .. import events as _events
     from ..advise import format_seconds
-    from ..goodput import account
+    from ..goodput import GOOGLE_BUCKETS, account, google_buckets
 
     path = _events.default_path(log) if os.path.isdir(log) else log
     try:
@@ -42,11 +45,26 @@ def goodput(log, mtbf, min_failures, as_json):
     if bad:
         click.echo(f"warning: {bad} torn or unreadable line(s) skipped", err=True)
     if as_json:
-        emit_json(rep.to_json())
+        out = rep.to_json()
+        out["google"] = google_buckets(rep)
+        emit_json(out)
         return
-    click.echo(f"run in {path}: {len(rep.attempts)} attempt(s), {rep.restarts} restart(s) "
-               f"({rep.failures} crash(es), {rep.preemptions} preemption(s)), {rep.steps} steps kept")
-    for label, x in rep.rows():
+    click.echo(f"run in {path}: {rep.restarts + 1} attempt(s), {rep.restarts} restart(s) "
+               f"({rep.failures} crash(es), {rep.preemptions} preemption(s))"
+               + (f", {rep.rollbacks} rollback(s)" if rep.rollbacks else "") + f", {rep.steps} steps kept")
+    rows = []
+    if buckets in ("ckptstore", "both"):
+        rows += rep.rows()
+    if buckets in ("google", "both"):
+        g = google_buckets(rep)
+        if buckets == "both":
+            click.echo("  ckptstore's rows:")
+            for label, x in rows:
+                click.echo(f"  {label:<62} {_s(x)}  {x / rep.wall if rep.wall else 0:6.1%}")
+            click.echo("  in the buckets of Google's ml-goodput-measurement:")
+            rows = []
+        rows += [(label, g[key]) for key, label in GOOGLE_BUCKETS]
+    for label, x in rows:
         share = f"{x / rep.wall:6.1%}" if rep.wall else "     -"
         click.echo(f"  {label:<62} {_s(x)}  {share}")
     click.echo(f"  {'wall':<62} {_s(rep.wall)}")
@@ -64,7 +82,7 @@ def goodput(log, mtbf, min_failures, as_json):
                    + (f"; durable lag {sv['mean_durable_lag_s']:.2f} s (max {sv['max_durable_lag_s']:.2f} s)"
                       if sv.get("mean_durable_lag_s") is not None else ""))
     if rep.step_time:
-        click.echo(f"step time {rep.step_time:.3f} s; restart cost {(rep.recovery / rep.restarts) if rep.restarts else 0.0:.1f} s per restart")
+        click.echo(f"step time {rep.step_time:.3f} s; restart cost {rep.restart_cost:.1f} s per restart")
     if rep.advice is not None:
         src = "observed" if rep.mtbf_source == "observed" else "given"
         click.echo(f"advice (MTBF {format_seconds(rep.mtbf_s)}, {src}): {rep.advice}")

@@ -13,7 +13,30 @@ import click
 
 from .supervisor import DemoConfig
 
+
+class _Duration(click.ParamType):
+    """``30m``, ``90s``, ``1h30m`` or plain seconds (:func:`ckptstore.retention.parse_duration`); defined here,
+    not taken from ``ckptstore.cli``, whose package imports this module."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        from ..retention import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+DURATION = _Duration()
+
 _D = DemoConfig()
+#: ``--chaos``: the LR schedule's length and the checkpoint interval (a fault every 2 minutes: Young/Daly
+#: with a save that blocks ~0.05 s gives seconds; every 5 steps keeps the work a fault loses small)
+CHAOS_STEPS, CHAOS_SAVE_EVERY = 3000, 5
 
 INSTALL_HINT = "pip install 'ckptstore[demo]'"
 
@@ -49,8 +72,11 @@ def check_extra(plot: bool) -> bool:
 @click.option("--remote", default=None, metavar="s3://BUCKET/PREFIX",
               help="Also stage every checkpoint to this S3 prefix (endpoint/credentials from the boto3 chain).")
 @click.option("--seaweedfs", is_flag=True, help="Start a SeaweedFS S3 server on loopback for this run (stopped after) and use it as --remote.")
-@click.option("--steps", default=_D.steps, show_default=True, type=int, help="Training steps of each run.")
-@click.option("--save-every", default=_D.save_every, show_default=True, type=int, help="Checkpoint interval in steps.")
+@click.option("--steps", default=None, type=int,
+              help=f"Training steps of each run [default: {_D.steps}]; with --chaos the LR schedule's length "
+                   f"[default: {CHAOS_STEPS}] (the run itself stops when its time is up).")
+@click.option("--save-every", default=None, type=int,
+              help=f"Checkpoint interval in steps [default: {_D.save_every}; with --chaos {CHAOS_SAVE_EVERY}].")
 @click.option("--crash-step", default=_D.crash_step, show_default=True, type=int, help="A save step: the crash rank dies right after that save (mgr.save) returned.")
 @click.option("--crash-rank", default=_D.crash_rank, show_default=True, type=int, help="The rank that SIGKILLs itself at --crash-step.")
 @click.option("--world-size", default=_D.world_size, show_default=True, type=int, help="Ranks of the reference run and of the crash run before the crash.")
@@ -78,11 +104,25 @@ def check_extra(plot: bool) -> bool:
 @click.option("--seed", default=_D.seed, show_default=True, type=int, help="Seed of the model, data order and dropout.")
 @click.option("--corpus", "corpus_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Train on the *.py files of this directory instead of the Python standard library.")
+@click.option("--chaos", "chaos", default=None, type=DURATION, metavar="DURATION",
+              help="Instead of the crash demo: train unattended for DURATION (e.g. 30m) under a seeded schedule of "
+                   "real faults (docs/DEMO.md, \"Chaos\"), then a fault-free reference of the same steps and the "
+                   "same schedule with stock DCP; goodput, every fault's recovery, bit-exactness.")
+@click.option("--fault-every", default=120.0, show_default=True, type=DURATION, metavar="SECONDS",
+              help="With --chaos: one fault every this many seconds (jittered by up to a quarter).")
+@click.option("--faults", "fault_kinds", default=None, metavar="KIND,...",
+              help="With --chaos: only these fault kinds (default: every kind the set-up can run).")
+@click.option("--peer", "peer_mode", default="alongside", show_default=True,
+              type=click.Choice(["alongside", "after", "none"]),
+              help="With --chaos: the stock-DCP run under the same schedule: started alongside the ckptstore run "
+                   "(the same machine load for both), alone after the reference, or none.")
+@click.option("--no-peer", is_flag=True, help="With --chaos: the same as --peer none.")
 @click.option("--summary", default=None, type=click.Path(dir_okay=False), help="Write the results as JSON here.")
 @click.option("--no-cli", is_flag=True, help="Skip the ckptstore list/gc/scrub views at the end.")
 @click.option("--no-plot", is_flag=True, help="Skip the PNG.")
 def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, world_size, resume_world_size, nodes,
-         replicas, replace_node, parallel, layers, d_model, heads, context, global_batch, lr, seed, corpus_dir, summary, no_cli, no_plot):
+         replicas, replace_node, parallel, layers, d_model, heads, context, global_batch, lr, seed, corpus_dir, chaos,
+         fault_every, fault_kinds, peer_mode, no_peer, summary, no_cli, no_plot):
     """Train a small transformer on 2 CPU ranks, SIGKILL one mid-save, resume, and prove it.
 
     Runs a reference job and a crash job (torchrun, gloo, FSDP2, AdamW, LR schedule,
@@ -94,6 +134,28 @@ def demo(out, remote, seaweedfs, steps, save_every, crash_step, crash_rank, worl
     """
     if remote and seaweedfs:
         raise click.UsageError("--remote and --seaweedfs are alternatives")
+    if chaos is not None:
+        check_extra(plot=False)
+        from .chaos.run import ChaosOptions, run_chaos_demo
+        from .orchestrate import DemoError
+
+        steps = CHAOS_STEPS if steps is None else steps
+        cfg = DemoConfig(
+            steps=steps, save_every=CHAOS_SAVE_EVERY if save_every is None else save_every, world_size=world_size,
+            nodes=nodes, replicas=replicas, parallel=parallel, layers=layers, d_model=d_model, heads=heads,
+            context=context, global_batch=global_batch, lr=lr, seed=seed, corpus_dir=corpus_dir, remote=remote,
+            warmup=max(1, min(_D.warmup, steps // 10)), crash_step=0,
+        )
+        opts = ChaosOptions(duration_s=chaos, fault_every_s=fault_every, peer=not no_peer and peer_mode != "none",
+                            peer_mode="after" if peer_mode == "after" else "alongside",
+                            kinds=tuple(k.strip() for k in fault_kinds.split(",") if k.strip()) if fault_kinds else None)
+        try:
+            rc = run_chaos_demo(cfg, opts, out, summary=summary, seaweed=seaweedfs, show_cli=not no_cli)
+        except DemoError as e:
+            raise click.UsageError(str(e)) from e
+        sys.exit(rc)
+    steps = _D.steps if steps is None else steps
+    save_every = _D.save_every if save_every is None else save_every
     plot = check_extra(plot=not no_plot)
     from .orchestrate import DemoError, run_demo
 

@@ -49,8 +49,20 @@ from .data import ByteWindows, GlobalBatchSampler, collate, load_corpus  # noqa:
 from .model import ByteGPT, count_params  # noqa: E402
 
 
+def uptime() -> float | None:
+    """Seconds since boot from ``/proc/uptime`` (10 ms resolution), None where there is none: the
+    kernel's clock, which neither a host clock that jumps nor libfaketime (``ckptstore demo --chaos``,
+    fault ``clock-jump``) moves, and which every process of one host shares."""
+    try:
+        with open("/proc/uptime", "rb") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class EventLog:
-    """Append-only JSONL, one line per event, flushed immediately; thread-safe."""
+    """Append-only JSONL, one line per event, flushed immediately; thread-safe. Every line carries
+    ``t`` (this process's wall clock) and ``up`` (:func:`uptime`, the host's boot clock)."""
 
     def __init__(self, path: str, **common: Any) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -60,6 +72,7 @@ class EventLog:
 
     def __call__(self, kind: str, **kw: Any) -> None:
         kw.setdefault("t", time.time())
+        kw.setdefault("up", uptime())
         line = json.dumps({"kind": kind, **self.common, **kw}, separators=(",", ":"))
         with self._lock:
             self._f.write(line + "\n")
@@ -105,8 +118,10 @@ def init_process_group(rank: int, world: int, attempt: int) -> None:
 
 
 def _node() -> int:
-    """This rank's (simulated) node: torchrun's GROUP_RANK, 0 on a single node."""
-    return int(os.environ.get("GROUP_RANK", "0"))
+    """This rank's (simulated) node: ``CKPTSTORE_DEMO_NODE`` (``demo --chaos`` names each node agent's
+    machine: a node that rejoins a rendezvous may get another GROUP_RANK, never another disk), else
+    torchrun's GROUP_RANK, 0 on a single node."""
+    return int(os.environ.get("CKPTSTORE_DEMO_NODE") or os.environ.get("GROUP_RANK", "0"))
 
 
 def _crashes(rank: int, cfg: dict[str, Any]) -> bool:
@@ -165,6 +180,11 @@ def _manager(cfg: dict[str, Any], state: dict[str, Any], log: EventLog) -> ckpts
         log("save_done", step=info.step, version=info.version, ok=info.error is None, error=info.error,
             local_commit_s=info.local_commit_s, remote_commit_s=info.remote_commit_s)
 
+    extra: dict[str, Any] = dict(cfg.get("manager") or {})  # ckptstore demo --chaos: event_log, incremental, ...
+    if cfg.get("keep_last"):
+        from ckptstore.retention import KeepLast, RetentionPolicy
+
+        extra["retention"] = RetentionPolicy([KeepLast(int(cfg["keep_last"]))])
     return ckptstore.CheckpointManager(
         root, state, remote=cfg.get("remote"), interval_steps=cfg["save_every"],
         on_save=saved,
@@ -173,6 +193,7 @@ def _manager(cfg: dict[str, Any], state: dict[str, Any], log: EventLog) -> ckpts
         # --replicas F: each node's part is also copied to F other nodes' roots; a save commits once
         # its replicas are in place, so a node lost later costs no committed version
         **({"replicas": cfg["replicas"], "durability": "replicated"} if cfg.get("replicas") else {}),
+        **extra,
     )
 
 
@@ -192,14 +213,22 @@ def _resume(mgr: ckptstore.CheckpointManager, state: dict[str, Any], cfg: dict[s
     return start - 1, r
 
 
-def _train_step(step: int, it, model, opt, sched, cfg: dict[str, Any], world: int, log: EventLog):
-    """One optimizer step on the next batch of ``it``; logs the step (losses exact, as ``float.hex``). Returns the
-    all-reduced summed token loss."""
+def _train_step(step: int, it, model, opt, sched, cfg: dict[str, Any], world: int, log: EventLog,
+                poison=None, digest=None, **fields: Any):
+    """One optimizer step on the next batch of ``it``; logs the step (losses exact, as ``float.hex``, and
+    ``fields``). Returns the all-reduced summed token loss. ``demo --chaos`` adds ``poison(ids)`` (fault
+    ``nan``: the rows of this batch whose logits get a NaN, as a corrupt sample's forward pass would) and
+    ``digest()`` (logged as ``wd``: the weights after the step, taken after ``t1``)."""
     G, T = cfg["global_batch"], cfg["context"]
     t0 = time.time()
     c0 = time.thread_time()
     ids, x = next(it)
     logits = model(x[:, :-1])
+    rows = poison(ids) if poison is not None else ()
+    if rows:  # NaN in one logit of each corrupt sample: the loss, every gradient, then the weights
+        bad = torch.zeros_like(logits)
+        bad[list(rows), 0, 0] = float("nan")
+        logits = logits + bad
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
     # gradients are averaged over ranks: scale so the result is d(global mean loss) for any W
     (loss_sum * (world / (G * T))).backward()
@@ -212,6 +241,8 @@ def _train_step(step: int, it, model, opt, sched, cfg: dict[str, Any], world: in
     gsum = loss_sum.detach().clone()
     dist.all_reduce(gsum)
     t1 = time.time()
+    if digest is not None:
+        fields["wd"] = digest()
     log(
         "step",
         cpu=time.thread_time() - c0,  # this thread's CPU time: the step's cost on an idle machine
@@ -224,6 +255,7 @@ def _train_step(step: int, it, model, opt, sched, cfg: dict[str, Any], world: in
         ids=ids,
         t0=t0,
         t1=t1,
+        **fields,
     )
     return gsum
 
@@ -245,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with open(args.config) as f:
         cfg = json.load(f)
+    if cfg.get("chaos"):  # ckptstore demo --chaos: the unattended loop of ckptstore/demo/chaos/worker.py
+        from .chaos.worker import main as chaos_main
+
+        return chaos_main(cfg)
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])

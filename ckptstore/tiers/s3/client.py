@@ -99,6 +99,32 @@ def error_code(e: bce.ClientError) -> tuple[str, int]:
     return str(err.get("Code") or status), int(status)
 
 
+#: how far a request's signing time may be from the server's (AWS Signature Version 4: 15 minutes;
+#: S3 refuses a request outside it with ``RequestTimeTooSkewed``, a HEAD with a bare 403)
+SIGV4_MAX_SKEW_S = 15 * 60
+
+
+def clock_skew(e: bce.ClientError, now: float | None = None) -> float | None:
+    """Seconds this host's clock is ahead of the S3 server's (negative: behind), from the reply's
+    ``Date`` header (RFC 7231, one-second resolution); None when the reply has none."""
+    import email.utils
+
+    date = ((e.response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}).get("date")
+    if not date:
+        return None
+    try:
+        server = email.utils.parsedate_to_datetime(date).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return (time.time() if now is None else now) - server
+
+
+def _skew_words(skew: float) -> str:
+    a = abs(skew)
+    n = f"{a / 3600:.1f} h" if a >= 3600 else f"{a / 60:.0f} min"
+    return f"{n} {'ahead of' if skew > 0 else 'behind'}"
+
+
 # --- request bodies -----------------------------------------------------------------------------
 
 
@@ -354,6 +380,17 @@ class Connection:
             if code in TRANSIENT or status >= 500 or status == 429:
                 return TransientStorageError(
                     f"S3 {what} {where} failed after retries: {detail}; try again later"
+                )
+            skew = clock_skew(e) if status == 403 else None
+            if code == "RequestTimeTooSkewed" or (skew is not None and abs(skew) > SIGV4_MAX_SKEW_S):
+                # a HEAD has no body: its bare 403 reads like a permissions problem unless the clocks are compared
+                off = f"this host's clock is {_skew_words(skew)} the S3 server's" if skew is not None else \
+                    "this host's clock is too far from the S3 server's"
+                # transient: the clock comes back (NTP), and meanwhile a restore the local roots can serve
+                # must not fail on it, as while S3 is down
+                return TransientStorageError(
+                    f"S3 {what} {where} refused: {off} ({detail}); S3 accepts a signed request only within "
+                    f"{SIGV4_MAX_SKEW_S // 60} minutes of its own time: fix the host's clock (NTP) and retry"
                 )
             if code in ("AccessDenied", "403", "AllAccessDisabled"):
                 return StorageError(
