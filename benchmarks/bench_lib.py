@@ -378,7 +378,7 @@ def rank_save(rank: int, world: int, total_bytes: int, base: str, kinds: list, r
 
 
 # -- synthetic commit ----------------------------------------------------------------------------
-def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ckpt-on") -> dict:
+def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ckpt-on", per_root: int | None = None) -> dict:
     """Time the coordinator's ``finish()`` of a ``ranks``-rank save without writing any shard.
 
     Every rank "wrote" a shard of each of ``items_per_rank`` FSDP-sharded tensors (8 MiB per shard,
@@ -389,7 +389,9 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
     packing time). Times ``finish(metadata, results)`` as
     ``dcp.save`` calls it on the coordinator: for ckptstore the pickle, the framed+encrypted
     metadata object and the put-if-absent manifest (all fsync'd); for DCP ``FileSystemWriter``
-    (``kind="dcp"``) its pickle + fsync + rename of ``.metadata``.
+    (``kind="dcp"``) its pickle + fsync + rename of ``.metadata``. ``per_root``: ckptstore ranks also
+    report their root group's leader (node-local roots of ``per_root`` consecutive ranks each), so
+    the commit records the placement and hands the manifest to the other roots.
     """
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -425,7 +427,8 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
         off = 0
         name = f"attempts/{attempt}/r{r:05d}.ckd" if kind.startswith("ckpt") else f"__{r}_0.distcp"
         for i in range(items_per_rank):
-            idx = MetadataIndex(f"layers.{i}.weight", torch.Size([r * shard_rows, 0]), 0)
+            # the index DCP's create_default_global_save_plan gives it: the chunk's position in the tensor's list
+            idx = MetadataIndex(f"layers.{i}.weight", torch.Size([r * shard_rows, 0]), r)
             if kind.startswith("ckpt"):
                 frames = []
                 for j in range(0, n, fs):
@@ -452,11 +455,18 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
         sdm[f"layers.{i}.weight"] = TensorStorageMetadata(
             TensorProperties(dtype=torch.bfloat16), torch.Size([ranks * shard_rows, cols]), chunks)
     md = Metadata(state_dict_metadata=sdm)
+    msize = meta = 0
+    if per_root and kind.startswith("ckpt"):  # each rank's root report: node-local roots of per_root ranks
+        from ckptstore.dcp._reports import root_result
+
+        for r in range(ranks):
+            results[r].append(root_result(r, r - r % per_root))
     os.sync()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     w.finish(md, results)
     dt = time.perf_counter() - t0
-    msize = meta = 0
+    cpu = time.process_time() - c0  # every thread of the process: the work, whatever else runs on the machine
     for d, _dn, fn in os.walk(root):
         for f in fn:
             if f == "manifest.json":
@@ -464,7 +474,7 @@ def synthetic_finish(ranks: int, items_per_rank: int, base: str, kind: str = "ck
             elif f in ("metadata.ckd", ".metadata"):
                 meta = os.path.getsize(os.path.join(d, f))
     shutil.rmtree(root, ignore_errors=True)
-    return {"kind": kind, "ranks": ranks, "items_per_rank": items_per_rank, "seconds": dt,
+    return {"kind": kind, "ranks": ranks, "items_per_rank": items_per_rank, "seconds": dt, "cpu_seconds": cpu,
             "manifest_bytes": msize, "metadata_bytes": meta, "items": ranks * items_per_rank,
             "rank_pack_s": max(rank_pack) if rank_pack else 0.0}
 

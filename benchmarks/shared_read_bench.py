@@ -96,13 +96,14 @@ def sim_rows(worlds: list[int], replicated: int = 100, sharded: int = 191, frame
     from ckptstore.choice import View
     from ckptstore.codec import FrameRef
     from ckptstore.dcp import _peers
+    from ckptstore.manifest.objsets import ObjSet
 
     att = "20260101T000000-000000000000-00001"
     rows, ok = [], True
     for n in worlds:
-        reports = [{"rank": i, "root": None, "parts": {}} for i in range(n)]
+        job = {"ranks": [[i, None] for i in range(n)], "roots": [], "manifests": {}}  # no rank has a root
         objs = [f"attempts/{att}/r{i:05d}.ckd" for i in range(n)]
-        v = View("v", att, reports, True, [], objs)
+        v = View("v", att, job, True, objects=ObjSet(att, True, [(0, n)]))
         holders = min(8, n)  # DCP's dedup spreads the replicated items over the objects of a few ranks
         rep = [(objs[k % holders], FrameRef((k // holders) * frame, frame, frame, k, k // holders)) for k in range(replicated)]
         own_start = (replicated // holders + 1) * frame

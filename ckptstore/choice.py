@@ -1,21 +1,33 @@
-"""Which version a job restores, and where each rank reads each object: a pure function of every
-rank's report (docs/FORMAT.md, Read rules 6-10 and "Restore choice").
+"""Which version a job restores, and where each rank reads each object: a pure function of what
+the job's roots hold (docs/FORMAT.md, Read rules 6-10 and "Restore choice").
 
-The I/O lives around it: ``ckptstore/dcp/_job.py`` builds the reports (what each rank's root holds,
-what the remote tier holds, the restore log) and exchanges them with one ``all_gather_object``; every
-rank then calls :func:`decide` on the same reports and gets the same :class:`View`. A manager that
-found a version unverifiable while loading calls it again with that version in ``exclude``.
+The I/O lives around it: ``ckptstore/dcp/_job.py`` has one rank per root list that root, gathers the
+roots' reports (and the remote tier's listing, the restore log) into one *job report* and hands it
+to every rank; every rank then calls :func:`decide` on the same job report and gets the same
+:class:`View`. A manager that found a version unverifiable while loading calls it again with that
+version in ``exclude``.
 
-A report (one per rank, in group-rank order)::
+The job report (its size grows with roots × versions, never with ranks × anything; docs/FORMAT.md,
+"Restore choice")::
 
-    {"rank": 3, "root": "/nvme/ckpt",
-     "committed": {version: {"attempt", "created", "seq", "step", "damaged", "objects": [names],
-                             "world_size", "nbytes", "supersedes": [attempts], "md5",
-                             "nonfinite": None | {"count", "items", "first"}}},
-     "parts":     {version: {attempt: [object names present in this root]}},
-     "remote": None | {version: {"attempt": str | None (None: not read), "damaged", ...as committed}},
+    {"ranks":     [[global rank, root index | None], ...],   # per group rank (None: no local root)
+     "roots":     [{"root": url, "leader": group rank that listed it,
+                    "committed": {version: [manifest digest, damaged]},
+                    "held":      {version: {attempt: object set}},   # the objects present in the root
+                    "invalid":   {version: why}}, ...],
+     "manifests": {digest: {"attempt", "created", "seq", "step", "world_size", "nbytes",
+                            "supersedes": [attempts], "groups": n, "objects": object set,
+                            "refs": [[origin version, origin attempt, object set], ...],
+                            "nonfinite": None | {"count", "items", "first"}}},
+     "remote":    None | {version: {"manifest": digest | None (not read), "damaged": bool}},
      "remote_error": None | "why the remote tier could not be read",
-     "restores": [restore log entries, oldest first]}          # rank 0's root only
+     "invalid":   {version: why},                            # the remote tier's invalid manifests
+     "restores":  [restore log entries of the first rank's root, oldest first]}
+
+A manifest's facts appear once per distinct manifest, keyed by the MD5 of the manifest file (what S3
+reports as its ETag); an *object set* is ``[meta, rank runs, other names]`` of one attempt
+(:class:`ckptstore.manifest.objsets.ObjSet`): a root of one node holds its group's part as one run.
+Roots are listed in the order of the lowest group rank on each.
 
 The rules, in order, for each version name, newest first (docs/FORMAT.md, "Order"):
 
@@ -34,7 +46,8 @@ The rules, in order, for each version name, newest first (docs/FORMAT.md, "Order
    (``nonfinite.count > 0``) is skipped; one whose values were not counted is not.
 
 Every skipped version is recorded with its reason (:class:`Skipped`); an explicit ``version``
-skips nothing: it is loaded or the reason is raised.
+skips nothing: it is loaded or the reason is raised. :func:`decide` is linear in the size of the job
+report (plus one pass over ``ranks``).
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ from typing import Mapping
 
 from .errors import (CkptStoreError, DamagedVersionError, IntegrityError, ManifestError, TransientStorageError,
                      VersionNotFoundError, version_not_found)
+from .manifest.objsets import ObjSet, runs_of
 from .manifest.order import order_key, resolve
 from .manifest.schema import nonfinite_text
 
@@ -74,108 +88,265 @@ class Skipped:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass
+class _Roots:
+    """The job's ranks and roots, indexed once per :func:`decide` (one pass over ``ranks``)."""
+
+    def __init__(self, job: Mapping) -> None:
+        ranks = job.get("ranks") or []
+        self.size = len(ranks)
+        self.global_ = [int(g) for g, _k in ranks]
+        self.root_of = [None if k is None else int(k) for _g, k in ranks]
+        first: dict[int, int] = {}
+        self.shared: set[int] = set()  # roots more than one rank of the load writes to
+        for i, k in enumerate(self.root_of):
+            if k is not None and k not in first:
+                first[k] = i
+            elif k is not None:
+                self.shared.add(k)
+        self.first_member = first  # root -> its lowest group rank
+        self.order = sorted(first, key=first.get)  # roots in the order of their lowest group rank
+        self._by_global: dict[int, int] | None = None
+        self.reports = list(job.get("roots") or [])
+        self._where: dict[int, str] = {}
+
+    def index_of(self, global_rank: int) -> int | None:
+        if self._by_global is None:
+            self._by_global = {g: i for i, g in enumerate(self.global_)}
+        return self._by_global.get(global_rank)
+
+    def root_of_global(self, global_rank: int) -> int | None:
+        i = self.index_of(global_rank)
+        return None if i is None else self.root_of[i]
+
+    def where(self, k: int) -> str:
+        w = self._where.get(k)
+        if w is None:
+            i = self.first_member.get(k)
+            rank = self.global_[i] if i is not None else "?"
+            w = self._where[k] = f"the root of rank {rank} ({self.reports[k].get('root') or '?'})"
+        return w
+
+
+class Presence:
+    """What one root holds of a view's version, as a set of object names (``name in p``, ``bool(p)``,
+    iteration): the attempt's own objects (none when the copy there is marked damaged) and the
+    referenced objects of earlier versions, less the copies that failed verification."""
+
+    def __init__(self, view: "View", k: int | None) -> None:
+        self._view = view
+        self._k = k
+
+    def __contains__(self, name: object) -> bool:
+        return self._k is not None and isinstance(name, str) and self._view._holds(self._k, name)
+
+    def __bool__(self) -> bool:
+        return self._k is not None and self._view._holds_any(self._k)
+
+    def __iter__(self):
+        if self._k is None:
+            return iter(())
+        return iter(n for n in self._view._candidates(self._k) if self._view._holds(self._k, n))
+
+
 class View:
     """The decisions of one load, identical on every rank.
 
-    ``version``/``attempt``: what is loaded; ``reports``: every rank's report (group-rank order);
+    ``version``/``attempt``: what is loaded; ``job``: the job report (module docstring);
     ``remote_ok``: the remote tier's committed, unmarked copy is this attempt; ``holders``: group
     ranks whose root has this attempt's manifest (unmarked); ``needed``: its object names (metadata
-    object included); ``skipped``: newer versions passed over, newest first; ``stale``: ``(where,
-    attempt)`` copies of this name that are not the version; ``remote_error``: why the remote tier
-    was not consulted (None: it was, or there is none); ``restore_count``: how many restores in a row
-    picked this version before (restore log of rank 0's root); ``newer``: ``{name: attempts}`` of
-    every version in scope ordered after this one (abandoned or unloadable: a later save of one of
-    these names supersedes it); ``newest``: ``(name, attempt)`` of the newest version in scope.
+    object and referenced objects included); ``skipped``: newer versions passed over, newest first;
+    ``stale``: ``(where, attempt)`` copies of this name that are not the version; ``remote_error``:
+    why the remote tier was not consulted (None: it was, or there is none); ``restore_count``: how
+    many restores in a row picked this version before (restore log of the first rank's root);
+    ``newer``: ``{name: attempts}`` of every version in scope ordered after this one (abandoned or
+    unloadable: a later save of one of these names supersedes it); ``newest``: ``(name, attempt)`` of
+    the newest version in scope; ``marked``: roots whose copy of this attempt is marked damaged;
+    ``bad``: ``{(global rank, object)}`` copies in a rank's root that failed verification while
+    loading (that root serves no such object); ``refs``: ``((origin version, origin attempt, ObjSet),
+    ...)`` objects of earlier versions the version's items reference (docs/FORMAT.md, "References"),
+    held where their origin's files are.
+
+    Per group rank ``i``: :meth:`present` (what its root holds), :meth:`source` (where it reads an
+    object), :meth:`has_manifest`, :meth:`global_rank`, :meth:`root_url`, :meth:`root_id`; per object
+    :meth:`first_holder`. Each answer costs O(roots) at most, never O(ranks).
     """
 
-    version: str
-    attempt: str
-    reports: list
-    remote_ok: bool
-    holders: list
-    needed: list
-    skipped: list = dataclasses.field(default_factory=list)
-    stale: list = dataclasses.field(default_factory=list)
-    remote_error: str | None = None
-    restore_count: int = 0
-    newer: dict = dataclasses.field(default_factory=dict)
-    newest: tuple | None = None
-    step: int | None = None
-    world_size: int | None = None
-    created: str | None = None
-    marked: frozenset = frozenset()  # group ranks whose copy of this attempt is marked damaged
-    #: ``{(global rank, object)}``: copies in a rank's root that failed verification while loading
-    bad: frozenset = frozenset()
-    #: ``((object, origin version, origin attempt), ...)``: objects of earlier versions the version's
-    #: items reference (docs/FORMAT.md, "References"); held where their origin's files are
-    refs: tuple = ()
-
-    def __post_init__(self) -> None:
-        # derived once: peer plans ask for every read item of every rank
-        bad_at: dict[int, set] = {}  # global rank -> its objects that failed verification
+    def __init__(self, version: str, attempt: str, job: Mapping, remote_ok: bool, *, roots: _Roots | None = None,
+                 objects: ObjSet | None = None, refs: tuple = (), holder_roots: frozenset = frozenset(),
+                 marked: frozenset = frozenset(), bad: frozenset = frozenset(), skipped: list | None = None,
+                 stale: list | None = None, remote_error: str | None = None, restore_count: int = 0,
+                 newer: dict | None = None, newest: tuple | None = None, step: int | None = None,
+                 world_size: int | None = None, created: str | None = None, nbytes: int = 0) -> None:
+        self.version, self.attempt, self.job, self.remote_ok = version, attempt, job, remote_ok
+        self._roots = roots or _Roots(job)
+        self.objects = objects if objects is not None else ObjSet(attempt)
+        self.refs = tuple(refs)
+        self.holder_roots = frozenset(holder_roots)
+        self.marked = frozenset(marked)
+        self.bad = frozenset(bad)
+        self.skipped = skipped if skipped is not None else []
+        self.stale = stale if stale is not None else []
+        self.remote_error = remote_error
+        self.restore_count = restore_count
+        self.newer = newer if newer is not None else {}
+        self.newest = newest
+        self.step, self.world_size, self.created, self.nbytes = step, world_size, created, nbytes
+        self._bad_at: dict[int, set] = {}  # root -> its objects that failed verification
         for g, o in self.bad:
-            bad_at.setdefault(g, set()).add(o)
-        by_origin: dict[tuple, list] = {}  # (origin version, origin attempt) -> referenced objects
-        for name, v, a in self.refs:
-            by_origin.setdefault((v, a), []).append(name)
-        self._present = []
-        for i, r in enumerate(self.reports):
-            held = set() if i in self.marked else set(r["parts"].get(self.version, {}).get(self.attempt, []))
-            for (v, a), names in by_origin.items():
-                part = r["parts"].get(v, {}).get(a)
-                if part:
-                    part = set(part)
-                    held.update(n for n in names if n in part)
-            self._present.append(held - bad_at.get(r["rank"], set()))
-        self._first_holder: dict[str, int] = {}
-        for j in reversed(range(len(self.reports))):
-            for name in self._present[j]:
-                self._first_holder[name] = j
+            k = self._roots.root_of_global(g)
+            if k is not None:
+                self._bad_at.setdefault(k, set()).add(o)
+        self._origin = {a: (v, a) for v, a, _s in self.refs}  # origin attempt -> (version, attempt)
+        self._ref_sets = {(v, a): st for v, a, st in self.refs}
+        self._held: dict[tuple, ObjSet] = {}  # (root, version, attempt) -> what the root holds of it
+        self._first: dict[str, int | None] = {}
+        self._holders: list | None = None
 
-    def present(self, i: int) -> set:
-        return self._present[i]
+    # -- the job ----------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Ranks of the load's group."""
+        return self._roots.size
 
     def global_rank(self, i: int) -> int:
-        return self.reports[i]["rank"]
+        return self._roots.global_[i]
+
+    def index_of(self, global_rank: int) -> int | None:
+        """The group rank of ``global_rank`` (None: not in the load's group)."""
+        return self._roots.index_of(global_rank)
+
+    def root_url(self, i: int) -> str | None:
+        k = self._roots.root_of[i]
+        return None if k is None else self._roots.reports[k].get("root")
+
+    def root_id(self, i: int) -> int | None:
+        """An identity of group rank ``i``'s root when other ranks of the load share it (its index in
+        the job report), else None: the load's exchange reads what several of them need from it once
+        (``dcp/_peers.py``; docs/FORMAT.md, Read rule 11)."""
+        k = self._roots.root_of[i]
+        return k if k in self._roots.shared else None
+
+    @property
+    def holders(self) -> list:
+        if self._holders is None:
+            self._holders = [i for i, k in enumerate(self._roots.root_of) if k in self.holder_roots]
+        return self._holders
+
+    @property
+    def needed(self) -> list:
+        """Every object name the version needs (its own, then the referenced ones)."""
+        return list(self.objects) + [n for _v, _a, st in self.refs for n in st]
+
+    def has_manifest(self, i: int) -> bool:
+        return self._roots.root_of[i] in self.holder_roots
+
+    def manifest_key_id(self, i: int) -> str | None:
+        """The id of the master key that wraps the copy of the version's manifest in group rank
+        ``i``'s root (None: not encrypted, no copy there, or not known)."""
+        k = self._roots.root_of[i]
+        if k is None:
+            return None
+        entry = (self._roots.reports[k].get("committed") or {}).get(self.version)
+        facts = (self.job.get("manifests") or {}).get(entry[0]) if entry else None
+        return None if facts is None else facts.get("key_id")
+
+    def lists_root(self, i: int) -> bool:
+        """Group rank ``i`` is the one that listed its root for this load (its leader)."""
+        k = self._roots.root_of[i]
+        return k is not None and self._roots.reports[k].get("leader") == i
+
+    # -- where objects are --------------------------------------------------------------------------
+    def held(self, k: int, version: str, attempt: str) -> ObjSet:
+        """What root ``k`` holds of ``(version, attempt)``, less its copies that failed verification."""
+        key = (k, version, attempt)
+        got = self._held.get(key)
+        if got is None:
+            raw = ((self._roots.reports[k].get("held") or {}).get(version) or {}).get(attempt)
+            got = ObjSet(attempt) if raw is None else ObjSet.from_json(attempt, raw)
+            if k in self._bad_at:
+                got = got.without(self._bad_at[k])
+            self._held[key] = got
+        return got
+
+    def _holds(self, k: int, name: str) -> bool:
+        if k not in self.marked and name in self.held(k, self.version, self.attempt):
+            return True
+        origin = self._origin.get(_attempt_of(name))
+        return origin is not None and name in self._ref_sets[origin] and name in self.held(k, *origin)
+
+    def _holds_any(self, k: int) -> bool:
+        if k not in self.marked and self.held(k, self.version, self.attempt):
+            return True
+        return any(self.held(k, v, a) for v, a, _s in self.refs)
+
+    def _candidates(self, k: int):
+        yield from self.held(k, self.version, self.attempt)
+        for v, a, _s in self.refs:
+            yield from self.held(k, v, a)
+
+    def present(self, i: int) -> Presence:
+        """What group rank ``i``'s root holds of the version (a set of object names)."""
+        return Presence(self, self._roots.root_of[i])
+
+    def first_holder(self, name: str) -> int | None:
+        """The lowest group rank whose root holds ``name`` (None: no root of the job does)."""
+        if name not in self._first:
+            self._first[name] = next((self._roots.first_member[k] for k in self._roots.order if self._holds(k, name)), None)
+        return self._first[name]
 
     def source(self, i: int, name: str):
         """Where group rank ``i`` reads object ``name``: "local", "remote" or a peer's group rank."""
-        if name in self._present[i]:
+        k = self._roots.root_of[i]
+        if k is not None and self._holds(k, name):
             return "local"
-        if name in self._first_holder:
-            return self._first_holder[name]
+        j = self.first_holder(name)
+        if j is not None:
+            return j
         if self.remote_ok:
             return "remote"
         raise CkptStoreError(f"object {name!r} of version {self.version!r} is on no root of this job")
 
-    def has_manifest(self, i: int) -> bool:
-        return i in self.holders
+    def missing(self) -> list[ObjSet]:
+        """The needed objects no unmarked root of the job holds (one set per attempt involved:
+        the version's own, then each origin of its references); all empty when it is complete."""
+        own = self.objects.minus(ObjSet.union(self.attempt, (self.held(k, self.version, self.attempt)
+                                                             for k in self._roots.order if k not in self.marked)))
+        out = [own]
+        for v, a, st in self.refs:
+            out.append(st.minus(ObjSet.union(a, (self.held(k, v, a) for k in self._roots.order))))
+        return out
 
 
-def _where_root(rep: dict) -> str:
-    return f"the root of rank {rep['rank']} ({rep.get('root') or '?'})"
+def _attempt_of(name: str) -> str | None:
+    """The attempt of an object name ``attempts/<attempt>/<file>``."""
+    parts = name.split("/")
+    return parts[1] if len(parts) == 3 else None
 
 
-def _copies(reports: list, remote: Mapping) -> dict[str, list[dict]]:
+def _copies(job: Mapping, roots: _Roots) -> dict[str, list[dict]]:
     """Every committed copy of every version name: ``{name: [copy]}``; a copy carries the facts of
-    its manifest, ``where``, ``remote`` and ``index`` (group rank, None for the remote tier)."""
+    its manifest, ``damaged``, ``where``, ``remote`` and ``root`` (None for the remote tier)."""
+    manifests = job.get("manifests") or {}
     out: dict[str, list[dict]] = {}
-    for i, rep in enumerate(reports):
-        for v, e in rep["committed"].items():
-            out.setdefault(v, []).append({**e, "where": _where_root(rep), "remote": False, "index": i})
-    for v, e in remote.items():
-        if e.get("attempt") is not None:
-            out.setdefault(v, []).append({**e, "where": "the remote tier", "remote": True, "index": None})
+    for k in roots.order:
+        for v, (digest, damaged) in (roots.reports[k].get("committed") or {}).items():
+            f = manifests.get(digest)
+            if f is not None:
+                out.setdefault(v, []).append({**f, "damaged": bool(damaged), "where": roots.where(k), "remote": False, "root": k})
+    for v, e in (job.get("remote") or {}).items():
+        f = manifests.get(e.get("manifest"))
+        if f is not None:
+            out.setdefault(v, []).append({**f, "damaged": bool(e.get("damaged")), "where": "the remote tier", "remote": True,
+                                          "root": None})
     return out
 
 
-def _resolved(reports: list, remote: Mapping, scope: str | None) -> tuple[dict[str, dict], list[str]]:
+def _resolved(job: Mapping, roots: _Roots, scope: str | None) -> tuple[dict[str, dict], list[str]]:
     """Rules 1 and 2: each name in ``scope`` with the facts of the copy that is the version (plus
     ``copies``: every copy of the name), and the names newest first (docs/FORMAT.md, "Order")."""
     pattern = re.compile(scope) if scope else None
     facts: dict[str, dict] = {}
-    for v, cs in _copies(reports, remote).items():
+    for v, cs in _copies(job, roots).items():
         if pattern is not None and not pattern.fullmatch(v):
             continue
         a = resolve(cs)
@@ -202,21 +373,30 @@ def _attempts(f: dict) -> list[str]:
     return sorted({c["attempt"] for c in f["copies"]})
 
 
-class _Choice:
-    """The reports of one :func:`decide`, resolved once: each version's facts, the order, the newest;
-    then the rules applied to one version at a time (each version's :class:`View` is built at most once)."""
+def _ranks_shown(ranks: list) -> str:
+    """Global ranks as runs (``0-3, 8-11``), at most 8 runs shown."""
+    runs = runs_of(ranks)
+    shown = [f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in runs[:8]]
+    return ", ".join(shown) + (" ..." if len(runs) > 8 else "")
 
-    def __init__(self, reports: list, *, exclude, scope, bad, notes) -> None:
-        self.reports = reports
+
+class _Choice:
+    """The job report of one :func:`decide`, resolved once: each version's facts, the order, the
+    newest; then the rules applied to one version at a time (each version's :class:`View` is built
+    at most once)."""
+
+    def __init__(self, job: Mapping, *, exclude, scope, bad, notes) -> None:
+        self.job = job
+        self.roots = _Roots(job)
         self.exclude = dict(exclude or {})
         self.notes = notes or {}
         self.bad = frozenset(bad)
         self.bad_objects = {o for _g, o in self.bad}
-        self.remote = reports[0].get("remote") or {}
-        self.remote_error = reports[0].get("remote_error")
-        self.restores = reports[0].get("restores") or []
+        self.remote = job.get("remote") or {}
+        self.remote_error = job.get("remote_error")
+        self.restores = job.get("restores") or []
         self.scope = scope
-        self.facts, self.order = _resolved(reports, self.remote, scope)
+        self.facts, self.order = _resolved(job, self.roots, scope)
         self.newest = (self.order[0], self.facts[self.order[0]]["attempt"]) if self.order else None
 
     def view(self, v: str) -> View:
@@ -224,17 +404,16 @@ class _Choice:
         f = self.facts[v]
         a = f["attempt"]
         same = [c for c in f["copies"] if c["attempt"] == a]
-        marked = frozenset(c["index"] for c in same if c["damaged"] and c["index"] is not None)
+        marked = frozenset(c["root"] for c in same if c["damaged"] and c["root"] is not None)
         rem = next((c for c in same if c["remote"]), None)
-        holders = [c["index"] for c in same if c["index"] is not None and c["index"] not in marked]
+        holders = frozenset(c["root"] for c in same if c["root"] is not None and c["root"] not in marked)
         stale = [(c["where"], c["attempt"]) for c in f["copies"] if c["attempt"] != a]
-        refs = tuple(tuple(x) for x in f.get("refs") or ())
-        return View(v, a, self.reports, rem is not None and not rem["damaged"], sorted(holders),
-                    list(f.get("objects") or []) + [x[0] for x in refs], refs=refs,
-                    stale=stale, remote_error=self.remote_error,
-                    restore_count=restore_count(self.restores, v, a, self.newest),
-                    newest=self.newest, step=f.get("step"), world_size=f.get("world_size"), created=f.get("created"),
-                    marked=marked, bad=self.bad)
+        objects = ObjSet.from_json(a, f["objects"]) if f.get("objects") is not None else ObjSet(a)
+        refs = tuple((rv, ra, ObjSet.from_json(ra, st)) for rv, ra, st in f.get("refs") or ())
+        return View(v, a, self.job, rem is not None and not rem["damaged"], roots=self.roots, objects=objects, refs=refs,
+                    holder_roots=holders, marked=marked, bad=self.bad, stale=stale, remote_error=self.remote_error,
+                    restore_count=restore_count(self.restores, v, a, self.newest), newest=self.newest,
+                    step=f.get("step"), world_size=f.get("world_size"), created=f.get("created"), nbytes=f.get("nbytes") or 0)
 
     def check(self, v: str) -> tuple[View | None, Skipped | None]:
         """Rules 3, 4 and 6 for ``v``: its view, and why this job cannot load it (None: it can)."""
@@ -245,22 +424,21 @@ class _Choice:
             reason, obj = (why, None) if isinstance(why, str) else (why[0], why[1])
             return None, Skipped(v, a, UNVERIFIED, reason, obj)
         vw = self.view(v)
-        lost = []
-        for name in vw.needed:
-            try:
-                vw.source(0, name)
-            except CkptStoreError:
-                lost.append(name)
-        if lost or not vw.needed:
-            return vw, self._unservable(v, lost)
+        empty = not vw.objects and not any(st for _v, _a, st in vw.refs)
+        missing = [] if vw.remote_ok else [m for m in vw.missing() if m]
+        if missing or empty:
+            return vw, self._unservable(v, missing)
         return vw, None
 
-    def _unservable(self, v: str, lost: list) -> Skipped:
-        """Why version ``v`` is not loadable when no source serves ``lost`` (or it needs nothing): a
-        copy that failed verification (``notes``), a damage mark, or objects missing everywhere."""
+    def _unservable(self, v: str, missing: list) -> Skipped:
+        """Why version ``v`` is not loadable when no source serves the ``missing`` object sets (or it
+        needs nothing): a copy that failed verification (``notes``), a damage mark, or objects
+        missing everywhere."""
         f = self.facts[v]
         a = f["attempt"]
-        gone_bad = [n for n in lost if n in self.bad_objects]
+        lost = [n for m in missing for n in m.head(9)]
+        n_lost = sum(len(m) for m in missing)
+        gone_bad = sorted(n for n in self.bad_objects if any(n in m for m in missing))
         if gone_bad and (v, a) in self.notes:
             why = self.notes[(v, a)]
             reason, obj = (why, gone_bad[0]) if isinstance(why, str) else (why[0], why[1])
@@ -269,9 +447,9 @@ class _Choice:
         if marks:
             wh = ", ".join(c["where"] for c in marks)
             return Skipped(v, a, DAMAGED, f"marked damaged by 'ckptstore scrub --repair' in {wh}, and no other copy "
-                                          f"holds {_shown(lost)}", lost[0] if lost else None, marks[0]["where"])
-        reason = f"objects {_shown(lost)} are on none of the roots of ranks {[r['rank'] for r in self.reports]}"
-        if (f.get("groups") or 1) > 1 and len(self.reports) == 1:
+                                          f"holds {_shown(lost, n_lost)}", lost[0] if lost else None, marks[0]["where"])
+        reason = f"objects {_shown(lost, n_lost)} are on none of the roots of ranks [{_ranks_shown(self.roots.global_)}]"
+        if (f.get("groups") or 1) > 1 and self.roots.size == 1:
             reason += (f" (the version is split over {f['groups']} roots: load it in a job whose ranks see those roots, "
                        "every node's ranks passing their node's root)")
         if self.remote_error:
@@ -291,10 +469,11 @@ class _Choice:
         return vw
 
     def _not_committed(self, version: str, where: str) -> CkptStoreError:
-        invalid = [rep["invalid"][version] for rep in self.reports if version in (rep.get("invalid") or {})]
+        invalid = [rep["invalid"][version] for rep in self.roots.reports if version in (rep.get("invalid") or {})]
+        invalid += [self.job["invalid"][version]] if version in (self.job.get("invalid") or {}) else []
         if invalid:
             return ManifestError(f"version {version!r} has an invalid manifest: {invalid[0]}; run 'ckptstore scrub'")
-        names = {v for rep in self.reports for v in rep["committed"]} | set(self.remote)
+        names = {v for rep in self.roots.reports for v in rep["committed"]} | set(self.remote)
         if version in names and version not in self.facts:  # committed, but not a name of this scope
             shown = scope_shown(self.scope)
             return VersionNotFoundError(
@@ -362,7 +541,7 @@ def _explicit_error(version: str, why: Skipped) -> CkptStoreError:
 
 
 def decide(
-    reports: list,
+    job: Mapping,
     version: str | None,
     *,
     exclude: Mapping[tuple, str] | None = None,
@@ -376,7 +555,7 @@ def decide(
     notes: Mapping[tuple, object] | None = None,
     allow_nonfinite: bool = False,
 ) -> View | None:
-    """The :class:`View` of a load (see the module docstring). Raises the same error on every rank
+    """The :class:`View` of a load from the ``job`` report (see the module docstring). Raises the same error on every rank
     when nothing can be loaded: :class:`VersionNotFoundError` (nothing committed, or no version
     loadable — the message lists why each was skipped), for an explicit ``version``
     :class:`DamagedVersionError` / :class:`IntegrityError` / :class:`VersionNotFoundError`;
@@ -394,7 +573,7 @@ def decide(
     (reported as ``unverified`` when no other copy is left); ``allow_nonfinite``: do not skip versions
     that hold NaN/Inf values (rule 8).
     """
-    choice = _Choice(reports, exclude=exclude, scope=scope, bad=bad, notes=notes)
+    choice = _Choice(job, exclude=exclude, scope=scope, bad=bad, notes=notes)
     if version is not None:
         return choice.explicit(version, where)
     view, skipped = choice.walk(world_size=world_size, reshard=reshard, fall_back_after=fall_back_after,
@@ -404,8 +583,9 @@ def decide(
     return choice.nothing_loadable(skipped, where, empty_ok)
 
 
-def _shown(names: list) -> str:
-    return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "") if names else "every object"
+def _shown(names: list, total: int | None = None) -> str:
+    total = len(names) if total is None else total
+    return ", ".join(names[:8]) + (f" ... ({total} in all)" if total > 8 else "") if names else "every object"
 
 
 def scope_shown(scope: str | None) -> str:
@@ -429,5 +609,5 @@ def version_pattern(prefix: str = "", version_format: str | None = None) -> str:
     return "".join(out)
 
 
-__all__ = ["Skipped", "View", "decide", "restore_count", "version_pattern", "DAMAGED", "MISSING", "UNVERIFIED",
+__all__ = ["Presence", "Skipped", "View", "decide", "restore_count", "version_pattern", "DAMAGED", "MISSING", "UNVERIFIED",
            "SHAPE", "RESTARTS", "NONFINITE"]

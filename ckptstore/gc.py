@@ -28,9 +28,9 @@
      (Delete rule 12: retired by that commit, nothing writes to them any more).
      Fault point ``gc.delete`` before each object deletion.
    * stale incomplete multipart uploads (tiers that declare ``supports_multipart``) older than grace
-     are aborted; empty local directories older than grace are removed; root-sharing probes
-     (``probes/r<rank>.<nonce>``, written by a save to find which ranks share a root) older than
-     grace are deleted.
+     are aborted; empty local directories older than grace are removed; root claims
+     (``probes/root.<token>``, written by a save or a load to find which ranks share a root, and the
+     ``probes/r<rank>.<nonce>`` probes of older releases) older than grace are deleted.
 
 On node-local roots (a version split over several roots, docs/FORMAT.md "Placement") gc on a node
 plans for what that root holds: retention runs over the versions committed there (every root holds
@@ -74,11 +74,12 @@ log = logging.getLogger("ckptstore")
 
 DEFAULT_GRACE = 3600.0
 
-#: top-level directory of the root-sharing probes (``probes/r<rank>.<nonce>``) that a save writes
-#: to find out which ranks see the same root (docs/FORMAT.md, "Placement"); gc deletes probes older
-#: than the grace period and leaves anything else in it alone
+#: top-level directory of the root claims (``probes/root.<token>``; ``probes/r<rank>.<nonce>`` from
+#: older releases) that a save or a load writes to find out which ranks see the same root
+#: (docs/FORMAT.md, "Placement"); gc deletes them once older than the grace period and leaves
+#: anything else in it alone
 PROBES = "probes"
-_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+")
+_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|root\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+")
 
 # -- collect -----------------------------------------------------------------------------------------
 def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
@@ -367,10 +368,11 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
 
 
 def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
-    """Root-sharing probes (``probes/r<rank>.<nonce>``), conditional-write probes left by a killed
-    process (``probes/put-if-absent.<nonce>``) and the temporary files of a probe write a killed
-    process left (``probes/.tmp-<random>``) older than ``grace`` are deleted; younger ones (a save
-    setting up now) and anything else under ``probes/`` survive."""
+    """Root claims (``probes/root.<token>``, and older releases' ``probes/r<rank>.<nonce>``),
+    conditional-write probes left by a killed process (``probes/put-if-absent.<nonce>``) and the
+    temporary files of a probe write a killed process left (``probes/.tmp-<random>``) older than
+    ``grace`` are deleted; younger ones (a save or load running now) and anything else under
+    ``probes/`` survive."""
     for info in s.probes:
         base = info.key[len(PROBES) + 1:]
         temporary = "/" not in base and layout.is_temporary(base)  # a probe being written, or a killed writer's

@@ -270,7 +270,7 @@ def _store_nearby(root: str) -> str:
 
 
 def record_of(view) -> VersionRecord:
-    """The record of the view's version from the reports (no further I/O)."""
+    """The record of the view's version from the job report (no further I/O)."""
     import datetime as _dt
 
     created = _dt.datetime.fromisoformat((view.created or "1970-01-01T00:00:00Z").replace("Z", "+00:00"))
@@ -279,11 +279,5 @@ def record_of(view) -> VersionRecord:
         tiers.add("local")
     if view.remote_ok:
         tiers.add("remote")
-    nbytes = 0
-    for rep in view.reports:
-        e = rep["committed"].get(view.version)
-        if e is not None and e["attempt"] == view.attempt:
-            nbytes = e.get("nbytes", 0)
-            break
-    return VersionRecord(view.version, created, view.step, view.world_size or 0, nbytes, 0, frozenset(tiers),
+    return VersionRecord(view.version, created, view.step, view.world_size or 0, view.nbytes, 0, frozenset(tiers),
                          False, False, view.attempt, False, None, {})

@@ -39,7 +39,6 @@ else
     need_install=1
 fi
 if [ "$need_install" = 1 ]; then
-    echo "demo.sh: installing torch and ckptstore[demo] into $VENV (scripts/setup.sh demo)"
     PYTHON="$PY" bash scripts/setup.sh demo
 fi
 outer=$(command -v ckptstore 2>/dev/null || true)  # what the caller's shell runs as `ckptstore`

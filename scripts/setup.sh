@@ -45,6 +45,7 @@ PYEOF
 then
   exit 0  # installed, and pyproject.toml unchanged since
 fi
+echo "setup.sh: installing torch and ckptstore[${ALL_EXTRAS}] into $VENV (once; again only when pyproject.toml changes or other extras are asked for)"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi

@@ -67,9 +67,7 @@ def load_then_destroy(rank, world, roots, remote=None):
 
 def save_replicated(rank, world, roots, versions):
     """Save ``versions`` with one replica per root group and ``durability="replicated"``; returns the
-    placements the commits recorded (the coordinator's) and the roots' group as this rank saw it."""
-    from ckptstore.dcp import _roots
-
+    placements the commits recorded (the coordinator's)."""
     w = ckptstore.StorageWriter(roots[rank], replicas=1, durability="replicated", frame_size=65536)
     placements = []
     try:
@@ -79,25 +77,26 @@ def save_replicated(rank, world, roots, versions):
                 placements.append(w.last_manifest.placement)
     finally:
         w.close()
-    return {"placements": placements, "nonce": _roots.process_nonce() if hasattr(_roots, "process_nonce")
-            else _roots.PROCESS_NONCE}
+    return {"placements": placements}
 
 
 def save_with_stale_probe(rank, world, roots, version, durability, replicas):
-    """Rank 1 leaves its probe in root 0 too (a root it does not write to: the ranks then disagree on
-    who shares root 0), then every rank saves ``version``; returns what the save raised ("" if none)."""
-    from ckptstore.dcp import _roots
+    """Rank 1 leaves files in root 0 that name it (a root it does not write to): the claim of another
+    save (``probes/root.<token>``) and a probe of an older release (``probes/r00001.<nonce>``); then
+    every rank saves ``version``. Returns ``(what the save raised or "", the committed placement)``."""
     from ckptstore.tiers import LocalTier
 
     if rank == 1:
-        _roots.write_probe(LocalTier(roots[0]), 1, _roots.process_nonce())
+        t = LocalTier(roots[0])
+        t.put("probes/root.0123456789abcdef", b"1")
+        t.put("probes/r00001.5f3a5f3a5f3a5f3a", b"")
     dist.barrier()
     w = ckptstore.StorageWriter(roots[rank], replicas=replicas, durability=durability, frame_size=65536)
     try:
         dcp.save(sharded_state(world, _seed(version)), checkpoint_id=version, storage_writer=w)
-        return ""
+        return "", None if w.last_manifest is None else w.last_manifest.placement
     except BaseException as e:  # CheckpointException is a BaseException
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e}", None
     finally:
         w.close()
 

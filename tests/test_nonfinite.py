@@ -25,6 +25,7 @@ from ckptstore.codec.numerics import RULES, count_nonfinite, rule_for
 from ckptstore.errors import VersionNotFoundError
 from ckptstore.manifest import catalogue, layout
 from ckptstore.manifest.catalogue import VersionRecord
+from ckptstore.manifest.objsets import ObjSet
 from ckptstore.retention import REASON_FINITE, KeepLast, evaluate
 from ckptstore.testing.dist import run_ranks
 from ckptstore.tiers import LocalTier
@@ -196,9 +197,18 @@ def _entry(v, step, nonfinite):
 
 
 def _reports(versions):
-    parts = {v: {e["attempt"]: e["objects"]} for v, e in versions.items()}
-    return [{"rank": 0, "root": "/r", "committed": versions, "parts": parts, "remote": None, "remote_error": None,
-             "restores": [], "invalid": {}}]
+    """The job report (ckptstore/choice.py) of one rank whose root holds ``versions`` whole."""
+    manifests, committed, held = {}, {}, {}
+    for v, e in versions.items():
+        a = e["attempt"]
+        digest = "md5-" + a
+        objs = ObjSet.of_names(a, e["objects"]).to_json()
+        manifests[digest] = {**{k: e[k] for k in ("attempt", "created", "seq", "step", "world_size", "nbytes", "supersedes",
+                                                  "groups", "nonfinite")}, "objects": objs, "refs": []}
+        committed[v] = [digest, e["damaged"]]
+        held[v] = {a: objs}
+    return {"ranks": [[0, 0]], "roots": [{"root": "/r", "leader": 0, "committed": committed, "held": held, "invalid": {}}],
+            "manifests": manifests, "remote": None, "remote_error": None, "invalid": {}, "restores": []}
 
 
 def test_choice_skips_nonfinite_versions_unless_allowed_or_named():

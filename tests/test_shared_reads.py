@@ -22,6 +22,7 @@ import ckptstore
 from ckptstore.choice import View
 from ckptstore.codec import FrameRef
 from ckptstore.dcp import _peers
+from ckptstore.manifest.objsets import ObjSet
 from ckptstore.testing.dist import patched_environ, run_ranks
 
 import shared_read_ranks as sr
@@ -32,10 +33,13 @@ V, A = "v", "20260101T000000-000000000000-00001"
 
 # -- the plan (pure) --------------------------------------------------------------------------------
 def view(world: int, held: dict, remote_ok: bool = True) -> View:
-    """A restore choice's view of ``world`` ranks; ``held[i]``: object names rank i's root holds."""
-    reports = [{"rank": i, "root": f"/r{i}", "parts": {V: {A: sorted(held.get(i, ()))}}} for i in range(world)]
-    objs = sorted({o for h in held.values() for o in h} | {f"attempts/{A}/r{i:05d}.ckd" for i in range(world)})
-    return View(V, A, reports, remote_ok, [], objs)
+    """A restore choice's view of ``world`` ranks, each with a root of its own; ``held[i]``: object
+    names rank i's root holds (the job report of ckptstore/choice.py)."""
+    roots = [{"root": f"/r{i}", "leader": i, "committed": {}, "invalid": {},
+              "held": {V: {A: ObjSet.of_names(A, held.get(i, ())).to_json()}}} for i in range(world)]
+    job = {"ranks": [[i, i] for i in range(world)], "roots": roots, "manifests": {}, "remote": None}
+    objs = ObjSet.of_names(A, {o for h in held.values() for o in h} | {obj(i) for i in range(world)})
+    return View(V, A, job, remote_ok, objects=objs)
 
 
 def obj(i: int) -> str:

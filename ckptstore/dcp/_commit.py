@@ -19,7 +19,7 @@ from .. import _faults
 from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
 from ..errors import (CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
-                      StateDictKeysError, UnsupportedFormatError)
+                      PlacementError, StateDictKeysError, UnsupportedFormatError)
 from ..manifest import layout, leases, placement
 from ..manifest.commit import commit_manifest
 from ..manifest.placement import group_domains
@@ -27,8 +27,7 @@ from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, parse, utcn
 from . import _roots
 from ._checks import check_metadata_loads, value_digest
 from ._frames import NONFINITE_FIRST, tensor_bytes, write_small_object
-from ._metadata import ItemTables
-from ._metadata import pack as pack_metadata
+from ._metadata import ItemTables, dump, objects_only, pack_head
 from ._reports import UploadFailure, collect, digest_result
 from ._stage import OwnLock
 from ._types import RootReport
@@ -88,14 +87,12 @@ class Committer(OwnLock):
         reports, digests, tables, extras = collect(results)
         upload_failures = [x for x in extras if isinstance(x, UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
+        split = _roots.placement([(r.rank, r.leader) for r in roots])
+        # the failure domain of each root group: its leader's (docs/FORMAT.md, "Replicas")
+        doms = group_domains(split, {r.rank: r.domain for r in roots}) if split else None
         try:
             self.guard.check_world(len(results), f"the commit of {s.version!r}")
             _check_same_values(digests)
-            if roots:  # the ranks must agree on the root groups the placement records
-                _roots.check_groups({r.rank: r.group for r in roots})
-            split = _roots.placement([r.group for r in roots])
-            # the failure domain of each root group: its leader's (docs/FORMAT.md, "Replicas")
-            doms = group_domains(split, {r.rank: r.domain for r in roots}) if split else None
             m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split, domains=doms)
             self.check_committable(s, m, body)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
@@ -106,7 +103,7 @@ class Committer(OwnLock):
                 hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
             )
         except BaseException:
-            if len({tuple(r.group) for r in roots}) > 1:
+            if split:
                 self.publisher.publish(s.attempt, b"", None)  # the other roots stop waiting
             leases.release(self.tier, s.attempt)  # the save failed: its references need no protection
             raise
@@ -140,7 +137,7 @@ class Committer(OwnLock):
         in_groups = {r for g in groups for r in g}
         stray = sorted({o.rank for o in m.objects if o.rank is not None and o.rank not in in_groups})
         if m.placement and stray:
-            raise CommitRefusedError(f"version {s.version!r}: ranks {stray} wrote objects but belong to no root group "
+            raise PlacementError(f"version {s.version!r}: ranks {stray} wrote objects but belong to no root group "
                                      f"of {m.placement}; nothing was committed")
         mine = next((set(g) for g in groups if s.rank in g), None)
         gone = []
@@ -186,10 +183,13 @@ class Committer(OwnLock):
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
         # the item locations stay packed: dcp.save returns (and DCP broadcasts) them as ItemTables
         metadata.storage_data = ItemTables(tables)
-        blob = pack_metadata(metadata, tables)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
-        check_metadata_loads(blob, s.version)  # never commit what the reader refuses
+        head = pack_head(metadata, tables)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
+        # never commit what the reader refuses: every object of the pickle (its columns are plain bytes)
+        check_metadata_loads(objects_only(head), s.version)
+        blob = dump(head)
+        del head
         meta_entry, meta_codecs = write_small_object(self.tier, codec, s.version, layout.metadata_name(s.attempt), blob,
-                                                     cfg.frame_size)
+                                                     cfg.frame_size, threads=cfg.threads)
         reports.sort(key=lambda r: r.rank)
         objects = [ObjectEntry(r.name, r.size, r.digest, r.frames, r.rank, r.nbytes) for r in reports]
         codecs = sorted({c for r in reports for c in r.codecs} | set(meta_codecs))

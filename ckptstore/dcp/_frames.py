@@ -186,13 +186,25 @@ def chain_of(head: bytes) -> str:
     return head[FIXED_LEN : FIXED_LEN + n].decode("ascii")
 
 
-def write_small_object(tier, codec: FrameCodec, version: str, name: str, blob: bytes,
-                       frame_size: int) -> tuple[ObjectEntry, tuple]:
-    """Write ``blob`` as the object ``name`` of ``version`` (one thread); its manifest entry and codec chains."""
+#: frames of a whole object above which :func:`write_small_object` encodes them on threads
+_PARALLEL_FRAMES = 4
+
+
+def write_small_object(tier, codec: FrameCodec, version: str, name: str, blob: bytes | memoryview,
+                       frame_size: int, threads: int = 1) -> tuple[ObjectEntry, tuple]:
+    """Write ``blob`` as the object ``name`` of ``version``; its manifest entry and codec chains.
+    Its frames are encoded (compressed, encrypted, checksummed) on up to ``threads`` threads when
+    there are more than a few (the DCP metadata object of a large job), and written in order."""
     refs: list = []
+    mv = memoryview(blob).cast("B")
+    nframes = -(-len(mv) // frame_size)
     with ObjectSink(tier, layout.object_key(version, name), "write.metadata") as sink:
-        write_frames(sink, codec, name, split(memoryview(blob), frame_size, 0, refs))
-    return ObjectEntry(name, sink.offset, sink.hexdigest(), sink.frames, None, len(blob)), tuple(sink.codecs)
+        if threads > 1 and nframes > _PARALLEL_FRAMES:
+            with cf.ThreadPoolExecutor(threads, thread_name_prefix="ckptstore-meta") as pool:
+                write_frames(sink, codec, name, split(mv, frame_size, 0, refs), pool, 2 * threads)
+        else:
+            write_frames(sink, codec, name, split(mv, frame_size, 0, refs))
+    return ObjectEntry(name, sink.offset, sink.hexdigest(), sink.frames, None, len(mv)), tuple(sink.codecs)
 
 
 class ShardWriter:

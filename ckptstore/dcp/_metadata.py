@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import gc
+import io
 import itertools
 import operator
 import pickle
@@ -176,42 +177,205 @@ def pack_items(idx: list, locs: list, digests: list | None = None) -> ItemTable:
     return ItemTable(tuple(names.table), n, nf, cols)
 
 
+_ID_COLUMNS = ("item.fqn", "item.object", "item.dtype")
+_ITEMSIZE = {k: np.dtype(dt).itemsize for k, (dt, _per) in COLUMNS.items()}
+
+
+def _common_prefix(a: tuple, b: tuple) -> int:
+    """The length of the longest common prefix of two name tuples (a few C-level slice compares:
+    the ranks' tables usually differ only in their last names, their object and dtype)."""
+    p = min(len(a), len(b))
+    j = max(0, p - 4)
+    if a[:j] == b[:j]:
+        while j < p and a[j] == b[j]:
+            j += 1
+        return j
+    lo, hi = 0, j  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, bytes], int, int]:
     """Concatenate ``tables`` (in order) into one set of item/frame columns whose name positions
     refer to ``names``; returns (columns, items, frames). Raises ``TypeError`` when a table is not
-    an :class:`ItemTable` with whole columns of the right lengths."""
-    parts: dict[str, list] = {k: [] for k in _TABLE_COLUMNS}
+    an :class:`ItemTable` with whole columns of the right lengths.
+
+    One ``join`` per column over all tables and one vectorised lookup per name column: the work per
+    table is a few length checks and the names it does not share with the table before it."""
+    raws: dict[str, list] = {k: [] for k in _TABLE_COLUMNS}
+    counts: list[int] = []  # items per table
+    n_names: list[int] = []  # names per table
+    remaps: list = []  # per table: the position in ``names`` of each of its names
+    prev: tuple = ()
+    prev_map = np.empty(0, "<i4")
     n = nf = 0
+    ids = names.ids
     for t in tables:
-        if type(t) is not ItemTable or type(t.columns) is not dict:
+        if type(t) is not ItemTable or type(t.columns) is not dict or type(t.names) is not tuple:
             raise TypeError("a rank's item table is not an ItemTable")
-        remap = np.fromiter(names.ids_of(list(t.names)), dtype="<i4", count=len(t.names))
+        if not all(type(x) is int and x >= 0 for x in (t.items, t.frames)):
+            raise TypeError("a rank's item table has no whole item and frame counts")
+        cols = t.columns
         for k in _TABLE_COLUMNS:
-            dt, per = COLUMNS[k]
-            raw = t.columns.get(k)
-            if type(raw) is not bytes or len(raw) % np.dtype(dt).itemsize:
+            raw = cols.get(k)
+            size = _ITEMSIZE[k]
+            per = COLUMNS[k][1]
+            if type(raw) is not bytes or len(raw) % size:
                 raise TypeError(f"item table column {k} is missing or not whole values")
-            a = np.frombuffer(raw, dtype=dt)
-            if (per == "items" and len(a) != t.items) or (per == "frames" and len(a) != t.frames):
-                raise TypeError(f"item table column {k} has {len(a)} values")
-            if k in ("item.fqn", "item.object", "item.dtype") and len(a):
-                if a.max() >= len(remap) or a.min() < (-1 if k == "item.dtype" else 0):
-                    raise TypeError(f"item table column {k} refers to a name that does not exist")
-                a = remap[a] if k != "item.dtype" else np.where(a < 0, -1, remap[np.maximum(a, 0)]).astype(dt)
-            parts[k].append(a)
+            if (per == "items" and len(raw) != t.items * size) or (per == "frames" and len(raw) != t.frames * size):
+                raise TypeError(f"item table column {k} has {len(raw) // size} values")
+            raws[k].append(raw)
+        tn = t.names
+        j = _common_prefix(tn, prev)
+        tail = []
+        for x in tn[j:]:
+            if type(x) is not str:
+                raise TypeError("an item table's names are not strings")
+            tail.append(ids.setdefault(x, len(ids)))
+        m = np.concatenate((prev_map[:j], np.asarray(tail, "<i4"))) if tail else prev_map[:j]
+        remaps.append(m)
+        prev, prev_map = tn, m
+        counts.append(t.items)
+        n_names.append(len(tn))
         n += t.items
         nf += t.frames
-    cols = {k: (np.concatenate(v).astype(COLUMNS[k][0], copy=False) if v else np.empty(0, COLUMNS[k][0])).tobytes()
-            for k, v in parts.items()}
+    cols = {k: b"".join(v) for k, v in raws.items()}
+    if n:
+        per_item = np.repeat(np.arange(len(tables)), counts)
+        limit = np.asarray(n_names, np.int64)[per_item]
+        base = (np.cumsum(n_names) - np.asarray(n_names, np.int64))[per_item]
+        remap_all = np.concatenate(remaps) if remaps else np.empty(0, "<i4")
+        for k in _ID_COLUMNS:
+            local = np.frombuffer(cols[k], "<i4").astype(np.int64)
+            lo = -1 if k == "item.dtype" else 0
+            if (local >= limit).any() or (local < lo).any():
+                raise TypeError(f"item table column {k} refers to a name that does not exist")
+            g = remap_all[base + np.maximum(local, 0)]
+            if k == "item.dtype":
+                g = np.where(local < 0, -1, g)
+            cols[k] = g.astype("<i4").tobytes()
     for k, (dt, _per) in OPTIONAL_COLUMNS.items():  # kept only when every table has it
-        raws = [t.columns.get(k) for t in tables]
-        if tables and all(type(r) is bytes and len(r) == t.items * np.dtype(dt).itemsize for r, t in zip(raws, tables)):
-            cols[k] = b"".join(raws)
+        opt = [t.columns.get(k) for t in tables]
+        if tables and all(type(r) is bytes and len(r) == t.items * np.dtype(dt).itemsize for r, t in zip(opt, tables)):
+            cols[k] = b"".join(opt)
     return cols, n, nf
 
 
-def pack(md: Metadata, tables: list | None = None) -> bytes:
-    """Format 2 bytes of ``md``.
+#: chunks of one tensor checked against DCP's own objects when its chunk list is taken from the
+#: item columns (:func:`_chunks_from_items`): the first, the last and this many spread between
+_CHUNK_SAMPLES = 32
+
+
+def _chunks_from_objects(tm, nd: int):
+    """``(offsets, sizes)`` flat int64 arrays of the chunk list of ``tm`` read from DCP's objects,
+    or None when it is not a list of plain ``ChunkStorageMetadata`` of ``nd`` dimensions."""
+    if not _only(tm.chunks, ChunkStorageMetadata):
+        return None
+    offs = list(map(_G("offsets"), tm.chunks))
+    sizes = list(map(_G("sizes"), tm.chunks))
+    if set(map(len, offs)) != {nd} or set(map(len, sizes)) != {nd}:
+        return None
+    flat = itertools.chain.from_iterable
+    return np.fromiter(flat(offs), "<i8", len(offs) * nd), np.fromiter(flat(sizes), "<i8", len(sizes) * nd)
+
+
+class _ItemChunks:
+    """The chunk lists DCP's default planner builds, read from the item columns instead of from
+    millions of ``ChunkStorageMetadata`` objects: DCP appends one chunk per write item of a tensor
+    and gives the item's ``MetadataIndex`` the chunk's position (``index``), its ``offset`` the
+    chunk's offsets; the item's stored ``shape`` is the chunk's sizes. Grouped once (a stable sort of
+    the items by name)."""
+
+    def __init__(self, cols: dict, n: int) -> None:
+        a = {k: np.frombuffer(cols[k], COLUMNS[k][0]) for k in
+             ("item.fqn", "item.index", "item.offset_ndim", "item.offsets", "item.shape_ndim", "item.shapes")}
+        self.a = a
+        fq = a["item.fqn"]
+        key = fq.astype(np.uint16) if n and int(fq.max()) < 65536 else fq  # radix sort for up to 65,536 names
+        self.order = np.argsort(key, kind="stable")
+        srt = fq[self.order]
+        # each name's first position in the sorted items, for every name at once (not two binary
+        # searches per tensor): items of name f are order[bounds[f]:bounds[f + 1]]
+        self.bounds = np.searchsorted(srt, np.arange(int(fq.max()) + 2 if n else 1), "left")
+        on = np.maximum(a["item.offset_ndim"], 0).astype(np.int64)
+        sn = np.maximum(a["item.shape_ndim"], 0).astype(np.int64)
+        self.ostart = np.cumsum(on) - on
+        self.sstart = np.cumsum(sn) - sn
+
+    def chunks(self, fid: int, count: int, nd: int, tm):
+        """``(offsets, sizes)`` flat arrays of the tensor ``fid`` (``count`` chunks of ``nd``
+        dimensions) from its items, when they are DCP's chunk list (checked on a sample of the
+        objects); else None."""
+        a = self.a
+        if fid + 1 >= len(self.bounds):
+            return None
+        lo, hi = int(self.bounds[fid]), int(self.bounds[fid + 1])
+        if hi - lo != count:
+            return None
+        pos = self.order[lo:hi]
+        idx = a["item.index"][pos]
+        want = np.arange(count, dtype=np.int64)
+        if not np.array_equal(idx, want):
+            perm = np.argsort(idx, kind="stable")
+            if not np.array_equal(idx[perm], want):
+                return None
+            pos = pos[perm]
+        if not (np.all(a["item.offset_ndim"][pos] == nd) and np.all(a["item.shape_ndim"][pos] == nd)):
+            return None
+        cols = np.arange(nd, dtype=np.int64)
+        offs = a["item.offsets"][(self.ostart[pos][:, None] + cols).ravel()] if nd else np.empty(0, "<i8")
+        sizes = a["item.shapes"][(self.sstart[pos][:, None] + cols).ravel()] if nd else np.empty(0, "<i8")
+        step = max(1, count // _CHUNK_SAMPLES)
+        for s in sorted({0, count - 1, *range(0, count, step)}):
+            c = tm.chunks[s]
+            if (type(c) is not ChunkStorageMetadata or tuple(c.offsets) != tuple(offs[s * nd : (s + 1) * nd].tolist())
+                    or tuple(c.sizes) != tuple(sizes[s * nd : (s + 1) * nd].tolist())):
+                return None
+        return offs, sizes
+
+
+def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names) -> tuple[dict, dict]:
+    """The ``tensor.*`` and ``chunk.*`` columns of ``md`` and its ``state_dict_metadata`` with the
+    packed chunk lists emptied. A tensor's chunks are read from the item columns when they are what
+    DCP's planner made of its items (:class:`_ItemChunks`), else from its objects; a chunk list
+    neither way describes stays in the pickled metadata as it is."""
+    skeleton_sdm: dict[str, Any] = {}
+    t_fqn: list[str] = []
+    t_count: list[int] = []
+    c_off: list = []
+    c_size: list = []
+    by_items = None
+    for fqn, tm in md.state_dict_metadata.items():
+        if type(tm) is TensorStorageMetadata and tm.chunks:
+            nd = len(tm.size)
+            got = None
+            fid = names.ids.get(fqn)
+            if fid is not None:
+                if by_items is None:
+                    by_items = _ItemChunks(cols, n)
+                got = by_items.chunks(fid, len(tm.chunks), nd, tm)
+            if got is None:
+                got = _chunks_from_objects(tm, nd)
+            if got is not None:
+                t_fqn.append(fqn)
+                t_count.append(len(tm.chunks))
+                c_off.append(got[0])
+                c_size.append(got[1])
+                tm = TensorStorageMetadata(tm.properties, tm.size, [])
+        skeleton_sdm[fqn] = tm
+    out = {"tensor.fqn": _col(names.ids_of(t_fqn), "<i4", len(t_fqn)), "tensor.chunks": _col(t_count, "<i8", len(t_count)),
+           "chunk.offsets": (np.concatenate(c_off) if c_off else np.empty(0, "<i8")).astype("<i8").tobytes(),
+           "chunk.sizes": (np.concatenate(c_size) if c_size else np.empty(0, "<i8")).astype("<i8").tobytes()}
+    return out, skeleton_sdm
+
+
+def pack_head(md: Metadata, tables: list | None = None) -> dict:
+    """The format 2 header of ``md`` (the dict :func:`pack` pickles; see the module docstring).
 
     The items come from ``tables`` (the ranks' :class:`ItemTable`, concatenated in order) or, when
     it is None, from ``md.storage_data`` (mapping ``MetadataIndex`` to ``ItemLocation``). ``md`` is
@@ -226,42 +390,38 @@ def pack(md: Metadata, tables: list | None = None) -> bytes:
         tables = [pack_items(list(sd.keys()), list(sd.values()))]
     names = _Names()
     cols, n, nf = _merge_tables(tables, names)
-
-    # chunk lists of sharded tensors
-    skeleton_sdm: dict[str, Any] = {}
-    t_fqn: list[str] = []
-    t_count: list[int] = []
-    c_off: list = []
-    c_size: list = []
-    for fqn, tm in md.state_dict_metadata.items():
-        if type(tm) is TensorStorageMetadata and tm.chunks:
-            offs = list(map(_G("offsets"), tm.chunks))
-            sizes = list(map(_G("sizes"), tm.chunks))
-            nd = len(tm.size)
-            if _only(tm.chunks, ChunkStorageMetadata) and set(map(len, offs)) == {nd} and set(map(len, sizes)) == {nd}:
-                t_fqn.append(fqn)
-                t_count.append(len(tm.chunks))
-                c_off.append(offs)
-                c_size.append(sizes)
-                tm = TensorStorageMetadata(tm.properties, tm.size, [])
-        skeleton_sdm[fqn] = tm
-    flat = itertools.chain.from_iterable
-    cols["tensor.fqn"] = _col(names.ids_of(t_fqn), "<i4", len(t_fqn))
-    cols["tensor.chunks"] = _col(t_count, "<i8", len(t_count))
-    cols["chunk.offsets"] = _col(flat(flat(c_off)), "<i8")
-    cols["chunk.sizes"] = _col(flat(flat(c_size)), "<i8")
-
+    chunk_cols, skeleton_sdm = _pack_chunks(md, cols, n, names)
+    cols.update(chunk_cols)
     skeleton = dataclasses.replace(md, state_dict_metadata=skeleton_sdm, storage_data=None)
-    head = {
+    return {
         "format": FORMAT,
         "metadata": skeleton,
         "names": names.table,
         "items": n,
         "frames": nf,
-        "chunks": sum(t_count),
+        "chunks": int(np.frombuffer(chunk_cols["tensor.chunks"], "<i8").sum()),
         "columns": cols,
     }
-    return MAGIC + pickle.dumps(head, protocol=5)
+
+
+def dump(head: dict) -> memoryview:
+    """The bytes of a format 2 metadata object for ``head`` (:func:`pack_head`): the magic line and
+    the pickle, written once into one buffer (no copy of the columns beyond the pickler's)."""
+    buf = io.BytesIO()
+    buf.write(MAGIC)
+    pickle.dump(head, buf, protocol=5)
+    return buf.getbuffer()
+
+
+def objects_only(head: dict) -> bytes:
+    """What of :func:`dump`'s pickle can hold a class: the header with its columns (plain bytes)
+    left out — what the writer unpickles with the reader's allow-list before it commits."""
+    return MAGIC + pickle.dumps({**head, "columns": {}}, protocol=5)
+
+
+def pack(md: Metadata, tables: list | None = None) -> bytes:
+    """Format 2 bytes of ``md`` (:func:`pack_head`, then :func:`dump`)."""
+    return bytes(dump(pack_head(md, tables)))
 
 
 def pickled_part(blob: bytes | memoryview) -> memoryview:
@@ -444,5 +604,5 @@ def _split_flat(ndims: list[int], flat: list[int]) -> list:
     return out
 
 
-__all__ = ["MAGIC", "FORMAT", "OPTIONAL_COLUMNS", "ItemTable", "ItemTables", "pack", "pack_items", "unpack",
-           "pickled_part"]
+__all__ = ["MAGIC", "FORMAT", "OPTIONAL_COLUMNS", "ItemTable", "ItemTables", "dump", "objects_only", "pack", "pack_head",
+           "pack_items", "unpack", "pickled_part"]

@@ -83,32 +83,7 @@ def plan(view, plans: list, needed_frames, *, make_group: bool = False, share_re
     anything is exchanged); ``share_remote``: False when bytes cannot travel between ranks (a
     non-gloo group): every rank then reads from the remote tier what it needs, and only what a peer's
     root alone holds is planned (its run raises the error that explains it)."""
-    # pass 1, per object: which ranks need something of it from which place (one entry per rank and
-    # object read from elsewhere: an object only its own rank reads from the remote tier costs no more)
-    users: dict = {}  # (place, object) -> [group ranks, ascending]
-    wants: list = []  # per rank: [(place, object, frames)] read from elsewhere than its own root
-    root_id = getattr(view, "root_id", None)  # shared roots, when the load knows them
-    for i, p in enumerate(plans):
-        place_of: dict = {}
-        mine: list = []
-        rid = root_id(i) if root_id is not None else None
-        for ri in p.items:
-            obj, frames = needed_frames(ri)
-            if not frames:
-                continue
-            place = place_of.get(obj)
-            if place is None:
-                place = view.source(i, obj)
-                if place == "local" and rid is not None:
-                    place = ("root", rid)  # a root other ranks share: read once for all of them
-                place_of[obj] = place
-            if place == "local" or (place == "remote" and not share_remote):
-                continue
-            mine.append((place, obj, frames))
-            u = users.setdefault((place, obj), [i])
-            if u[-1] != i:
-                u.append(i)
-        wants.append(mine)
+    users, wants = _places_wanted(view, plans, needed_frames, share_remote)
     # pass 2, per frame, only of objects that more than one rank needs, or that a peer serves
     need: dict = {}  # (place, object, offset) -> (FrameRef, [group ranks, ascending])
     for i, mine in enumerate(wants):
@@ -155,6 +130,38 @@ def plan(view, plans: list, needed_frames, *, make_group: bool = False, share_re
             gid += 1
     out = [r.plan(make_group) if (r.chunks or make_group) else None for r in roles]
     return out
+
+
+def _places_wanted(view, plans: list, needed_frames, share_remote: bool) -> tuple[dict, list]:
+    """Pass 1 of :func:`plan`, per object: which ranks need something of it from which place —
+    ``(users, wants)``: ``{(place, object): [group ranks, ascending]}`` and, per rank, ``[(place,
+    object, frames)]`` it reads from elsewhere than its own (unshared) root. One entry per rank and
+    object read from elsewhere: an object only its own rank reads from the remote tier costs no more."""
+    users: dict = {}
+    wants: list = []
+    root_id = getattr(view, "root_id", None)  # shared roots, when the load knows them
+    for i, p in enumerate(plans):
+        place_of: dict = {}
+        mine: list = []
+        rid = root_id(i) if root_id is not None else None
+        for ri in p.items:
+            obj, frames = needed_frames(ri)
+            if not frames:
+                continue
+            place = place_of.get(obj)
+            if place is None:
+                place = view.source(i, obj)
+                if place == "local" and rid is not None and share_remote:
+                    place = ("root", rid)  # a root other ranks share: read once for all of them (bytes can travel)
+                place_of[obj] = place
+            if place == "local" or (place == "remote" and not share_remote):
+                continue
+            mine.append((place, obj, frames))
+            u = users.setdefault((place, obj), [i])
+            if u[-1] != i:
+                u.append(i)
+        wants.append(mine)
+    return users, wants
 
 
 def _split(frames: list, chunk_bytes: int):

@@ -1,7 +1,7 @@
 """The plan stage of a save: the per-save state (:class:`Save`) and what ``set_up_storage_writer``,
 ``prepare_local_plan`` and ``prepare_global_plan`` decide (:class:`Planner`): one name, one version
 across tiers (docs/FORMAT.md, "Superseding"), the attempt and its data key, the commit sequence
-(docs/FORMAT.md, "Order"), the root probes (docs/FORMAT.md, "Placement") and what to stage again.
+(docs/FORMAT.md, "Order"), the coordinator's root claim (docs/FORMAT.md, "Placement") and what to stage again.
 """
 
 from __future__ import annotations
@@ -56,9 +56,7 @@ class Save:
 class Planner:
     """Set-up checks and plans of the writer's saves. ``cfg``: the writer's settings; ``tier`` /
     ``remote``: this rank's root and the remote tier (None); ``keys``: ``_keys.DataKeys``;
-    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``. The root probe nonce is
-    this process's (``_roots.process_nonce``), read when the plan is made: a writer pickled into
-    DCP's checkpoint subprocess, or used in a forked child, probes with the nonce of that process."""
+    ``guard``: ``_liveness.Guard``; ``uploads``: ``_remote.RemoteStage``."""
 
     def __init__(self, cfg, tier, remote, keys, guard, uploads) -> None:
         self.cfg = cfg
@@ -127,34 +125,36 @@ class Planner:
         return self.cfg.overwrite or attempt in s.supersede
 
     def local_plan(self, s: Save, plan: SavePlan, want_base: bool = False) -> SavePlan:
-        """``prepare_local_plan``: this rank, its probe, its root's commit sequence and existing copy,
-        and whether it needs an incremental baseline from the store (``want_base``)."""
+        """``prepare_local_plan``: this rank, its root's commit sequence and existing copy, and
+        whether it needs an incremental baseline from the store (``want_base``)."""
         s.local_items = [i for i in plan.items if i.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)]
         from ..manifest import catalogue
 
         return dataclasses.replace(plan, storage_data=LocalPlanData(
-            rank=s.rank, probe=_roots.process_nonce() if multi_rank() else None,
+            rank=s.rank,
             # one rank per node reads its root's newest manifests for the commit sequence (docs/FORMAT.md, "Order")
             seq=catalogue.max_seq(self.tier) if os.environ.get("LOCAL_RANK", "0") == "0" else None,
             existing=s.existing, want_base=want_base))
 
     def global_plan(self, s: Save, plans: list[SavePlan]) -> list[SavePlan]:
-        """``prepare_global_plan`` (coordinator): the attempt, its data key, every rank's plan data."""
+        """``prepare_global_plan`` (coordinator): the attempt, its data key, every rank's plan data
+        (the same few fields for every rank: nothing in it grows with the job). In a job of more than
+        one rank the coordinator claims its root for the attempt here, before any other rank sees the
+        attempt, so it leads its root group (docs/FORMAT.md, "Placement")."""
         self.guard.check_world(len(plans), f"the plan of {s.version!r}")
         attempt = layout.new_attempt()
         # before any rank writes anything: a key service that refuses fails the save here (docs/FORMAT.md, Save rule 10)
         w = self.keys.draw(s.version, attempt)
         wrapped, kid, arn = (None, None, None) if w is None else (w.wrapped_key, w.key_id, w.kms_key_arn)
         ranks = [p.storage_data.rank if isinstance(p.storage_data, LocalPlanData) else i for i, p in enumerate(plans)]
-        probes = tuple(
-            (r, p.storage_data.probe) for r, p in zip(ranks, plans)
-            if isinstance(p.storage_data, LocalPlanData) and p.storage_data.probe is not None
-        )
+        discover = len(plans) > 1 and multi_rank()
+        if discover:
+            _roots.claim(self.tier, attempt, s.rank)
         restage = self.uploads.restage_plan(s.version, len(plans))
         bases = self._baselines(s, ranks, plans)
         out = [
-            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, probes if len(probes) > 1 else (), s.rank,
-                                                         restage, bases.get(r), arn))
+            dataclasses.replace(p, storage_data=PlanData(r, attempt, wrapped, kid, discover, s.rank, restage,
+                                                         bases.get(r), arn))
             for r, p in zip(ranks, plans)
         ]
         s.attempt = attempt

@@ -116,8 +116,8 @@ class RemoteStage(OwnLock):
         version saved by a job of this size: every rank its own, from its own root — node-local
         roots, where no single root holds every object). The coordinator then commits them remotely
         (docs/FORMAT.md, Save rule 8), so a job restarted after an S3 outage stages what it could
-        not. One remote listing and one manifest read; tried again at the next save when the remote
-        tier does not answer."""
+        not. One listing of the remote version directories (not their objects) and one manifest
+        read; tried again at the next save when the remote tier does not answer."""
         if self.remote is None or self.guard.in_subprocess or self._caught_up:
             return ()
         from .._names import decode_version
@@ -125,11 +125,8 @@ class RemoteStage(OwnLock):
 
         try:
             entries = catalogue.scan(self.tier)
-            listed = {}
-            for info in self.remote.list(layout.VERSIONS + "/"):
-                parts = info.key.split("/")
-                if len(parts) == 3 and parts[2] == layout.MANIFEST:
-                    listed[parts[1]] = info.mtime
+            # the version directories, not their objects (docs/FORMAT.md, "Restore choice")
+            listed = {enc: d.manifest.mtime for enc, d in catalogue.version_dirs(self.remote).items() if d.manifest is not None}
             local = catalogue.merge({"local": entries})
             todo = [r for r in local if layout.version_dir(r.version).split("/")[1] not in listed and r.version != version]
             newest = None

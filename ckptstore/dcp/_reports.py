@@ -3,7 +3,7 @@
 DCP gathers every rank's ``write_data`` results to the coordinator's ``finish``. Besides the one
 packed item table per rank (``ItemTable``, docs/FORMAT.md "DCP metadata object"), ranks send a few
 records as *sentinel* results — a ``MetadataIndex`` no state dict key can have (:data:`SENTINEL`):
-the object they wrote (``ObjectReport``), their root group (``RootReport``), a failed upload
+the object they wrote (``ObjectReport``), the leader of their root group (``RootReport``), a failed upload
 (:class:`UploadFailure`) and, for DCP-replicated items, a digest of their value (``ReplicaDigest``).
 :func:`collect` sorts them out again on the coordinator.
 """
@@ -42,8 +42,8 @@ def object_result(rep: ObjectReport, nbytes: int) -> WriteResult:
     return WriteResult(MetadataIndex(SENTINEL + f"object/{rep.rank}"), nbytes, rep)
 
 
-def root_result(rank: int, group: tuple, domain: str = "") -> WriteResult:
-    return WriteResult(MetadataIndex(SENTINEL + f"root/{rank}"), 0, RootReport(rank, group, domain))
+def root_result(rank: int, leader: int, domain: str = "") -> WriteResult:
+    return WriteResult(MetadataIndex(SENTINEL + f"root/{rank}"), 0, RootReport(rank, leader, domain))
 
 
 def upload_failure_result(failed: UploadFailure) -> WriteResult:

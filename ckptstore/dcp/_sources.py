@@ -43,7 +43,7 @@ class Sources(OwnLock):
             return self.store.local
         if src == "remote" or (view.remote_ok and obj == self.opened.manifest.metadata_object.name):
             return self.store.remote  # the metadata object is read whole: never from a peer's bytes
-        return self.peer_tier(("root", view.global_rank(src)), root=view.reports[src].get("root"))
+        return self.peer_tier(("root", view.global_rank(src)), root=view.root_url(src))
 
     def peer_tier(self, origin: tuple, via: int | None = None, root: str | None = None) -> PeerTier:
         """The bytes this load's exchange brought (``_peers``), as read from ``origin``."""

@@ -16,7 +16,6 @@ class LocalPlanData:
     """Set in ``prepare_local_plan``: the rank that owns the plan (kept by the global plan)."""
 
     rank: int
-    probe: int | None = None  # the nonce of this rank's root probe (docs/FORMAT.md, "Placement")
     seq: int | None = None  # the highest commit sequence in this rank's root (docs/FORMAT.md, "Order")
     existing: str | None = None  # the attempt of this version name already committed in this rank's root
     #: an incremental writer without a baseline in memory: the coordinator reads one from the store
@@ -27,15 +26,16 @@ class LocalPlanData:
 class PlanData:
     """Set by the coordinator in ``prepare_global_plan`` for every rank's plan.
 
-    ``probes``: ``((rank, nonce), ...)`` of every rank, to find the ranks that share this rank's
-    root; ``coordinator``: the rank that commits (its root holds the commit point).
+    ``discover``: find this rank's root group (a job of more than one rank: claim the root for the
+    attempt, docs/FORMAT.md "Placement"); ``coordinator``: the rank that commits (its root holds the
+    commit point, which it claimed first).
     """
 
     rank: int
     attempt: str
     wrapped_key: str | None
     key_id: str | None
-    probes: tuple = ()
+    discover: bool = False
     coordinator: int = 0
     #: versions committed locally but not remotely that every rank uploads its part of again in this
     #: save (a crash or an outage cut their remote commit off; docs/FORMAT.md, Save rule 8)
@@ -49,11 +49,12 @@ class PlanData:
 
 @dataclasses.dataclass(frozen=True)
 class RootReport:
-    """Rank → coordinator: the ranks that write to the same root as ``rank`` (its root group), and
-    the rank's failure domain (docs/FORMAT.md, "Replicas")."""
+    """Rank → coordinator: the rank that leads the root ``rank`` writes to (the root group's claimer,
+    docs/FORMAT.md "Placement"): ranks with one leader form one root group; the rank's failure domain
+    (docs/FORMAT.md, "Replicas")."""
 
     rank: int
-    group: tuple
+    leader: int
     domain: str = ""
 
 

@@ -8,7 +8,7 @@ the same saves in the same order, so the jobs pair up across ranks:
 
 * **save** (submitted in ``write_data`` right after the rank's object is committed locally, also when
   the rank's write failed, so that no peer waits for it): one ``all_gather_object`` of every rank's
-  ``(rank, root group, object)``; then the replica plan
+  ``(rank, its root group's leader, object)``; then the replica plan
   (:func:`ckptstore.manifest.placement.replica_assignment`); each owner sends its object's stored
   bytes (as stored: encrypted, checksummed) to its receivers; each receiver writes them to a
   temporary file, fsyncs it, verifies every frame, the frame count, the header digest and the size
@@ -102,12 +102,13 @@ class Replicator:
                 self._thread.start()
         return fut
 
-    def save(self, version: str, attempt: str, rank: int, group: tuple, held: Held | None, domain: str = "") -> cf.Future:
-        """Replicate this rank's object of ``version`` (None: it has none, or its write failed); the
-        future yields the replicas of the version that were not made, on every rank (``[]``: every
-        replica is in place), each as ``"<object> of rank R on the root of rank T: <why>"``. ``domain``:
-        this rank's failure domain (docs/FORMAT.md, "Replicas")."""
-        return self._submit(self._save, version, attempt, rank, tuple(group), held, domain)
+    def save(self, version: str, attempt: str, rank: int, leader: int, held: Held | None, domain: str = "") -> cf.Future:
+        """Replicate this rank's object of ``version`` (None: it has none, or its write failed);
+        ``leader``: the leader of this rank's root group (ranks with one leader share a root);
+        ``domain``: this rank's failure domain (docs/FORMAT.md, "Replicas"). The future yields the
+        replicas of the version that were not made, on every rank (``[]``: every replica is in
+        place), each as ``"<object> of rank R on the root of rank T: <why>"``."""
+        return self._submit(self._save, version, attempt, rank, int(leader), held, domain)
 
     def heal(self, version: str, attempt: str, copies: list, manifest: bytes | None, metadata: bytes | None) -> cf.Future:
         """Copy ``[(holder rank, receiver rank, Held, is_replica)]`` (the same list on every rank) and
@@ -160,16 +161,13 @@ class Replicator:
                 fut.set_exception(e)
 
     # -- the exchanges -------------------------------------------------------------------------------
-    def _save(self, version, attempt, rank, group, held, domain, tag) -> list[str]:
+    def _save(self, version, attempt, rank, leader, held, domain, tag) -> list[str]:
         infos: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(infos, (rank, group, held, domain), group=self.group)
-        from ._roots import check_groups
-
-        try:  # every rank has the same infos: all refuse, or none (no rank waits for a copy)
-            check_groups({r: g for r, g, _h, _d in infos})
-        except CkptStoreError as e:
-            raise ReplicaError(f"version {version!r}: no replicas made: {e}") from e
-        groups = sorted({tuple(g) for _r, g, _h, _d in infos}, key=lambda g: g[0])
+        dist.all_gather_object(infos, (rank, leader, held, domain), group=self.group)
+        by_leader: dict = {}
+        for r, lead, _h, _d in infos:
+            by_leader.setdefault(lead, []).append(r)
+        groups = sorted((tuple(sorted(g)) for g in by_leader.values()), key=lambda g: g[0])
         doms = group_domains(groups, {r: d for r, _g, _h, d in infos})  # as the manifest records them
         entries = {r: h for r, _g, h, _d in infos if h is not None}
         plan = [(o, t, entries[o], True) for o, t in replica_assignment(groups, self.factor, set(entries), doms)]
@@ -349,14 +347,11 @@ class ReplicaStage:
         "Replicas") — or None without replicas."""
         if self.replicator is None:
             return None
-        from ._roots import root_group
+        from ._roots import claim
 
         held = None if rep is None else Held(rep.name, rep.size, rep.digest, rep.frames)
-        try:
-            group = root_group(self.tier, pd.rank, pd.probes)
-        except CkptStoreError:
-            group = (pd.rank,)
-        fut = self.replicator.save(version, pd.attempt, pd.rank, group, held, self.cfg.replica_domain)
+        leader = claim(self.tier, pd.attempt, pd.rank) if pd.discover else pd.rank  # the root group's leader
+        fut = self.replicator.save(version, pd.attempt, pd.rank, leader, held, self.cfg.replica_domain)
         with self._lock:
             self._futs[version] = fut
             while len(self._futs) > 64:  # nobody asked for them (a plain StorageWriter): keep the newest
@@ -445,7 +440,7 @@ def heal_plan(view, manifest, factor: int) -> list:
     view and the manifest). Only for a job of the version's own shape."""
     from ..manifest.placement import domains, groups
 
-    if len(view.reports) != manifest.world_size:
+    if view.size != manifest.world_size:
         return []
     gs = groups(manifest)
     doms = domains(manifest)  # the saved placement: the domains its replicas were placed by
@@ -460,10 +455,10 @@ def heal_plan(view, manifest, factor: int) -> list:
     want += [(t, r, True) for o, t in replica_assignment(gs, factor, set(refs), doms) for r in refs[o]]
     out = []
     for receiver, o, is_replica in want:
-        i = next((k for k, rep in enumerate(view.reports) if rep["rank"] == receiver), None)
+        i = view.index_of(receiver)
         if i is None or o.name in view.present(i):
             continue
-        holder = view._first_holder.get(o.name)
+        holder = view.first_holder(o.name)
         if holder is None:
             continue  # on no root of the job (the remote tier may hold it)
         origin = getattr(o, "version", None)  # a RefEntry: the referenced object's own version

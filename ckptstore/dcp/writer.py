@@ -436,8 +436,6 @@ class StorageWriter(_DCPStorageWriter):
         self._follower.wait(self.upload_timeout)  # the previous save's copy into this root, if any
         if self.incremental:
             self._inc.promote(self._tier)  # the previous save, once it is committed here, is the baseline
-        if multi_rank():
-            _roots.write_probe(self._tier, s.rank, _roots.process_nonce())  # docs/FORMAT.md, "Placement"
         self._planner.check_existing(s)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -493,16 +491,18 @@ class StorageWriter(_DCPStorageWriter):
                 failed = self._up.upload_object(s.version, rep)
                 if failed is not None:
                     results.append(upload_failure_result(failed))
-            group = _roots.root_group(self._tier, pd.rank, pd.probes)
+            # this rank's root group: who claimed the root for this attempt (docs/FORMAT.md, "Placement")
+            leader = _roots.claim(self._tier, pd.attempt, pd.rank) if pd.discover else pd.rank
         finally:
             # every rank joins the version's replica exchange, also when its write failed (docs/FORMAT.md, "Replicas")
             replicated = self._replicas.save(s.version, pd, rep)
         self._replicas.settle(s.version, replicated)
-        results.append(root_result(pd.rank, group, self.replica_domain))
-        if pd.probes and group[0] == pd.rank and pd.coordinator not in group:
-            # this rank leads a root without the commit point: copy the manifest in once committed
-            # its retention runs once the copy is in (the same rules as after the commit)
-            self._follower.follow(self._tier, s.version, pd.attempt, group, self.upload_timeout, self._committer.after_commit)
+        results.append(root_result(pd.rank, leader, self.replica_domain))
+        if pd.discover and leader == pd.rank and pd.rank != pd.coordinator:
+            # this rank leads a root without the commit point (the coordinator leads its own): copy the
+            # manifest in once committed; its retention runs once the copy is in (the same rules as after
+            # the commit)
+            self._follower.follow(self._tier, s.version, pd.attempt, pd.rank, self.upload_timeout, self._committer.after_commit)
         if divergence_checked(self.allow_divergent_replicas):
             results.extend(value_digests(s.local_items, planner, pd.rank))
         return results
@@ -511,7 +511,10 @@ class StorageWriter(_DCPStorageWriter):
         s = self._cur()
         if s.attempt is None:  # a rank-less save (empty plans everywhere)
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")
-        m, body, upload_failures = self._committer.commit(s, metadata, results, self._timed)
+        try:
+            m, body, upload_failures = self._committer.commit(s, metadata, results, self._timed)
+        finally:
+            _roots.release(self._tier, s.attempt)  # every rank read the coordinator's claim before finish
         self.last_manifest = m
         if upload_failures:  # PROCESS + durability="local": the local version stands, the future fails
             self._committer.after_commit(m)

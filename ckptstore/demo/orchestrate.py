@@ -300,7 +300,7 @@ def _check_goodput(run: DemoRun) -> None:
     for label, mine in ((crash_job.label, run.gp), (ref_job.label, run.ref_gp)):
         off = disagreement(mine, run.own[label])
         run.verdict.add(f"ckptstore goodput on the {label} run's event log agrees with its step events", not off,
-                        "within rounding (every row ±0.2-0.3 s, goodput ±1 point)" if not off else
+                        "within rounding (every row ±0.2-0.3 s + 1 %, goodput ±1 point)" if not off else
                         "; ".join(f"{k} differs by {d:.2f}" for k, d in off.items()))
 
 

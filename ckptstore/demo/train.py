@@ -277,11 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with open(args.config) as f:
         cfg = json.load(f)
-    if cfg.get("chaos"):  # ckptstore demo --chaos: the unattended loop of ckptstore/demo/chaos/worker.py
-        from .chaos.worker import main as chaos_main
-
-        return chaos_main(cfg)
-
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("CKPTSTORE_DEMO_ATTEMPT", "0")) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -21,7 +21,7 @@ from ..errors import (
     UnsupportedFormatError,
     VersionNotFoundError,
 )
-from ..tiers.base import Tier
+from ..tiers.base import ObjectInfo, Tier
 from . import layout, order
 from .schema import Manifest, ParsedManifest, parse
 
@@ -120,8 +120,56 @@ class TierEntry:
     md5: str = ""  # MD5 (hex) of the manifest file: what S3 reports as its ETag (docs/FORMAT.md, "One name, one content")
 
 
+@dataclasses.dataclass(frozen=True)
+class VersionDir:
+    """One version directory as a listing of it shows it (docs/FORMAT.md, "Layout by example"):
+    ``enc`` (its name, the encoded version), ``manifest`` (the ``manifest.json`` listing entry:
+    size, mtime and, on S3, the ETag; None when absent), whether ``pinned`` and ``damaged.json``
+    are there, and whether it has an ``attempts/`` directory."""
+
+    enc: str
+    manifest: ObjectInfo | None
+    pinned: bool
+    damaged: bool
+    attempts: bool
+
+    @property
+    def manifest_key(self) -> str:
+        return f"{layout.VERSIONS}/{self.enc}/{layout.MANIFEST}"
+
+
+#: concurrent listings of version directories on a tier that is not local (S3: one request each)
+_LIST_THREADS = 16
+
+
+def version_dirs(tier: Tier) -> dict[str, VersionDir]:
+    """``{encoded name: VersionDir}`` of every directory under ``versions/``: one listing of
+    ``versions/`` and one of each version directory, both one level deep (``Tier.list_dir``: S3's
+    ``Delimiter="/"``) — never the objects of the attempts (docs/FORMAT.md, "Restore choice"). On
+    S3 that is 1 + V small requests (the directories' listings run concurrently) instead of one page
+    per 1,000 objects of every version."""
+    _files, dirs = tier.list_dir(layout.VERSIONS + "/")
+    encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
+
+    def one(enc: str) -> VersionDir:
+        files, sub = tier.list_dir(f"{layout.VERSIONS}/{enc}/")
+        names = {i.key.rsplit("/", 1)[-1]: i for i in files}
+        return VersionDir(enc, names.get(layout.MANIFEST), layout.PINNED in names, layout.DAMAGED in names,
+                          f"{layout.VERSIONS}/{enc}/{layout.ATTEMPTS}/" in sub)
+
+    if tier.local_path(layout.VERSIONS) is not None or len(encs) <= 1:
+        found = [one(e) for e in encs]
+    else:
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(min(_LIST_THREADS, len(encs)), thread_name_prefix="ckptstore-list") as ex:
+            found = list(ex.map(one, encs))
+    return {d.enc: d for d in found}
+
+
 def manifest_keys(tier: Tier) -> list[str]:
-    """Keys of every ``manifest.json`` in the tier (one directory listing locally)."""
+    """Keys of every ``manifest.json`` in the tier (one directory listing locally, plus an
+    existence check per version; elsewhere :func:`version_dirs`)."""
     root = tier.local_path(layout.VERSIONS)
     if root is not None:
         try:
@@ -129,7 +177,7 @@ def manifest_keys(tier: Tier) -> list[str]:
         except FileNotFoundError:
             return []
         return [f"{layout.VERSIONS}/{n}/{layout.MANIFEST}" for n in names if os.path.exists(os.path.join(root, n, layout.MANIFEST))]
-    return [i.key for i in tier.list(layout.VERSIONS + "/") if i.key.endswith("/" + layout.MANIFEST) and i.key.count("/") == 2]
+    return [d.manifest_key for d in version_dirs(tier).values() if d.manifest is not None]
 
 
 def read_manifest(tier: Tier, version: str) -> ParsedManifest:
@@ -153,16 +201,12 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
     version.
     """
     out: dict[str, TierEntry] = {}
-    keys = manifest_keys(tier)
-    if not keys:
-        return out
-    listing = None
-    if tier.local_path(layout.VERSIONS) is None:
-        listing = {i.key for i in tier.list(layout.VERSIONS + "/") if i.key.endswith(("/" + layout.PINNED, "/" + layout.DAMAGED))}
-    for key in keys:
-        enc = key.split("/")[1]
+    for vd in version_dirs(tier).values():
+        if vd.manifest is None:
+            continue
+        key = vd.manifest_key
         try:
-            version = decode_version(enc)
+            version = decode_version(vd.enc)
             data = tier.get(key)
             parsed = parse(data, expect_version=version)
         except ObjectNotFoundError:
@@ -172,16 +216,8 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
             if problems is not None:
                 problems.append((tier.name, key, str(e)))
             continue
-        d = f"{layout.VERSIONS}/{enc}/"
-        if listing is None:
-            pinned = tier.exists(d + layout.PINNED)
-            damaged = tier.exists(d + layout.DAMAGED)
-        else:
-            pinned = d + layout.PINNED in listing
-            damaged = d + layout.DAMAGED in listing
-        if damaged:
-            damaged = _mark_applies(tier, d + layout.DAMAGED, parsed.manifest.attempt)
-        out[version] = TierEntry(parsed.manifest, parsed, pinned, damaged, hashlib.md5(data, usedforsecurity=False).hexdigest())
+        damaged = vd.damaged and _mark_applies(tier, f"{layout.VERSIONS}/{vd.enc}/{layout.DAMAGED}", parsed.manifest.attempt)
+        out[version] = TierEntry(parsed.manifest, parsed, vd.pinned, damaged, hashlib.md5(data, usedforsecurity=False).hexdigest())
     return out
 
 

@@ -8,7 +8,7 @@
     versions/<enc(version)>/attempts/<attempt>/uploaded.r00000.json  rank 0 finished its upload (S3)
     versions/<enc(version)>/attempts/<attempt>/replicas.r00002.json  replicas rank 2 wrote into its root
     versions/<enc(version)>/.../.tmp-<random>              a local temporary file (garbage if left)
-    probes/r00003.<nonce>                                  rank 3's root probe (local tier; see placement)
+    probes/root.<token>                                    a root claim: which rank leads the root (local tier)
     leases/<attempt>.r00003.json                           what rank 3's save in flight references (see leases)
     leases/<attempt>.remote.json                           ... the remote commit of that save (remote tier)
     probes/put-if-absent.<nonce>                           conditional-write probe (S3; deleted at once)
@@ -162,9 +162,16 @@ def lease_prefix(attempt: str) -> str:
     return f"{LEASES}/{attempt}."
 
 
-def probe_key(rank: int, nonce: int) -> str:
-    """Rank ``rank``'s probe file: its presence in a root says that rank writes to this root."""
-    return f"{PROBES}/r{rank:05d}.{nonce:016x}"
+#: name prefix of a root claim: ``probes/root.<token>`` names the rank that leads the root's group
+#: for one save (token: its attempt) or load (docs/FORMAT.md, "Placement")
+CLAIM_PREFIX = "root."
+
+
+def claim_key(token: str) -> str:
+    """The claim of a root for ``token`` (an attempt id, or a load's random token)."""
+    if not token or not all(c.isalnum() or c in "-_" for c in token):
+        raise ValueError(f"invalid claim token {token!r}")
+    return f"{PROBES}/{CLAIM_PREFIX}{token}"
 
 
 #: name prefix of the conditional-write probes of the remote tier (docs/FORMAT.md, "Conditional writes")
@@ -174,13 +181,3 @@ CONDITIONAL_PROBE = "put-if-absent."
 def conditional_probe_key() -> str:
     """A fresh key for the probe that checks whether an S3 endpoint enforces ``If-None-Match: *``."""
     return f"{PROBES}/{CONDITIONAL_PROBE}{secrets.token_hex(8)}"
-
-
-def probe_of(name: str) -> tuple[int, int] | None:
-    """``(rank, nonce)`` of a probe file name (no directory), or None for any other name."""
-    if not name.startswith("r") or name.count(".") != 1:
-        return None
-    r, n = name[1:].split(".")
-    if not (r.isdigit() and len(n) == 16 and all(c in "0123456789abcdef" for c in n)):
-        return None
-    return int(r), int(n, 16)

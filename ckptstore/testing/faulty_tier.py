@@ -75,6 +75,10 @@ class FaultyTier(Tier):
         self._check("list", prefix)
         return self.inner.list(prefix)
 
+    def list_dir(self, prefix: str = ""):
+        self._check("list", prefix)
+        return self.inner.list_dir(prefix)
+
     def delete(self, key) -> None:
         self._check("delete", key)
         self.inner.delete(key)

@@ -279,6 +279,16 @@ class TierConformanceTests:
         sizes = {i.key: i.size for i in tier.list()}
         assert sizes == {k: len(k) for k in keys}
 
+    def test_list_dir_one_level(self, tier):
+        for k in ["lv/1", "lv/2", "lv/sub/3", "lv/sub/deep/4", "lv/other/5", "lvx/6"]:
+            tier.put(k, k.encode())
+        files, dirs = tier.list_dir("lv/")
+        assert [(i.key, i.size) for i in files] == [("lv/1", 4), ("lv/2", 4)]
+        assert dirs == ["lv/other/", "lv/sub/"]  # each deeper level once, not its objects
+        files, dirs = tier.list_dir("lv/sub/")
+        assert [i.key for i in files] == ["lv/sub/3"] and dirs == ["lv/sub/deep/"]
+        assert tier.list_dir("nothing/") == ([], [])
+
     def test_list_pagination(self, tier):
         n = self.list_count
         keys = [f"many/k{i:05d}" for i in range(n)]

@@ -116,6 +116,21 @@ class Tier(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (all pages), in no particular order."""
 
+    def list_dir(self, prefix: str = "") -> tuple[list[ObjectInfo], list[str]]:
+        """One level of the layout under ``prefix`` (``""`` or ending with ``/``): the objects whose
+        key has no further ``/`` after it, and the prefixes (``prefix + name + "/"``) of the deeper
+        ones, sorted — S3's ListObjectsV2 with ``Delimiter="/"``. What a catalogue lists to learn
+        which versions a tier holds without walking their objects (docs/FORMAT.md, "Restore
+        choice"). This default derives it from :meth:`list`; tiers answer it in one request."""
+        files, dirs = [], set()
+        for info in self.list(prefix):
+            rest = info.key[len(prefix):]
+            if "/" in rest:
+                dirs.add(prefix + rest.split("/", 1)[0] + "/")
+            else:
+                files.append(info)
+        return sorted(files, key=lambda i: i.key), sorted(dirs)
+
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Delete ``key``; deleting a missing key is not an error."""

@@ -286,6 +286,29 @@ class LocalTier(Tier):
                     continue
                 yield ObjectInfo(key, st.st_size, st.st_mtime)
 
+    def list_dir(self, prefix: str = "") -> tuple[list[ObjectInfo], list[str]]:
+        """One ``scandir`` of the directory ``prefix`` names (see :meth:`Tier.list_dir`)."""
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"list_dir takes a directory prefix ending with '/', not {prefix!r}")
+        top = os.path.join(self.root, *check_key(prefix[:-1]).split("/")) if prefix else self.root
+        files, dirs = [], []
+        try:
+            with os.scandir(top) as it:
+                for e in it:
+                    try:
+                        if e.is_dir():
+                            dirs.append(prefix + e.name + "/")
+                        else:
+                            st = e.stat()
+                            files.append(ObjectInfo(prefix + e.name, st.st_size, st.st_mtime))
+                    except FileNotFoundError:
+                        continue
+        except (FileNotFoundError, NotADirectoryError):
+            return [], []
+        except OSError as e:
+            raise _oserror(e, "listing of", prefix) from e
+        return sorted(files, key=lambda i: i.key), sorted(dirs)
+
     def delete(self, key) -> None:
         path = self._path(key)
         try:

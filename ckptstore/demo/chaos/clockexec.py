@@ -2,7 +2,7 @@
 
 ``python -m ckptstore.demo.chaos.clockexec --config CFG`` reads the node's clock file
 (``$CKPTSTORE_CHAOS_CLOCK``, written by the supervisor; fault ``clock-jump``). Empty or ``+0``: it runs
-:mod:`ckptstore.demo.train` in this process. An offset (``+2h``): it replaces itself (same pid, so
+:mod:`ckptstore.demo.chaos.worker` in this process. An offset (``+2h``): it replaces itself (same pid, so
 ``torchrun`` still watches it) by the worker under libfaketime (``LD_PRELOAD`` of ``libfaketime.so.1``,
 ``FAKETIME=+2h``): every clock the process reads is that far ahead, as on a host whose clock jumped.
 
@@ -59,13 +59,17 @@ def faketime_env(offset: str, env: dict[str, str] | None = None) -> dict[str, st
     return env
 
 
+#: the chaos run's worker (its loop over the demo's model, data and optimizer)
+WORKER = "ckptstore.demo.chaos.worker"
+
+
 def main() -> None:
     offset = read_offset(os.environ.get("CKPTSTORE_CHAOS_CLOCK"))
     if offset and os.environ.get("FAKETIME") != offset:
-        os.execve(sys.executable, [sys.executable, "-m", "ckptstore.demo.train", *sys.argv[1:]],
+        os.execve(sys.executable, [sys.executable, "-m", WORKER, *sys.argv[1:]],
                   faketime_env(offset))
-    sys.argv[0] = "ckptstore.demo.train"
-    runpy.run_module("ckptstore.demo.train", run_name="__main__", alter_sys=True)
+    sys.argv[0] = WORKER
+    runpy.run_module(WORKER, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

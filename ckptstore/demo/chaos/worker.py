@@ -1,6 +1,6 @@
 """The training worker of ``ckptstore demo --chaos``: the demo's model, trained unattended.
 
-``python -m ckptstore.demo.train --config CFG`` runs :func:`main` when the config says ``chaos``. The
+``python -m ckptstore.demo.chaos.worker --config CFG`` runs :func:`main` (through ``clockexec``). The
 model, data, optimizer and schedule are the demo's (:mod:`ckptstore.demo.train`); the loop is the one a
 user writes to run without a person (README, "NaN and Inf: recorded, skipped, rolled back from"):
 
@@ -407,3 +407,16 @@ def _loop(cfg, rank, world, model, opt, sched, loader, state, ckpt, ctl: Control
     ckpt.close()
     log("done", step=last, t0=t0, t1=time.time(), od=optim_digest(model, opt), wd=model_digest(model))
     dist.barrier()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from ..._groups import exit_process
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    with open(ap.parse_args().config) as f:
+        _cfg = json.load(f)
+    # not sys.exit: a gloo thread can abort the finalising interpreter (pytorch/pytorch #190489)
+    exit_process(main(_cfg) or 0)

@@ -61,3 +61,25 @@ def objects(conn: Connection, prefix: str = "", *, page_size: int | None = None)
                 continue
             yield ObjectInfo(k[n:], int(obj["Size"]), obj["LastModified"].timestamp(),
                              str(obj.get("ETag") or "").strip('"') or None)
+
+
+def one_level(conn: Connection, prefix: str = "", *, page_size: int | None = None) -> tuple[list[ObjectInfo], list[str]]:
+    """The objects directly under ``prefix`` (``""`` or ending with ``/``) and the prefixes of the
+    levels below it (``CommonPrefixes`` of ``Delimiter="/"``), tier-relative and sorted."""
+    check_prefix(prefix)
+    if prefix and not prefix.endswith("/"):
+        raise ValueError(f"one_level takes a prefix ending with '/', not {prefix!r}")
+    n = len(conn.prefix)
+    files, dirs = [], []
+    for page in pages(conn, "list_objects_v2", prefix, page_size=page_size, delimiter="/"):
+        for obj in page.get("Contents", ()):
+            k = obj["Key"]
+            if not k.startswith(conn.prefix) or k.endswith("/"):
+                continue
+            files.append(ObjectInfo(k[n:], int(obj["Size"]), obj["LastModified"].timestamp(),
+                                    str(obj.get("ETag") or "").strip('"') or None))
+        for cp in page.get("CommonPrefixes", ()):
+            p = cp.get("Prefix") or ""
+            if p.startswith(conn.prefix):
+                dirs.append(p[n:])
+    return sorted(files, key=lambda i: i.key), sorted(dirs)

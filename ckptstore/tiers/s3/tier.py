@@ -209,6 +209,11 @@ class S3Tier(Tier):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         yield from listing.objects(self._conn, prefix, page_size=self.list_page_size)
 
+    def list_dir(self, prefix: str = "") -> tuple[list[ObjectInfo], list[str]]:
+        """``list_objects_v2`` with ``Delimiter="/"`` (see :meth:`Tier.list_dir`): one page per
+        1,000 entries of this level, whatever lies below it."""
+        return listing.one_level(self._conn, prefix, page_size=self.list_page_size)
+
     def get_file(self, key: str, path: str | os.PathLike) -> None:
         """Download ``key`` into ``path``: parallel ranged GETs (all of one ETag), then fsync."""
         h = self._conn.head(key)
