@@ -69,7 +69,8 @@ def _remote_versions(url):
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("s3_server,kind", [("seaweedfs", "process"), ("seaweedfs", "thread"),
+# the PROCESS case in the slow set (suite time): PROCESS saves reach S3 in test_read_only_credentials_are_never_silent
+@pytest.mark.parametrize("s3_server,kind", [pytest.param("seaweedfs", "process", marks=pytest.mark.slow), ("seaweedfs", "thread"),
                                             pytest.param("moto", "process", marks=pytest.mark.slow)],
                          indirect=["s3_server"])
 def test_durability_local_upload_reaches_s3_after_close(tmp_path, s3_url, kind):

@@ -324,6 +324,7 @@ def test_corruption_sweep_local(tmp_path):
     _run(tmp_path, None, sample=0.6)
 
 
+@pytest.mark.slow  # suite time: the local sweep runs the same mutations through the same reader in the default set
 @pytest.mark.s3
 def test_corruption_sweep_s3(tmp_path, s3_url):
     _run(tmp_path, s3_url, sample=0.1, encs=("plain",))

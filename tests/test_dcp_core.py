@@ -41,7 +41,7 @@ def test_dtensor_save_2_load_1_2_3(tmp_path, key):
 
 
 # Case 2: async_save THREAD and PROCESS; in-place mutation right after the call must not leak in
-@pytest.mark.parametrize("kind", ["thread", "process"])
+@pytest.mark.parametrize("kind", ["thread", pytest.param("process", marks=pytest.mark.slow)])  # process: slow (suite time)
 def test_async_save_snapshot_at_call_time(tmp_path, kind):
     outs = run_ranks(dcp_ranks.async_mutate, 2, str(tmp_path), "a1", kind)
     for o in outs:

@@ -38,6 +38,7 @@ def test_manager_saves_every_step_while_loop_runs_collectives_4_ranks(tmp_path):
     _check_loop(run_ranks(async_ranks.manager_loop, 4, str(tmp_path), steps, timeout=300), steps)
 
 
+@pytest.mark.slow  # suite time: the PROCESS executor's saves are in test_async's and test_preempt's default tests
 def test_manager_process_executor_every_step(tmp_path):
     """PROCESS executor, saves due every step: never two in flight, no hang, all committed in order."""
     steps = 3
