@@ -483,6 +483,14 @@ def _pending_reason(remote: str) -> str:
     return f"not yet committed in the {remote} tier (its upload may be pending)"
 
 
+#: how many of the local versions not committed remotely (and not uploading) the local tier keeps
+#: beyond its policy, newest first (docs/FORMAT.md, Delete rule 8): the newest is what an upload after
+#: an outage sends, one more covers a commit that overtook it. Unbounded, a long outage (or a host
+#: whose requests S3 refuses) kept every save until the root was full, and every save failed from
+#: then on (the chaos run, docs/DEMO.md)
+PENDING_KEPT = 2
+
+
 def across_tiers(
     tier: str,
     versions: Sequence[VersionRecord],
@@ -498,9 +506,12 @@ def across_tiers(
 
     * a pin travels: a version pinned in any tier comes back marked ``pinned`` here;
     * in the ``local`` tier only, a version not committed in the ``remote`` tier is kept
-      (``protect = {version: reason}``, for :func:`evaluate`) when its upload is in flight, when it
-      is newer than every remote commit (an upload reads the local copy), or when the remote
-      catalogue is unknown. An older one is not (the remote tier dropped it by its own rules).
+      (``protect = {version: reason}``, for :func:`evaluate`) when its upload is in flight, or when
+      it is one of the :data:`PENDING_KEPT` newest of those newer than every remote commit (an
+      upload reads the local copy) — of all of them while the remote catalogue is unknown. An
+      older one is not (the remote tier dropped it by its own rules), nor one below those newest:
+      a long outage costs the remote tier the versions the local policy no longer keeps, never the
+      local disk.
 
     Nothing protects a remote version: an absent or empty local tier keeps nothing there.
     """
@@ -512,9 +523,14 @@ def across_tiers(
         flying = set(in_flight)
         there = None if remote is None else {r.version for r in remote}
         newest = None if not remote else max(r.order for r in remote)
+        pending = []
         for r in out:
             if there is not None and r.version in there:
                 continue
-            if there is None or r.version in flying or newest is None or r.order > newest:
+            if r.version in flying:
                 protect[r.version] = _pending_reason("remote")
+            elif there is None or newest is None or r.order > newest:
+                pending.append(r)
+        for r in sorted(pending, key=lambda r: r.order)[-PENDING_KEPT:]:
+            protect[r.version] = _pending_reason("remote")
     return out, protect

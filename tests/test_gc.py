@@ -609,8 +609,9 @@ def test_drop_removes_a_damaged_newest_version(tmp_path):
 
 def test_retention_after_commit_waits_for_uploads(tmp_path):
     """Locally, retention after a commit keeps what the remote tier does not hold yet: a version whose
-    upload is running (even when a newer one was committed remotely first), every version while the
-    remote catalogue cannot be read; a pin in the remote tier protects here too."""
+    upload is running (even when a newer one was committed remotely first), the newest two not known
+    remotely while the remote catalogue cannot be read (bounded: a long outage never fills the root);
+    a pin in the remote tier protects here too, once the remote catalogue can be read."""
     from ckptstore.errors import TransientStorageError
     from ckptstore.testing.faulty_tier import FaultyTier
 
@@ -621,8 +622,10 @@ def test_retention_after_commit_waits_for_uploads(tmp_path):
         fake_version(remote, f"v{i}", T0 + dt.timedelta(hours=i), pinned=(i == 0))
     policy = R.RetentionPolicy(rules=[R.KeepLast(1)])
     down = FaultyTier(remote, {"get": (lambda key: key.endswith(layout.MANIFEST), TransientStorageError("injected: 503"))})
-    ds = G.apply_after_commit(local, policy, ms[4], others={"remote": down})
-    assert kept(ds) == ["v0", "v1", "v2", "v3", "v4"]  # remote unknown: keep everything local
+    other = LocalTier(tmp_path / "l2")  # the same five versions on another root
+    ms2 = [fake_version(other, f"v{i}", T0 + dt.timedelta(hours=i)) for i in range(5)]
+    ds = G.apply_after_commit(other, policy, ms2[4], others={"remote": down})
+    assert kept(ds) == ["v3", "v4"]  # remote unknown: the newest two wait for their uploads (v0's remote pin is not seen)
     ds = G.apply_after_commit(local, policy, ms[4], others={"remote": remote}, in_flight={"v1"})
     assert kept(ds) == ["v0", "v1", "v4"]
     assert R.REASON_PINNED in ds[0].reasons and "not yet committed in the remote tier" in ds[1].reasons[0]

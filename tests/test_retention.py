@@ -228,9 +228,24 @@ def test_across_tiers_pins_travel_and_local_waits_for_upload():
     recs2 = local + [rec("old", -5)]
     assert "old" not in R.across_tiers("local", recs2, {"remote": remote})[1]
     assert "old" in R.across_tiers("local", recs2, {"remote": remote}, in_flight={"old"})[1]
-    # remote catalogue unknown / empty: every local version not known remotely waits
-    assert sorted(R.across_tiers("local", local, {"remote": None})[1]) == [f"v{i}" for i in range(5)]
-    assert sorted(R.across_tiers("local", local, {"remote": []})[1]) == [f"v{i}" for i in range(5)]
+    # remote catalogue unknown / empty: the newest PENDING_KEPT local versions not known remotely wait
+    assert sorted(R.across_tiers("local", local, {"remote": None})[1]) == ["v3", "v4"]
+    assert sorted(R.across_tiers("local", local, {"remote": []})[1]) == ["v3", "v4"]
+    # ... and whatever is uploading
+    assert sorted(R.across_tiers("local", local, {"remote": None}, in_flight={"v0"})[1]) == ["v0", "v3", "v4"]
+
+
+def test_a_long_outage_protects_a_bounded_number_of_local_versions():
+    """S3 unreachable (or refusing this host) for 50 saves: the local tier waits for the newest two
+    versions' uploads, not for all 50 — a long outage never fills the local root (before: every
+    version was kept until the root was full, then every save failed)."""
+    local = [rec(f"s{i}", i) for i in range(50)]
+    remote = [rec("s0", 0)]  # the last remote commit before the outage
+    for others in ({"remote": None}, {"remote": remote}):
+        _recs, protect = R.across_tiers("local", local, others)
+        assert sorted(protect, key=lambda v: int(v[1:])) == ["s48", "s49"], protect
+        ds = R.evaluate(_recs, R.RetentionPolicy([R.KeepLast(3)]).rules_for("local"), T0, protect=protect)
+        assert kept(ds) == ["s47", "s48", "s49"], kept(ds)  # the policy's 3: the local root holds 3 versions, not 50
     # no remote tier in the run: nothing to wait for
     assert R.across_tiers("local", local, {})[1] == {}
     # nothing protects a remote version: an absent or empty local tier keeps nothing there
