@@ -169,3 +169,34 @@ def incremental_drop_race(rank, world, roots):
     w.close()
     dist.barrier()
     return {"leases": sorted(i.key for i in LocalTier(roots[rank]).list("leases/")), "drop": Gated.ran}
+
+
+def save_while_a_rank_is_refused(rank, world, roots, remote, n, keep_last, upload_timeout):
+    """``n`` saves (``durability="local"``, local keep-last ``keep_last``) while S3 refuses rank 1's
+    requests (its credentials, set by the test): after each save, the number of versions in this
+    rank's root; then ``close()``'s error (None if it raised nothing)."""
+    from ckptstore import retention as R
+
+    pol = R.RetentionPolicy(per_tier={"local": (R.KeepLast(keep_last),)})
+    w = ckptstore.StorageWriter(roots[rank], remote=remote, retention=pol, durability="local", frame_size=65536,
+                                upload_timeout=upload_timeout)
+    counts = []
+    for i in range(1, n + 1):
+        dcp.save(sharded_state(world, _seed(f"v{i}")), checkpoint_id=f"v{i}", storage_writer=w)
+        dist.barrier()
+        counts.append(len(ckptstore.Store(roots[rank]).versions()))
+    try:
+        w.close()
+    except ckptstore.errors.CkptStoreError as e:
+        return counts, f"{type(e).__name__}: {e}"
+    return counts, None
+
+
+def save_back_to_back(rank, world, roots, remote, n):
+    """``n`` saves back to back through one ``durability="local"`` writer, then ``close()``; returns the
+    versions the writer did not stage because newer ones were (the bounded queue)."""
+    w = ckptstore.StorageWriter(roots[rank], remote=remote, durability="local", frame_size=65536)
+    for i in range(1, n + 1):
+        dcp.save(sharded_state(world, _seed(f"v{i}")), checkpoint_id=f"v{i}", storage_writer=w)
+    w.close()
+    return w.skipped_uploads

@@ -92,6 +92,34 @@ def test_chaos_option_errors_exit_2_before_any_work(tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_restart_that_trains_no_step_before_the_stop_holds_the_final_state(tmp_path):
+    """The 10-minute run's case: a generation trained to step 10 (committing step 5 only), a restart
+    restored step-5 and the stop came before it trained a step. The final state is step 5 (that last
+    generation's ``done`` digests), not the steps 6-10 the restart threw away."""
+    from ckptstore.demo.chaos import timeline
+
+    ev = tmp_path / "events"
+    ev.mkdir()
+    a, b = [], []
+    for st in range(1, 11):
+        a.append({"kind": "step", "rank": 0, "gen": 1, "step": st, "t0": st, "t1": st + 0.5, "t": st + 0.5,
+                  "up": st + 0.5})
+        if st % 5 == 0:
+            a.append({"kind": "save", "rank": 0, "gen": 1, "step": st, "t": st + 0.6, "up": st + 0.6})
+    a.append({"kind": "save_done", "rank": 0, "gen": 1, "step": 5, "ok": True, "t": 5.7, "up": 5.7})
+    b.append({"kind": "resumed", "rank": 0, "gen": 2, "version": "step-5", "step": 5, "t0": 20, "t1": 21,
+              "t": 21, "up": 21})
+    b.append({"kind": "stop", "rank": 0, "gen": 2, "step": 5, "t": 21.5, "up": 21.5})
+    b.append({"kind": "done", "rank": 0, "gen": 2, "step": 5, "wd": "w5", "od": "o5", "t": 22, "up": 22})
+    for name, evs in (("rank0.a1000.jsonl", a), ("rank0.a1001.jsonl", b)):
+        (ev / name).write_text("".join(json.dumps(e) + "\n" for e in evs))
+    tl = timeline.Timeline.of(str(tmp_path), 0.0)
+    assert tl.final_step() == 5
+    assert sorted(tl.kept()) == [1, 2, 3, 4, 5]
+    assert tl.done()[0]["wd"] == "w5"
+    assert len(tl.wasted_steps()) == 5
+
+
 def test_disk_full_fills_a_real_file_system_to_the_last_byte(tmp_path):
     with small_tmpfs(tmp_path / "fs", size="4m") as d:
         got = fill(d, os.path.join(d, "runaway.log"))

@@ -157,8 +157,12 @@ class SaveQueue:
         lock = threading.Lock()
 
         def remote_done(f):
+            from ..dcp.upload import Superseded
+
             if f.exception() is None:
                 info.remote_commit_s = time.monotonic() - t0
+            elif isinstance(f.exception(), Superseded):
+                pass  # newer versions were staged in its place: committed locally only, not a failure
             else:
                 info.error = f"remote commit failed: {f.exception()}"  # close() raises UploadError for it
 

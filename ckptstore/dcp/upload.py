@@ -23,6 +23,11 @@ completion travels through the store itself, never through collectives on the tr
 group), check every marker's size and digest against the manifest, then commit the remote
 ``manifest.json`` with ``If-None-Match: "*"`` (put-if-absent).
 
+Bounded queue (docs/FORMAT.md, Save rule 8): once :data:`UPLOAD_BACKLOG` newer versions were
+submitted, an older version's jobs not started are skipped and its remote commit stops waiting for
+markers (:class:`Superseded`, not a failure): saves that outpace the remote tier hold a bounded
+number of versions in flight, and the newest reaches S3 first.
+
 ``durability="local"``: all of this runs on background threads; ``StorageWriter.close()`` (and
 interpreter exit) waits for it, bounded by ``upload_timeout`` seconds, and reports what was not
 uploaded. ``durability="remote"``: ``write_data`` waits for the rank's upload and ``finish`` for the
@@ -59,6 +64,17 @@ from ..tiers.base import Tier
 log = logging.getLogger("ckptstore")
 
 _live: "weakref.WeakSet[Uploader]" = weakref.WeakSet()
+
+#: the remote staging queue's bound (docs/FORMAT.md, Save rule 8): a version is no longer staged once this
+#: many newer versions of the same writer were submitted and its upload or remote commit has not finished
+#: (a job not started is skipped, a remote commit waiting for markers gives up). Saves that outpace the
+#: remote tier (a slow or refusing S3, a rank whose requests are refused) then cost at most this many
+#: versions' worth of local space in flight, and the newest version reaches S3 first.
+UPLOAD_BACKLOG = 3
+
+
+class Superseded(Exception):
+    """A staging job of a version :data:`UPLOAD_BACKLOG` newer versions passed: not run (not a failure)."""
 
 
 class UploadError(StorageError):
@@ -219,8 +235,9 @@ class Uploader:
     raises to refuse it (the writer's live-trainer check, docs/FORMAT.md Save rule 7)."""
 
     def __init__(self, local: Tier, remote: Tier, threads: int = 4, timeout: float = 3600.0, retention=None,
-                 guard=None):
+                 guard=None, backlog: int = UPLOAD_BACKLOG):
         self.local = local
+        self.backlog = max(1, int(backlog))
         self.guard = guard
         self.retention = retention
         self.remote = remote
@@ -234,7 +251,38 @@ class Uploader:
         self._streams: dict[str, PartStream] = {}
         #: failed jobs, submitted again at the next save (or close): ``{what: (kind, args)}``
         self._retry: dict[str, tuple] = {}
+        #: version -> order of its first submission (a superseding save of the name moves it to the end)
+        self._order: dict[str, int] = {}
+        self._seq = 0
+        self._cv = threading.Condition()  # notified at each new version: a waiting remote commit re-checks
+        #: versions not staged because :data:`UPLOAD_BACKLOG` newer ones were submitted (committed locally only)
+        self.skipped: list[str] = []
         _live.add(self)
+
+    # -- the bounded queue (docs/FORMAT.md, Save rule 8) -----------------------------------------
+    def _note(self, version: str) -> None:
+        """``version`` is submitted for staging (a new save, or a catch-up): it becomes the newest."""
+        with self._lock:
+            self._seq += 1
+            self._order.pop(version, None)
+            self._order[version] = self._seq
+            if len(self._order) > 4 * self.backlog + 64:
+                for v in list(self._order)[: len(self._order) - 2 * self.backlog - 32]:
+                    del self._order[v]
+        with self._cv:
+            self._cv.notify_all()
+
+    def superseded(self, version: str) -> bool:
+        """True once :attr:`backlog` newer versions than ``version`` were submitted to this uploader."""
+        with self._lock:
+            seq = self._order.get(version)
+            if seq is None:
+                return False
+            return sum(1 for s in self._order.values() if s > seq) >= self.backlog
+
+    def _skip_if_superseded(self, version: str, what: str) -> None:
+        if self.superseded(version):
+            raise Superseded(f"{what}: not staged, {self.backlog} newer versions were submitted after it")
 
     # -- rank side -------------------------------------------------------------------------
     def open_stream(self, key: str) -> "PartStream | None":
@@ -260,11 +308,20 @@ class Uploader:
         (an unreachable remote tier): the next save stages what an outage held back (docs/FORMAT.md,
         Save rule 8)."""
         if retry:
+            self._note(version)
             self.retry_failed("object")
         key = layout.object_key(version, entry.name)
         stream = self._forget_stream(key)
 
         def job():
+            if self.superseded(version):
+                if stream is not None:  # its parts were streamed: the multipart upload is aborted
+                    stream.aborted = True
+                    if stream._mp is not None:
+                        stream._abort_remote()
+                    else:
+                        stream._close_fd()
+                self._skip_if_superseded(version, f"{version}/{entry.name}")
             _faults.point("upload.object")
             for ref in refs:
                 self._ensure_remote(ref)
@@ -297,6 +354,10 @@ class Uploader:
         for what, k, args in todo:
             version = args[0] if k == "object" else args[0].version
             attempt = (args[1].name.split("/")[1]) if k == "object" else args[0].attempt
+            if self.superseded(version):
+                with self._lock:
+                    self._retry.pop(what, None)  # newer versions took its place in the queue
+                continue
             try:
                 if k == "object":
                     if self.local.stat(layout.object_key(version, args[1].name)).size != args[1].size:
@@ -363,12 +424,17 @@ class Uploader:
         """The remote commit of ``m`` (after every rank's marker); first submits again the remote
         commits of earlier versions that failed (see :meth:`upload_object`)."""
         if retry:
+            with self._lock:
+                known = m.version in self._order
+            if not known:
+                self._note(m.version)
             self.retry_failed("commit")
         return self._submit(f"{m.version} (remote commit)", lambda: self._commit(m, body, overwrite), m.version,
                             retry=("commit", (m, body, overwrite)))
 
     def _commit(self, m: Manifest, body: bytes, overwrite: bool) -> str:
         v = m.version
+        self._skip_if_superseded(v, f"{v} (remote commit)")
         meta = m.metadata_object
         mkey = layout.object_key(v, meta.name)
         try:
@@ -391,13 +457,15 @@ class Uploader:
                     seen[r] = json.loads(self.remote.get(info.key))
             if set(seen) >= set(want):
                 break
+            self._skip_if_superseded(v, f"{v} (remote commit, waiting for ranks {sorted(set(want) - set(seen))})")
             if time.monotonic() > deadline:
                 missing = sorted(set(want) - set(seen))
                 raise UploadError(
                     f"version {v!r}: ranks {missing} did not finish uploading within {self.timeout:.0f} s; "
                     "the remote commit was not made (the local version is intact)"
                 )
-            time.sleep(delay)
+            with self._cv:  # woken early when a newer version is submitted
+                self._cv.wait(delay)
             delay = min(delay * 2, 2.0)
         for r, o in want.items():
             mk = seen[r]
@@ -470,7 +538,9 @@ class Uploader:
     def in_flight(self) -> set[str]:
         """Versions with an upload or a remote commit not finished yet (local retention keeps them)."""
         with self._lock:
-            return {v for f, v in self._versions.items() if not f.done()}
+            live = {f: v for f, v in self._versions.items() if not f.done()}
+        # a superseded version's queued jobs will not run: only a running one still reads its local files
+        return {v for f, v in live.items() if f.running() or not self.superseded(v)}
 
     def _submit(self, what: str, fn, version: str | None = None, retry: tuple | None = None) -> cf.Future:
         fut = self._pool.submit(fn)
@@ -485,6 +555,13 @@ class Uploader:
 
         def done(f, what=what):
             e = f.exception() if not f.cancelled() else None
+            if isinstance(e, Superseded):
+                with self._lock:
+                    if version is not None and version not in self.skipped:
+                        self.skipped.append(version)
+                        del self.skipped[:-1000]
+                log.info("ckptstore: %s", e)
+                return
             if e is not None:
                 msg = f"{what}: {type(e).__name__}: {e}"
                 with self._lock:
@@ -508,6 +585,8 @@ class Uploader:
                 f.result(timeout=left)
             except cf.TimeoutError:
                 not_done.append(f"{what}: still running after {timeout:.0f} s")
+            except Superseded:
+                continue  # newer versions were staged in its place (docs/FORMAT.md, Save rule 8)
             except Exception as e:  # a failed job; KeyboardInterrupt/SystemExit propagate at once
                 not_done.append(f"{what}: {type(e).__name__}: {e}")
         with self._lock:

@@ -561,6 +561,14 @@ class StorageWriter(_DCPStorageWriter):
         """
         self._up.wait(timeout)
 
+    @property
+    def skipped_uploads(self) -> list[str]:
+        """Versions committed locally that this writer did not stage to the remote tier because
+        :data:`~ckptstore.dcp.upload.UPLOAD_BACKLOG` newer versions were submitted before their upload
+        or remote commit finished (docs/FORMAT.md, Save rule 8), oldest first (the last 1,000)."""
+        up = self._up._uploader
+        return list(up.skipped) if up is not None else []
+
     def pruned(self) -> list[dict]:
         """What automatic retention deleted after this writer's commits since the last call (one
         dict per run: ``tier``, ``after`` (the version just committed), ``deleted`` versions,

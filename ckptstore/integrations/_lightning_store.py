@@ -388,7 +388,12 @@ class LightningStore:
         for w in self._writers.values():
             fut = w.remote_commit_future(version)
             if fut is not None:
-                fut.result(self.upload_timeout)
+                from ..dcp.upload import Superseded
+
+                try:
+                    fut.result(self.upload_timeout)
+                except Superseded:
+                    pass  # not staged (newer versions were): nothing to wait for
         store = self.store()
         try:
             try:

@@ -152,10 +152,12 @@ class Timeline:
 
     def _lineage(self) -> tuple[list[Segment], str | None]:
         """The segments whose steps the final state holds, oldest first."""
-        trained = [s for s in self.segments if s.steps]
-        if not trained:
+        # the final state is the last segment's, also one that restored and then trained no step (a
+        # restart right before the stop: its restore decides which run of the steps before it survived)
+        final = [s for s in self.segments if s.steps or s.restored is not None]
+        if not any(s.steps for s in self.segments):
             return [], "no step trained"
-        cur = trained[-1]
+        cur = final[-1]
         chain = [cur]
         while cur.restored is not None:
             t = cur.restore_t0 if cur.restore_t0 is not None else cur.start
