@@ -663,6 +663,35 @@ def _records_or_none(tier: Tier, name: str):
         return None
 
 
+# -- a failed save's own objects ---------------------------------------------------------------------------
+def reclaim_failed_attempt(tier: Tier, version: str, attempt: str) -> int | None:
+    """Delete the objects of ``attempt`` of ``version`` in ``tier`` — a save that certainly did not
+    commit (docs/FORMAT.md, Delete rule 14): a rank whose own write failed (DCP then never calls
+    ``finish``), a coordinator whose commit failed before the commit point, a root told that the
+    commit was aborted. Nothing is deleted when the tier's manifest of ``version`` names ``attempt``
+    (it did commit). Best effort, without a grace period (the save is over); returns how many
+    objects went. Without it, every save that failed on a full disk left its objects there, and the
+    disk stayed full after the cause went away (the chaos run)."""
+    try:
+        if catalogue.read_manifest(tier, version).manifest.attempt == attempt:
+            return None
+    except (VersionNotFoundError, ManifestError, UnsupportedFormatError):
+        pass
+    except Exception as e:  # noqa: BLE001 - cannot tell: leave it to gc and its grace period
+        log.warning("ckptstore: not reclaiming the failed attempt %s of %r (%s); gc removes it later", attempt, version, e)
+        return 0
+    n = 0
+    try:
+        for info in list(tier.list(layout.object_key(version, layout.attempt_dir(attempt)) + "/")):
+            tier.delete(info.key)
+            n += 1
+    except Exception as e:  # noqa: BLE001
+        log.warning("ckptstore: reclaiming the failed attempt %s of %r stopped (%s); gc removes the rest", attempt, version, e)
+    if n:
+        log.info("ckptstore: deleted %d object(s) of the failed attempt %s of %r", n, attempt, version)
+    return n
+
+
 # -- drop: one version, on request ---------------------------------------------------------------------------
 REASON_DROP = "dropped on request"
 

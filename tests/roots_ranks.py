@@ -200,3 +200,37 @@ def save_back_to_back(rank, world, roots, remote, n):
         dcp.save(sharded_state(world, _seed(f"v{i}")), checkpoint_id=f"v{i}", storage_writer=w)
     w.close()
     return w.skipped_uploads
+
+
+def manager_saves_while_a_root_is_full(rank, world, roots, nbytes, filler, k, replicas=1):
+    """``CheckpointManager(replicas=1, durability="replicated")`` (or without replicas) on node-local
+    roots; rank 1's root is full (``filler`` holds its free space) for ``k`` saves, each of which fails
+    (rank 1 cannot write; with replicas, rank 0's replica cannot land there either; without, rank 0's
+    write succeeds and DCP aborts the save at the coordinator). Returns the shard objects each failed save left in this rank's root,
+    then — after rank 1 deleted ``filler`` — the versions committed in this root by one more save."""
+    import os
+
+    from ckptstore.tiers import LocalTier
+    from ckptstore.manifest import catalogue
+
+    g = torch.Generator().manual_seed(rank)
+    state = {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=g)}
+    mgr = ckptstore.CheckpointManager(roots[rank], state, replicas=replicas,
+                                      durability="replicated" if replicas else "local", per_rank_keys=("w",),
+                                      save_rng=False, save_on_signal=None, raise_errors=False)
+    for step in range(1, k + 1):
+        mgr.save(step, force=True)
+        mgr.wait()
+    dist.barrier()
+    left = sorted(os.path.relpath(os.path.join(d, f), roots[rank]) for d, _s, fs in os.walk(roots[rank])
+                  for f in fs if f.endswith(".ckd"))
+    dist.barrier()
+    if rank == 1:
+        os.remove(filler)
+    dist.barrier()
+    mgr.save(k + 1, force=True)
+    mgr.wait()
+    dist.barrier()
+    committed = sorted(catalogue.scan(LocalTier(roots[rank])))
+    mgr.close()
+    return left, committed

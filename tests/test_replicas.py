@@ -380,3 +380,28 @@ def test_a_replica_that_was_never_made_is_reported(tmp_path):
     (save,) = out[0]["saves"]
     assert save["outcome"] == "committed" and save["replicas"] == "gap", save
     assert "StorageFullError" in save["error"] and "r00001.ckd" in save["error"], save
+
+
+@pytest.mark.parametrize("replicas", [1, 0], ids=["replicated", "no-replicas"])
+def test_saves_that_fail_on_a_full_disk_leave_nothing_behind(tmp_path, replicas):
+    """The chaos run's full disk: rank 1's root (a real 4 MiB tmpfs) is full for five saves of a
+    ``durability="replicated"`` manager; each fails (rank 1 cannot write; rank 0's replica cannot land
+    there). Before, every failed save left rank 0's 1 MiB object in rank 0's root — on a real node
+    that filled the other disk too, and every later save failed although the cause was gone. Now each
+    rank reclaims what its failed write left (and the coordinator what the commit point does not
+    name: ``no-replicas``, where rank 0's own write succeeded), so rank 0's root holds no shard object of a
+    failed save, and once space is back the next save commits on both roots."""
+    from helpers import small_tmpfs
+
+    import roots_ranks
+    from ckptstore.demo.chaos.inject import fill
+
+    a = str(tmp_path / "a")
+    with small_tmpfs(tmp_path / "b", size="4m") as b:
+        filler = os.path.join(b, "filler")
+        fill(b, filler)
+        out = run_ranks(roots_ranks.manager_saves_while_a_root_is_full, 2, [a, b], 1 << 20, filler, 5, replicas, timeout=300,
+                        start_method="forkserver", preload=["roots_ranks"])
+    (left0, committed0), (left1, committed1) = out
+    assert left0 == [] and left1 == [], (left0, left1)
+    assert committed0 == committed1 == ["step-6"], (committed0, committed1)

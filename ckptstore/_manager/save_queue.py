@@ -206,6 +206,10 @@ class SaveQueue:
             self._job.lose(f"the save of step {info.step} ({info.version}) failed in a collective: {short_cause(e)}")
             self._report(info)
             return
+        try:  # the coordinator reclaims what the failed attempt left (docs/FORMAT.md, Delete rule 14)
+            self._writer.save_failed(info.version)
+        except Exception:  # noqa: BLE001 - best effort: gc removes it after its grace period
+            log.exception("ckptstore: could not reclaim the failed save of %s", info.version)
         if self.raise_errors_later:
             with self.lock:
                 self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")

@@ -104,8 +104,11 @@ class Committer(OwnLock):
             )
         except BaseException:
             if split:
-                self.publisher.publish(s.attempt, b"", None)  # the other roots stop waiting
+                self.publisher.publish(s.attempt, b"", None)  # the other roots stop waiting (and reclaim)
             leases.release(self.tier, s.attempt)  # the save failed: its references need no protection
+            from .. import gc
+
+            gc.reclaim_failed_attempt(self.tier, s.version, s.attempt)  # unless it did commit (Delete rule 14)
             raise
         # committed here: the manifest now names what the ranks of this root referenced (their leases go)
         leases.release(self.tier, s.attempt)

@@ -68,6 +68,11 @@ class RemoteStage(OwnLock):
         return self.cfg.durability == "remote" or self.guard.in_subprocess
 
     # -- rank side -----------------------------------------------------------------------------
+    def abandon(self, version: str) -> None:
+        """``version``'s save failed on this rank: its queued uploads are not sent (``Uploader.abandon``)."""
+        if self._uploader is not None:
+            self._uploader.abandon(version)
+
     def open_stream(self, version: str, name: str):
         """The streamed upload of the rank object ``name`` (None without a remote tier)."""
         if self.remote is None:

@@ -219,6 +219,9 @@ class Follower:
             release(tier, attempt)  # every rank of the save read the claim before the commit (or abort)
         if data == _ABORT:
             leases.release(tier, attempt)  # the save failed: what its ranks referenced needs no lease
+            from .. import gc
+
+            gc.reclaim_failed_attempt(tier, version, attempt)  # its objects in this root too (Delete rule 14)
             return
         n = int.from_bytes(data[:8], "little")
         _faults.point("copy.manifest")

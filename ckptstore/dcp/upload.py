@@ -257,12 +257,15 @@ class Uploader:
         self._cv = threading.Condition()  # notified at each new version: a waiting remote commit re-checks
         #: versions not staged because :data:`UPLOAD_BACKLOG` newer ones were submitted (committed locally only)
         self.skipped: list[str] = []
+        #: versions whose save failed on this rank (:meth:`abandon`) until submitted again
+        self._abandoned: set[str] = set()
         _live.add(self)
 
     # -- the bounded queue (docs/FORMAT.md, Save rule 8) -----------------------------------------
     def _note(self, version: str) -> None:
         """``version`` is submitted for staging (a new save, or a catch-up): it becomes the newest."""
         with self._lock:
+            self._abandoned.discard(version)
             self._seq += 1
             self._order.pop(version, None)
             self._order[version] = self._seq
@@ -272,9 +275,20 @@ class Uploader:
         with self._cv:
             self._cv.notify_all()
 
-    def superseded(self, version: str) -> bool:
-        """True once :attr:`backlog` newer versions than ``version`` were submitted to this uploader."""
+    def abandon(self, version: str) -> None:
+        """``version``'s save failed on this rank (its local objects are being reclaimed): its jobs
+        not started are not run, like a superseded version's (until it is submitted again)."""
         with self._lock:
+            self._abandoned.add(version)
+            self._retry = {w: r for w, r in self._retry.items()
+                           if (r[1][0] if r[0] == "object" else r[1][0].version) != version}
+
+    def superseded(self, version: str) -> bool:
+        """True once :attr:`backlog` newer versions than ``version`` were submitted to this uploader
+        (or its save failed here: :meth:`abandon`)."""
+        with self._lock:
+            if version in self._abandoned:
+                return True
             seq = self._order.get(version)
             if seq is None:
                 return False
@@ -282,7 +296,10 @@ class Uploader:
 
     def _skip_if_superseded(self, version: str, what: str) -> None:
         if self.superseded(version):
-            raise Superseded(f"{what}: not staged, {self.backlog} newer versions were submitted after it")
+            with self._lock:
+                why = ("its save failed" if version in self._abandoned
+                       else f"{self.backlog} newer versions were submitted after it")
+            raise Superseded(f"{what}: not staged, {why}")
 
     # -- rank side -------------------------------------------------------------------------
     def open_stream(self, key: str) -> "PartStream | None":

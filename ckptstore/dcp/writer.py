@@ -282,6 +282,10 @@ class StorageWriter(_DCPStorageWriter):
         self._subprocess_own_group = False
         self.last_manifest: Manifest | None = None
         self._publisher = _roots.Publisher()
+        #: version -> (attempt, root discovery) and whether this rank coordinated it: the last saves'
+        #: attempts, for :meth:`save_failed`
+        self._attempt_of: dict[str, tuple[str, bool]] = {}
+        self._is_coordinator_of: dict[str, bool] = {}
         self._inc = Incremental()
         self._guard = Guard(cfg)
         self._up = RemoteStage(cfg, self._tier, self._remote, self._guard)
@@ -450,6 +454,11 @@ class StorageWriter(_DCPStorageWriter):
         t0 = time.monotonic()
         try:
             results = self._write_data(s, plan, planner, staged)
+        except BaseException:
+            # this rank's write failed, so DCP will not call finish: the attempt cannot commit, and what
+            # it left in this root goes now (docs/FORMAT.md, Delete rule 14)
+            self._reclaim_failed(s)
+            raise
         finally:
             self._stager.release(staged[0] if staged else None)
         self._timed(s.version, write_s=time.monotonic() - t0)
@@ -460,12 +469,45 @@ class StorageWriter(_DCPStorageWriter):
         fut.set_result(results)
         return fut
 
+    def _reclaim_failed(self, s: Save) -> None:
+        if s.attempt is None:
+            return
+        self._up.abandon(s.version)  # its object's upload, if queued, is not sent
+        rec = self._attempt_of.get(s.version)
+        self._reclaim(s.version, s.attempt, s.is_coordinator, bool(rec and rec[0] == s.attempt and rec[1]))
+
+    def _reclaim(self, version: str, attempt: str, coordinator: bool, discover: bool) -> None:
+        """The attempt did not commit (or, on the coordinator's root, the commit point says so): its
+        objects in this root go; the coordinator also tells the other roots' followers, which stop
+        waiting for a manifest copy and reclaim theirs (docs/FORMAT.md, Delete rule 14)."""
+        from .. import gc
+
+        gone = gc.reclaim_failed_attempt(self._tier, version, attempt)
+        if gone is not None and coordinator and discover:
+            self._publisher.publish(attempt, b"", None)
+
+    def save_failed(self, version: str) -> None:
+        """DCP raised for the save of ``version`` on this rank (``CheckpointManager`` calls this): on
+        the coordinator, whose root is the commit point, an attempt its root does not name never
+        committed — its objects there go and the other roots are told (their followers reclaim
+        theirs). Other ranks reclaim only what their own failed write left (:meth:`write_data`) or
+        what their follower is told: a manifest copy may still be on its way to their root."""
+        rec = self._attempt_of.pop(version, None)
+        if rec is None or not self._is_coordinator_of.get(version, False):
+            return
+        self._reclaim(version, rec[0], True, rec[1])
+
     def _write_data(self, s: Save, plan: SavePlan, planner: SavePlanner, staged: list) -> list[WriteResult]:
         """Phase 1 of this rank: stage again what an earlier run did not upload, write (and upload)
         the rank's object, join the replica exchange, report the root group and value digests."""
         pd: PlanData = plan.storage_data
         s.attempt = pd.attempt
         s.restage = pd.restage
+        self._attempt_of[s.version] = (pd.attempt, bool(pd.discover))
+        self._is_coordinator_of[s.version] = s.is_coordinator
+        for d in (self._attempt_of, self._is_coordinator_of):
+            while len(d) > 16:
+                d.pop(next(iter(d)))
         if pd.restage:
             self._up.restage_objects(pd)
         results: list[WriteResult] = []
