@@ -130,7 +130,7 @@ def test_the_kill_switch_reads_the_environment(monkeypatch):
 
 
 # -- the commit check (docs/FORMAT.md, Save rule 9) ----------------------------------------------
-def test_a_refused_commit_check_commits_nothing_and_leaves_garbage_for_gc(tmp_path):
+def test_a_refused_commit_check_commits_nothing_and_reclaims_its_objects(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -150,7 +150,8 @@ def test_a_refused_commit_check_commits_nothing_and_leaves_garbage_for_gc(tmp_pa
     assert isinstance(err, ckptstore.FencedError) and "left the quorum" in str(err)
     assert asked == ["step-5", "step-10"]
     assert [r.version for r in ckptstore.Store(root).versions()] == ["step-5"]
-    assert any(k.startswith("versions/step-10/attempts/") for k in _garbage(root)), _garbage(root)
+    # the refused attempt reclaimed its objects at once (docs/FORMAT.md, Delete rule 14): no garbage waits for gc
+    assert not any(k.startswith("versions/step-10/") for k in _garbage(root)), _garbage(root)
     # the name stays free: the group that owns the step commits it
     dcp.save({"w": torch.arange(10.0)}, checkpoint_id="step-10",
              storage_writer=ckptstore.StorageWriter(root))
@@ -350,8 +351,8 @@ def test_groups_killed_mid_step_and_mid_save_heal_and_the_durable_tier_keeps_com
 def test_two_groups_racing_for_one_step_exactly_one_commits(tmp_path):
     """A partition: two groups, each the only member of its own lighthouse's quorum, both own step-5
     and reach its commit point together (a barrier in the writer's commit check). Exactly one
-    commits; the other gets VersionExistsError (reported, training goes on) and its attempt is
-    garbage for gc."""
+    commits; the other gets VersionExistsError (reported, training goes on) and deletes its
+    attempt's objects (docs/FORMAT.md, Delete rule 14): nothing is left for gc."""
     root = tmp_path / "root"
     bar = str(tmp_path / "race")
     jobs = [tg.Job(tmp_path, root, name=f"side{g}", steps=6, num_groups=2, min_replicas=1, race_barrier=bar)
@@ -370,9 +371,9 @@ def test_two_groups_racing_for_one_step_exactly_one_commits(tmp_path):
     assert outcomes == [(0, 1), (1, 0)] or outcomes == [(1, 1), (2, 0)] or outcomes[0][1] == 1, stats
     winner = _manifest_user(root, "step-5")["group"]
     assert stats[winner].get("main.lost-race", 0) == 0 and stats[1 - winner]["main.lost-race"] == 1
-    assert any(k.startswith("versions/step-5/attempts/") for k in _garbage(root))
+    assert not any(k.startswith("versions/step-5/attempts/") for k in _garbage(root)), _garbage(root)
     REPORT.append(f"race for step-5: group {winner} committed, group {1 - winner} got VersionExistsError; "
-                  "its attempt is garbage for gc")
+                  "its attempt's objects were deleted (Delete rule 14)")
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ What it does (README "torchft"; docs/FORMAT.md, "torchft"):
   optimizer, schedulers and torchft's ``Manager.state_dict()``), with the quorum id and the group in
   the manifest's user metadata. One version name per step makes the commit's put-if-absent the
   fence: two groups that both believe they own a step cannot both commit (the other gets
-  :class:`~ckptstore.errors.VersionExistsError`, its attempt is garbage for gc); and right before
+  :class:`~ckptstore.errors.VersionExistsError`, its attempt's objects are deleted); and right before
   the commit point the writer asks torchft whether the group still owns the step
   (:func:`._torchft_v0_2.claim_lost`): a group that left the quorum while its save was in flight
   commits nothing (:class:`~ckptstore.errors.FencedError`).
