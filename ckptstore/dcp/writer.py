@@ -282,10 +282,8 @@ class StorageWriter(_DCPStorageWriter):
         self._subprocess_own_group = False
         self.last_manifest: Manifest | None = None
         self._publisher = _roots.Publisher()
-        #: version -> (attempt, root discovery) and whether this rank coordinated it: the last saves'
-        #: attempts, for :meth:`save_failed`
-        self._attempt_of: dict[str, tuple[str, bool]] = {}
-        self._is_coordinator_of: dict[str, bool] = {}
+        #: version -> (attempt, root discovery, this rank coordinated it): the last saves, for :meth:`save_failed`
+        self._attempt_of: dict[str, tuple[str, bool, bool]] = {}
         self._inc = Incremental()
         self._guard = Guard(cfg)
         self._up = RemoteStage(cfg, self._tier, self._remote, self._guard)
@@ -473,8 +471,8 @@ class StorageWriter(_DCPStorageWriter):
         if s.attempt is None:
             return
         self._up.abandon(s.version)  # its object's upload, if queued, is not sent
-        rec = self._attempt_of.get(s.version)
-        self._reclaim(s.version, s.attempt, s.is_coordinator, bool(rec and rec[0] == s.attempt and rec[1]))
+        _attempt, discover, coordinator = self._attempt_of.get(s.version, (s.attempt, False, s.is_coordinator))
+        self._reclaim(s.version, s.attempt, coordinator, discover)
 
     def _reclaim(self, version: str, attempt: str, coordinator: bool, discover: bool) -> None:
         """The attempt did not commit (or, on the coordinator's root, the commit point says so): its
@@ -493,9 +491,8 @@ class StorageWriter(_DCPStorageWriter):
         theirs). Other ranks reclaim only what their own failed write left (:meth:`write_data`) or
         what their follower is told: a manifest copy may still be on its way to their root."""
         rec = self._attempt_of.pop(version, None)
-        if rec is None or not self._is_coordinator_of.get(version, False):
-            return
-        self._reclaim(version, rec[0], True, rec[1])
+        if rec is not None and rec[2]:
+            self._reclaim(version, rec[0], True, rec[1])
 
     def _write_data(self, s: Save, plan: SavePlan, planner: SavePlanner, staged: list) -> list[WriteResult]:
         """Phase 1 of this rank: stage again what an earlier run did not upload, write (and upload)
@@ -503,11 +500,9 @@ class StorageWriter(_DCPStorageWriter):
         pd: PlanData = plan.storage_data
         s.attempt = pd.attempt
         s.restage = pd.restage
-        self._attempt_of[s.version] = (pd.attempt, bool(pd.discover))
-        self._is_coordinator_of[s.version] = s.is_coordinator
-        for d in (self._attempt_of, self._is_coordinator_of):
-            while len(d) > 16:
-                d.pop(next(iter(d)))
+        self._attempt_of[s.version] = (pd.attempt, bool(pd.discover), s.is_coordinator)
+        while len(self._attempt_of) > 16:
+            self._attempt_of.pop(next(iter(self._attempt_of)))
         if pd.restage:
             self._up.restage_objects(pd)
         results: list[WriteResult] = []
