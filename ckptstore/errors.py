@@ -42,6 +42,7 @@ __all__ = [
     "UnsupportedFormatError",
     "ObjectNotFoundError",
     "ObjectExistsError",
+    "PreconditionFailedError",
     "StorageError",
     "TransientStorageError",
     "StorageFullError",
@@ -194,6 +195,21 @@ class ObjectExistsError(CkptStoreError, FileExistsError):
     """A put-if-absent found the object already present."""
 
     exit_code = 6
+
+
+class PreconditionFailedError(CkptStoreError):
+    """A conditional replace (:meth:`ckptstore.tiers.base.Tier.replace_if_match`) found the object
+    changed or gone since the writer read its version token: another writer got there first
+    (docs/FORMAT.md, "Conditional writes"). Nothing was written."""
+
+    exit_code = 6
+
+    def __init__(self, message: str, *, object: str | None = None):
+        super().__init__(message)
+        self.object = object
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
 
 
 class StorageError(CkptStoreError):

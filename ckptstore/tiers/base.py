@@ -37,6 +37,10 @@ class ObjectInfo:
     size: int
     mtime: float
     etag: str | None = None
+    #: The tier's opaque version token of this object (S3's ETag, GCS's generation, Azure's ETag;
+    #: what the local tier's ``stat`` reports): what :meth:`Tier.replace_if_match` compares.
+    #: None where the tier's listing does not carry it (ask :meth:`Tier.stat`).
+    token: str | None = None
 
 
 class ObjectWriter(abc.ABC):
@@ -75,6 +79,10 @@ class Tier(abc.ABC):
     #: True when the tier has multipart uploads that can outlive a failed writer (S3): they are
     #: listed with :meth:`list_multipart_uploads` and removed with :meth:`abort_multipart_upload`.
     supports_multipart: bool = False
+    #: True when :meth:`replace_if_match` is a real compare-and-swap on this tier (a local lock, or
+    #: a precondition the server enforces: S3 ``If-Match``, GCS ``ifGenerationMatch``, Azure
+    #: ``If-Match``). A tier whose endpoint ignores the precondition must refuse, not overwrite.
+    supports_conditional_replace: bool = False
 
     @abc.abstractmethod
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -94,6 +102,16 @@ class Tier(abc.ABC):
 
         Raises :class:`ObjectExistsError` if it exists. Two racing callers: exactly one wins.
         """
+
+    def replace_if_match(self, key: str, data: bytes | memoryview, token: str) -> None:
+        """Replace ``key`` atomically and durably, only if it still holds the object whose version
+        token (:attr:`ObjectInfo.token` from :meth:`stat`) is ``token``.
+
+        Raises :class:`~ckptstore.errors.PreconditionFailedError` when the object was replaced or
+        deleted since (another writer won; nothing was written), and :class:`NotImplementedError`
+        on a tier without :attr:`supports_conditional_replace`.
+        """
+        raise NotImplementedError(f"the {self.name} tier has no conditional replace")
 
     @abc.abstractmethod
     def open_writer(self, key: str) -> ObjectWriter:
