@@ -74,7 +74,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ..errors import CkptStoreError, JobBrokenError, TransientStorageError
+from ..errors import CkptStoreError, JobBrokenError, TransientStorageError, typed
 from . import _torchft_store as _st
 from . import _torchft_v0_2 as _ft
 from ._torchft_v0_2 import TESTED_VERSIONS
@@ -471,7 +471,8 @@ class DurableTier:
         key = f"positions/rank{rank}"
         sd = {key: {"data": b""}}
         reader = StorageReader(self.root, remote=self.remote, key=self._key, version=version, allow_partial_load=True)
-        dcp.load(sd, storage_reader=reader, no_dist=True)
+        with typed():  # the ckptstore error, not DCP's CheckpointException around it
+            dcp.load(sd, storage_reader=reader, no_dist=True)
         return _st.unpack_history(bytes(sd[key]["data"]))
 
     def _positions_at(self, names: list[str], step: int) -> dict[int, _st.Position | None]:
