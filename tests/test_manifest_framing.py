@@ -96,6 +96,7 @@ def test_both_framings_parse_to_the_same_manifest():
 @pytest.mark.parametrize("edit, err", [
     (lambda d: d.replace(b'"step":7', b'"step":8'), ManifestError),                  # an edited body
     (lambda d: d[:-5], ManifestError),                                                 # truncated
+    (lambda d: d[:-1], ManifestError),                                                 # its last byte cut
     (lambda d: d.replace(b'{"ckptstore_manifest":2,', b'{"ckptstore_manifest": 2,'), ManifestError),  # reformatted
     (lambda d: json.dumps(json.loads(d), indent=2).encode(), ManifestError),          # pretty-printed: not the sealed bytes
     (lambda d: d.replace(b'{"ckptstore_manifest":2,', b'{"ckptstore_manifest":3,'), UnsupportedFormatError),

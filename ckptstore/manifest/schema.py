@@ -385,9 +385,11 @@ def _split_framing2(data: bytes) -> tuple[bytes, bytes]:
                 raise UnsupportedFormatError(f"manifest framing {int(n)} is newer than this ckptstore (it reads "
                                              f"1 and {FRAMING}); upgrade")
         raise ManifestError("not a ckptstore manifest (bad header)")
-    end = data[:-1] if data.endswith(b"\n") else data
+    if not data.endswith(b"}\n"):  # the file ends exactly so: a truncated one never passes
+        raise ManifestError("not a ckptstore manifest (truncated, or text after the seal)")
+    end = data[:-1]
     i = end.rfind(_SEAL_KEY)
-    if i < len(_HEAD) or not end.endswith(b"}"):
+    if i < len(_HEAD):
         raise ManifestError("not a ckptstore manifest (no seal after the body)")
     return end[len(_HEAD):i], end[i + len(_SEAL_KEY):-1]
 
