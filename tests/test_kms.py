@@ -267,7 +267,7 @@ def test_a_disabled_key_fails_saves_and_loads_typed_and_marks_nothing(kms, tmp_p
     assert "is disabled" in json.dumps(rep)
     assert files(root) == before  # nothing written, no damaged.json
     assert ckptstore.Store(root).latest().version == "v1"
-    # a data key this process already holds stays usable (README "Keys"), and enabling the key again is all it takes
+    # a data key this process already holds stays usable (docs/howto/kms.md), and enabling the key again is all it takes
     assert same(load(root, "v1", writer_key), state(1))
     kms.enable_key(KeyId=arn.split("/")[-1])
     assert same(load(root, "v1", ckptstore.KmsKey(arn)), state(1))
