@@ -138,11 +138,12 @@ def test_readme_is_a_front_page_and_its_quick_start_runs_as_written(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     quick, wrong_key = blocks[0], blocks[1]
     assert len(quick.strip().splitlines()) <= 20, quick
-    code = (quick + "\n" + wrong_key).replace('"/tmp/ckpt-quickstart"', repr(str(tmp_path / "store")))
+    code = (quick.replace('"/tmp/ckpt-quickstart"', repr(str(tmp_path / "store"))) + "\n"
+            + wrong_key.replace('"/tmp/ckpt-keys"', repr(str(tmp_path / "keys"))))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
                        env=dict(os.environ, PYTHONPATH=_repo()))
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.startswith("step-100 100 ") and "wrong key: version 'step-100' is not encrypted" in p.stdout
+    assert p.stdout.startswith("step-100 100 ") and "wrong key: version 'v1'" in p.stdout
     assert "Traceback" not in p.stderr and "torch.distributed is disabled" not in p.stderr
 
 
