@@ -154,3 +154,20 @@ def test_every_readme_link_to_a_file_exists():
     text = open(os.path.join(_repo(), "README.md")).read()
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", text) if not t.startswith("http")]
     assert targets and all(os.path.exists(os.path.join(_repo(), t)) for t in targets), targets
+
+
+def test_the_getting_started_page_runs_as_written(tmp_path):
+    """docs/getting-started.md: the quick start, then its typed-error example (a missing version caught
+    by ``except ckptstore.VersionNotFoundError``), as one script."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    text = open(os.path.join(_repo(), "docs", "getting-started.md")).read()
+    quick, missing = re.findall(r"```python\n(.*?)```", text, re.S)[:2]
+    code = (quick + "\n" + missing).replace('"/tmp/ckpt-quickstart"', repr(str(tmp_path / "store")))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=_repo()))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "version 'step-999' is not committed" in p.stdout and "Traceback" not in p.stderr
