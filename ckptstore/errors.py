@@ -12,23 +12,23 @@ integrations do this themselves.
 
 Exit codes (documented in docs/operations/exit-codes.md):
 
-====  =========================================================
-0     success / clean
-1     any other ckptstore error
-2     usage error (bad flags; raised by the CLI library)
-3     version not found
-4     integrity error (stored bytes fail their checksum / tag)
-5     key error (missing, wrong, or unexpected key)
-6     version already exists
-7     storage error (disk full, S3 refusal, permission denied)
-8     unsupported format or codec version
-9     no store: ROOT does not exist, or the S3 prefix holds no store
-10    scrub: damage found (not repaired)
-11    scrub: damage found and every damaged object repaired
-12    scrub: some objects could not be checked
-13    scrub: no damage, but a version's tensors hold NaN/Inf values (a finding, not damage)
-14    key service: AWS KMS refused or did not answer a request for a data key
-====  =========================================================
+| code | meaning |
+|---|---|
+| 0 | success / clean |
+| 1 | any other ckptstore error |
+| 2 | usage error (bad flags; raised by the CLI library) |
+| 3 | version not found |
+| 4 | integrity error (stored bytes fail their checksum / tag) |
+| 5 | key error (missing, wrong, or unexpected key) |
+| 6 | version already exists |
+| 7 | storage error (disk full, S3 refusal, permission denied) |
+| 8 | unsupported format or codec version |
+| 9 | no store: ROOT does not exist, or the S3 prefix holds no store |
+| 10 | scrub: damage found (not repaired) |
+| 11 | scrub: damage found and every damaged object repaired |
+| 12 | scrub: some objects could not be checked |
+| 13 | scrub: no damage, but a version's tensors hold NaN/Inf values (a finding, not damage) |
+| 14 | key service: AWS KMS refused or did not answer a request for a data key |
 """
 
 from __future__ import annotations
@@ -359,11 +359,11 @@ def unwrap(exc: BaseException) -> BaseException:
 
     Returns:
         The :class:`CkptStoreError` of the **lowest failed rank** that raised one (every rank sees
-        the same gathered ``failures``, so every rank picks the same error); else the first
-        :class:`CkptStoreError` in ``exc``'s chain of causes (``__cause__``, ``__context__``); else
-        ``exc`` itself, unchanged (so ``raise unwrap(e)`` is always valid). Never raises.
+            the same gathered ``failures``, so every rank picks the same error); else the first
+            :class:`CkptStoreError` in ``exc``'s chain of causes (``__cause__``, ``__context__``);
+            else ``exc`` itself, unchanged (so ``raise unwrap(e)`` is always valid). Never raises.
 
-    Example::
+    Example:
 
         try:
             dcp.load(state, storage_reader=ckptstore.StorageReader(root, key=key))
@@ -477,7 +477,7 @@ class typed(contextlib.ContextDecorator):
     rank (``err.__cause__.failures`` keeps DCP's per-rank tracebacks). Every other exception, and a
     ``CheckpointException`` with no ckptstore error in it, passes through unchanged.
 
-    Example::
+    Example:
 
         try:
             with ckptstore.errors.typed():
