@@ -82,7 +82,7 @@ def exit_process(code: int = 0) -> NoReturn:
     torch 2.13's gloo worker threads may release a finished collective's tensors after the
     interpreter began to finalise; taking the GIL then ends the process with "terminate called
     without an active exception" (SIGABRT) or SIGSEGV, although the rank did its work
-    (pytorch/pytorch #190489; README, "Troubleshooting"). So this does what a normal exit does while
+    (pytorch/pytorch #190489; docs/operations/troubleshooting.md). So this does what a normal exit does while
     the interpreter is fully alive: destroy every process group (``dist.destroy_process_group()``),
     wait for non-daemon threads (``threading._shutdown``, as ``sys.exit`` does), run the ``atexit``
     handlers (ckptstore's report of versions not uploaded among them), flush stdout and stderr;

@@ -1,4 +1,4 @@
-"""One spelling of module and optimizer keys, whatever wraps the model (README "Training loop").
+"""One spelling of module and optimizer keys, whatever wraps the model (docs/howto/training-loop.md).
 
 ``torch.compile`` (``_orig_mod``), ``checkpoint_wrapper`` (``_checkpoint_wrapped_module``), DDP
 (``module``) and FSDP1 (``_fsdp_wrapped_module``) add components to the names

@@ -4,28 +4,36 @@ Every exception a user can cause is a subclass of :class:`CkptStoreError`, carri
 says what happened and what to do, and an ``exit_code`` that the CLI returns unchanged (borg's
 convention: the exception class, not the message text, decides the exit status).
 
-Exit codes (documented in README.md):
+Typed errors raised inside ``dcp.save`` / ``dcp.load`` reach the caller wrapped in torch's
+``CheckpointException`` (a ``BaseException``, one entry per failed rank): :func:`unwrap` takes the
+typed error back out, and :func:`typed` (a context manager and a decorator) re-raises it, so that
+``except ckptstore.KeyMismatchError`` works around a plain ``dcp.load``. ``CheckpointManager`` and the
+integrations do this themselves.
 
-====  =========================================================
-0     success / clean
-1     any other ckptstore error
-2     usage error (bad flags; raised by the CLI library)
-3     version not found
-4     integrity error (stored bytes fail their checksum / tag)
-5     key error (missing, wrong, or unexpected key)
-6     version already exists
-7     storage error (disk full, S3 refusal, permission denied)
-8     unsupported format or codec version
-9     no store: ROOT does not exist, or the S3 prefix holds no store
-10    scrub: damage found (not repaired)
-11    scrub: damage found and every damaged object repaired
-12    scrub: some objects could not be checked
-13    scrub: no damage, but a version's tensors hold NaN/Inf values (a finding, not damage)
-14    key service: AWS KMS refused or did not answer a request for a data key
-====  =========================================================
+Exit codes (documented in docs/operations/exit-codes.md):
+
+| code | meaning |
+|---|---|
+| 0 | success / clean |
+| 1 | any other ckptstore error |
+| 2 | usage error (bad flags; raised by the CLI library) |
+| 3 | version not found |
+| 4 | integrity error (stored bytes fail their checksum / tag) |
+| 5 | key error (missing, wrong, or unexpected key) |
+| 6 | version already exists |
+| 7 | storage error (disk full, S3 refusal, permission denied) |
+| 8 | unsupported format or codec version |
+| 9 | no store: ROOT does not exist, or the S3 prefix holds no store |
+| 10 | scrub: damage found (not repaired) |
+| 11 | scrub: damage found and every damaged object repaired |
+| 12 | scrub: some objects could not be checked |
+| 13 | scrub: no damage, but a version's tensors hold NaN/Inf values (a finding, not damage) |
+| 14 | key service: AWS KMS refused or did not answer a request for a data key |
 """
 
 from __future__ import annotations
+
+import contextlib
 
 __all__ = [
     "CkptStoreError",
@@ -53,6 +61,10 @@ __all__ = [
     "CommitRefusedError",
     "PlacementError",
     "Preempted",
+    "unwrap",
+    "typed",
+    "rank_failures",
+    "summary",
 ]
 
 
@@ -316,3 +328,175 @@ class Preempted(SystemExit):
 
 def _rebuild_preempted(message: str, kw: dict, code) -> Preempted:
     return Preempted(message, code=code, **kw)
+
+
+# -- the typed error out of DCP's CheckpointException ----------------------------------------------
+def _is_checkpoint_exception(exc: BaseException) -> bool:
+    """``exc`` is torch's ``CheckpointException`` (checked without importing torch: the CLI and the
+    catalogue run without it)."""
+    return any(c.__name__ == "CheckpointException" and c.__module__.startswith("torch.distributed.checkpoint")
+               for c in type(exc).__mro__)
+
+
+def rank_failures(exc: BaseException) -> list[tuple[int, BaseException]]:
+    """``[(rank, exception)]`` of a ``CheckpointException`` in rank order (DCP's ``failures`` maps a
+    rank to ``(exception, traceback frames)``); ``[]`` for any other exception."""
+    if not _is_checkpoint_exception(exc):
+        return []
+    out = []
+    for r, f in (getattr(exc, "failures", None) or {}).items():
+        out.append((int(r), f[0] if isinstance(f, tuple) else f))
+    return sorted(out, key=lambda rf: rf[0])
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The ckptstore error behind ``exc``.
+
+    Args:
+        exc: what ``dcp.save`` / ``dcp.load`` / ``async_save``'s future raised — usually torch's
+            ``CheckpointException``, whose ``failures`` hold each failed rank's exception — or any
+            other exception.
+
+    Returns:
+        The :class:`CkptStoreError` of the **lowest failed rank** that raised one (every rank sees
+            the same gathered ``failures``, so every rank picks the same error); else the first
+            :class:`CkptStoreError` in ``exc``'s chain of causes (``__cause__``, ``__context__``);
+            else ``exc`` itself, unchanged (so ``raise unwrap(e)`` is always valid). Never raises.
+
+    Example:
+
+        try:
+            dcp.load(state, storage_reader=ckptstore.StorageReader(root, key=key))
+        except BaseException as e:  # CheckpointException is a BaseException
+            err = ckptstore.errors.unwrap(e)
+            if isinstance(err, ckptstore.KeyMismatchError):
+                ...
+            raise
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, CkptStoreError):
+            return e
+        for _, f in rank_failures(e):
+            if isinstance(f, CkptStoreError):
+                return f
+        e = e.__cause__ or e.__context__
+    return exc
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def summary(exc: BaseException) -> str:
+    """One short line per failed rank of a ``CheckpointException`` — ``rank 1: StorageFullError: …``;
+    ranks that failed with the same error share a line (``ranks 0, 1: VersionNotFoundError: …``) —
+    instead of DCP's traceback per rank; for any other exception, ``Type: message`` on one line."""
+    fails = rank_failures(exc)
+    if not fails:
+        return _one_line(exc)
+    groups: dict[str, list[int]] = {}
+    for r, f in fails:
+        groups.setdefault(_one_line(f), []).append(r)
+    lines = []
+    for text, ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        lines.append(f"{who}: {text}")
+    return "\n".join(lines)
+
+
+_RANK_FAILURES: type | None = None
+
+
+def _rank_failures_class() -> type:
+    """``RankFailures``: a ``CheckpointException`` (same ``failures``, same ``isinstance``) that
+    prints :func:`summary` instead of every rank's traceback. Made on first use (it needs torch)."""
+    global _RANK_FAILURES
+    if _RANK_FAILURES is None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        class RankFailures(CheckpointException):
+            """DCP's ``CheckpointException`` of a failed save or load, printed as one line per failed
+            rank. ``failures`` is DCP's: rank -> (exception, traceback frames)."""
+
+            def __str__(self) -> str:
+                return summary(self)
+
+        RankFailures.__module__ = __name__
+        RankFailures.__qualname__ = "RankFailures"
+        _RANK_FAILURES = RankFailures
+    return _RANK_FAILURES
+
+
+def __getattr__(name: str):
+    if name == "RankFailures":  # unpickling one (it is made on first use)
+        return _rank_failures_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def short_cause(exc: BaseException) -> BaseException:
+    """``exc`` as the ``__cause__`` of the typed error raised in its place: a ``CheckpointException``
+    becomes a ``RankFailures`` (the same ``failures``, printed one line per rank); anything else is
+    returned unchanged."""
+    if not _is_checkpoint_exception(exc) or type(exc).__name__ == "RankFailures":
+        return exc
+    cls = _rank_failures_class()
+    out = cls(exc.args[0] if exc.args else "", dict(getattr(exc, "failures", None) or {}))
+    out.__traceback__ = None
+    return out
+
+
+def typed_error(exc: BaseException) -> BaseException | None:
+    """The typed error to raise instead of ``exc`` (``raise err from short_cause(exc)``): the
+    :func:`unwrap` of a ``CheckpointException`` when it holds a :class:`CkptStoreError`, else None."""
+    if not _is_checkpoint_exception(exc):
+        return None
+    err = unwrap(exc)
+    return None if err is exc else err
+
+
+def raise_typed(exc: BaseException) -> None:
+    """Raise :func:`typed_error` of ``exc`` ``from`` :func:`short_cause` of it when there is one, else
+    ``exc`` itself. For ``except BaseException as e: ...; raise_typed(e)`` in ckptstore's own callers of
+    DCP (the manager, the integrations)."""
+    err = typed_error(exc)
+    if err is None:
+        raise exc
+    raise err.with_traceback(None) from short_cause(exc)
+
+
+class typed(contextlib.ContextDecorator):
+    """Re-raise the typed ckptstore error out of DCP's ``CheckpointException``.
+
+    A context manager and a decorator for users of plain DCP. Inside it, a ``CheckpointException``
+    whose ranks raised a :class:`CkptStoreError` is replaced by that error (the lowest failed rank's,
+    :func:`unwrap`), raised ``from`` a ``CheckpointException`` that prints one short line per failed
+    rank (``err.__cause__.failures`` keeps DCP's per-rank tracebacks). Every other exception, and a
+    ``CheckpointException`` with no ckptstore error in it, passes through unchanged.
+
+    Example:
+
+        try:
+            with ckptstore.errors.typed():
+                dcp.load(state, checkpoint_id="step-100",
+                         storage_reader=ckptstore.StorageReader(root, key=key))
+        except ckptstore.KeyMismatchError as e:
+            print("wrong key:", e)
+
+        @ckptstore.errors.typed()
+        def restore(state): ...
+    """
+
+    def __enter__(self) -> "typed":
+        return self
+
+    def __exit__(self, et, exc, tb) -> bool:
+        if exc is None:
+            return False
+        if typed_error(exc) is None:
+            return False
+        raise_typed(exc)
+        return False  # not reached

@@ -91,13 +91,6 @@ class CheckpointManager:
             noticed at the next step boundary, and ``save(step, force=True)`` to save).
         retention: a :class:`ckptstore.retention.RetentionPolicy` applied after each commit.
         durability: ``"local"``, ``"replicated"`` or ``"remote"`` (see :class:`ckptstore.StorageWriter`).
-        replicas (a writer option): replication factor F — every node's objects are also copied to
-            the roots of F other nodes (docs/FORMAT.md, "Replicas"); after a restore, a replaced node
-            gets its part back from the replicas in the background. THREAD executor only.
-        replica_domain (a writer option): this rank's failure domain (a rack, a switch), default the
-            environment variable ``CKPTSTORE_REPLICA_DOMAIN``, else the host name: a node's replicas
-            never go to a node of its own domain while another domain exists (docs/FORMAT.md,
-            "Replicas"; :class:`ckptstore.StorageWriter`).
         executor: ``"thread"`` (default) or ``"process"`` (``AsyncCheckpointerType`` accepted).
         max_pending: staged saves that may wait behind the running one (THREAD; default 1).
         on_save: ``callback(SaveInfo)`` called (on the worker thread) when a save has committed,
@@ -151,6 +144,13 @@ class CheckpointManager:
             ``close()``; False: it is only reported (its save line, ``on_save``, the metrics).
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``endpoint_url``, ...); ``world_size`` defaults to the job's.
+            Among them ``replicas``: replication factor F — every node's objects are also copied to
+            the roots of F other nodes (docs/FORMAT.md, "Replicas"); after a restore, a replaced node
+            gets its part back from the replicas in the background. THREAD executor only.
+            ``replica_domain``: this rank's failure domain (a rack, a switch), default the
+            environment variable ``CKPTSTORE_REPLICA_DOMAIN``, else the host name: a node's replicas
+            never go to a node of its own domain while another domain exists (docs/FORMAT.md,
+            "Replicas"; :class:`ckptstore.StorageWriter`).
 
     Creating a manager on the same ``root`` and version names as another manager of this process
     that still has saves or uploads in flight closes that one first (waits for them, warns with

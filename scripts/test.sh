@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh test,demo,torchft,lightning
 # libfaketime runs one save under a clock 2 h ahead (tests/test_recovery.py, the clock-skew case):
 # when it is missing and this runs as root with apt-get, the Debian package faketime is installed
-# (README, "The two commands"; CKPTSTORE_NO_APT=1: never); otherwise that one test is skipped with a message
+# (docs/getting-started.md; CKPTSTORE_NO_APT=1: never); otherwise that one test is skipped with a message
 if [ "${CKPTSTORE_NO_APT:-0}" != 1 ] && ! command -v faketime >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
    && [ "$(id -u)" = 0 ]; then
   (apt-get install -y -q faketime >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q faketime >/dev/null 2>&1; }) \

@@ -69,6 +69,6 @@ def process_save(rank, world, root, key_id):
     w.close()
     save_calls = dict(key.calls)
     with open(os.path.join(root, "versions", "v1", "manifest.json"), "rb") as f:
-        alg = json.loads(f.read().split(b"\n")[1])["encryption"]["alg"]
+        alg = json.load(f)["body"]["encryption"]["alg"]  # manifest.json is JSON (docs/FORMAT.md, "Manifest")
     _calls, got = load(rank, world, root, key_id, "v1")
     return digest(sd), got, alg, save_calls

@@ -11,7 +11,7 @@ restored in between — across every object kind:
   and frame walks stay valid), the two shard objects swapped whole, a shard replaced by the
   same-named object of another version, a shard deleted;
 * the DCP metadata object (``metadata.ckd``): the same byte-level mutations, replacement, deletion;
-* the manifest (``manifest.json``): bit flips along its three lines, truncations, extensions,
+* the manifest (``manifest.json``): bit flips along its header, body and seal, truncations, extensions,
   zeroed page, replacement by another version's manifest.
 
 After each mutation the version is loaded (in-process ``dcp.load`` through ``StorageReader``, from
@@ -152,12 +152,15 @@ def mutations(objs: Objects, v: str, other: str, rng: random.Random, sample: flo
         data = objs.orig[key]
         n = len(data)
         if kind == "manifest":
-            l1 = data.index(b"\n")
-            l2 = data.index(b"\n", l1 + 1)
+            # framing 2 (docs/FORMAT.md, "Manifest"): fixed prefix, body bytes, ',"seal":', seal, '}\n'
+            from ckptstore.manifest.schema import _HEAD, _SEAL_KEY
+
+            l1 = len(_HEAD)  # the body's first byte
+            l2 = data.rfind(_SEAL_KEY)  # the seal key right after the body
             positions = sorted({0, 5, l1 - 1, l1, l1 + 1, l1 + 2, l2 - 2, l2 - 1, l2, l2 + 1, l2 + 5, n - 3, n - 2, n - 1}
                                | {l1 + 1 + (l2 - l1 - 1) * i // 24 for i in range(24)}
                                | {l2 + 1 + (n - l2 - 1) * i // 8 for i in range(8)})
-            pre = b'"hmac_sha256": "'
+            pre = b'"hmac_sha256":"'
             h0 = data.find(pre, l2)
             hspan = range(h0 + len(pre), h0 + len(pre) + 64) if h0 >= 0 else range(0)
             positions = sorted(set(positions) | ({hspan[0], hspan[31], hspan[-1]} if hspan else set()))
@@ -349,7 +352,7 @@ def test_scrub_detects_damaged_manifest_hmac(tmp_path):
     crash_ranks.local_save(root, "v1", 1, key=KEY)
     path = os.path.join(root, layout.manifest_key("v1"))
     data = open(path, "rb").read()
-    i = data.index(b'"hmac_sha256": "') + len(b'"hmac_sha256": "')
+    i = data.index(b'"hmac_sha256":"') + len(b'"hmac_sha256":"')
     bad = bytearray(data)
     bad[i] = ord("0") if bad[i] != ord("0") else ord("1")  # still a hex digit
     open(path, "wb").write(bytes(bad))

@@ -383,5 +383,5 @@ def test_manifest_lists_objects_with_sizes(tmp_path):
         assert os.path.getsize(p) == o.size
     assert m.encrypted and m.encryption["alg"] == "AES-256-GCM"
     text = open(os.path.join(root, layout.manifest_key("v")), "rb").read()
-    body = json.loads(text.split(b"\n")[1])
+    body = json.loads(text)["body"]  # one JSON document (docs/FORMAT.md, "Manifest")
     assert body["format"] == "ckptstore/1" and "wrapped_key" in body["encryption"]

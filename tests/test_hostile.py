@@ -77,7 +77,7 @@ def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("hostile") / "root")
     crash_ranks.local_save(root, "v1", 1)
     crash_ranks.local_save(root, "enc", 2, key=bytes(32))
-    body = json.loads(open(os.path.join(root, layout.manifest_key("v1")), "rb").read().split(b"\n")[1])
+    body = json.loads(open(os.path.join(root, layout.manifest_key("v1")), "rb").read())["body"]
     return root, body
 
 
@@ -298,8 +298,7 @@ def test_manifest_of_another_key_is_refused(saved, tmp_path):
     from ckptstore.codec.crypto import key_id, manifest_mac, new_data_key, wrap_key
 
     mp = os.path.join(mine, layout.manifest_key("enc"))
-    parts = open(mp, "rb").read().split(b"\n")
-    b = json.loads(parts[1])
+    b = json.loads(open(mp, "rb").read())["body"]
     dk = new_data_key()
     b["encryption"] = {"alg": "AES-256-GCM", "key_id": key_id(bytes(32)), "wrapped_key": wrap_key(bytes([9]) * 32, dk, "enc", b["attempt"])}
     raw = json.dumps(b, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

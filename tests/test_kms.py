@@ -111,7 +111,7 @@ def failure(fn):
 
 def manifest_body(root, version) -> dict:
     with open(os.path.join(root, layout.manifest_key(version)), "rb") as f:
-        return json.loads(f.read().split(b"\n")[1])
+        return json.load(f)["body"]
 
 
 def files(root) -> dict:
@@ -198,7 +198,7 @@ def test_a_load_with_the_wrong_key_or_none_is_refused_and_names_the_key(kms, tmp
 
 
 def test_a_wrapped_key_moved_to_another_version_is_refused_by_kms(kms, tmp_path):
-    from ckptstore.manifest.schema import seal_checksum
+    from ckptstore.manifest.schema import frame, seal_checksum, split_file
 
     arn, alias = new_key(kms)
     root = str(tmp_path / "s")
@@ -207,13 +207,12 @@ def test_a_wrapped_key_moved_to_another_version_is_refused_by_kms(kms, tmp_path)
     save(root, "v2", key, seed=2)
     # v1's wrapped key (with its key id and ARN) in v2's manifest, the XXH3 seal made good again
     path = os.path.join(root, layout.manifest_key("v2"))
-    magic, body, seal, _ = open(path, "rb").read().split(b"\n")
+    body, seal = split_file(open(path, "rb").read())
     d = json.loads(body)
     d["encryption"] = manifest_body(root, "v1")["encryption"]
     nb = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    mac = json.loads(seal)["hmac_sha256"]
-    open(path, "wb").write(b"\n".join([magic, nb, json.dumps({"hmac_sha256": mac, "xxh3": seal_checksum(nb, mac)},
-                                                               sort_keys=True).encode()]) + b"\n")
+    mac = seal["hmac_sha256"]
+    open(path, "wb").write(frame(nb, {"hmac_sha256": mac, "xxh3": seal_checksum(nb, mac)}))
     e = failure(lambda: load(root, "v2", ckptstore.KmsKey(arn)))
     assert isinstance(e, ckptstore.IntegrityError) and "encryption context" in str(e)
 
@@ -268,7 +267,7 @@ def test_a_disabled_key_fails_saves_and_loads_typed_and_marks_nothing(kms, tmp_p
     assert "is disabled" in json.dumps(rep)
     assert files(root) == before  # nothing written, no damaged.json
     assert ckptstore.Store(root).latest().version == "v1"
-    # a data key this process already holds stays usable (README "Keys"), and enabling the key again is all it takes
+    # a data key this process already holds stays usable (docs/howto/kms.md), and enabling the key again is all it takes
     assert same(load(root, "v1", writer_key), state(1))
     kms.enable_key(KeyId=arn.split("/")[-1])
     assert same(load(root, "v1", ckptstore.KmsKey(arn)), state(1))

@@ -131,9 +131,10 @@ def test_a_failed_save_raises_the_error_type_the_rank_raised(tmp_path):
     assert [r.version for r in ckptstore.Store(str(tmp_path)).versions()] == ["step-2", "step-3"]
 
 def _readme_example() -> str:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    m = re.search(r"## Training loop.*?```python\n(.*?)```", text, re.S)
-    assert m, "README has no 'Training loop' section with a python block"
+    """The loop of the docs' "Training loop" page (docs/howto/training-loop.md; the README shows it too)."""
+    text = open(os.path.join(ROOT, "docs", "howto", "training-loop.md")).read()
+    m = re.search(r"^# Training loop.*?```python\n(.*?)```", text, re.S | re.M)
+    assert m, "docs/howto/training-loop.md has no python block"
     return m.group(1)
 
 

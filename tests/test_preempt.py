@@ -165,8 +165,8 @@ def test_the_readme_loop_as_written_saves_the_step_and_exits_143_on_sigterm(tmp_
     step 3 is saved, the process exits 143 without a traceback; the next run resumes at step 4."""
     import re
 
-    text = open(os.path.join(os.path.dirname(HERE), "README.md")).read()
-    example = re.search(r"## Training loop.*?```python\n(.*?)```", text, re.S).group(1)
+    text = open(os.path.join(os.path.dirname(HERE), "docs", "howto", "training-loop.md")).read()
+    example = re.search(r"^# Training loop.*?```python\n(.*?)```", text, re.S | re.M).group(1)
     script = (
         "import os, signal, torch\n"
         "model = torch.nn.Linear(8, 2)\n"

@@ -42,15 +42,13 @@ def _objects_digest(tier) -> dict:
 
 def _reseal(body: bytes, mac: str | None) -> bytes:
     from ckptstore.codec import xxh3
-    from ckptstore.manifest.schema import MAGIC
-
     from ckptstore.manifest import schema
 
     checksum = getattr(schema, "seal_checksum", None)
     seal = {"xxh3": checksum(body, mac) if checksum else f"{xxh3(body):016x}"}
     if mac is not None:
         seal["hmac_sha256"] = mac
-    return b"\n".join([MAGIC, body, json.dumps(seal, sort_keys=True).encode()]) + b"\n"
+    return schema.frame(body, seal)
 
 
 def _damage_wrapped_key(tier, version, resealed: bool) -> bytes:
@@ -58,12 +56,14 @@ def _damage_wrapped_key(tier, version, resealed: bool) -> bytes:
     only the wrapped key's own authentication can tell), else it is bit rot the seal catches."""
     k = layout.manifest_key(version)
     data = tier.get(k)
-    magic, body, seal, _ = data.split(b"\n")
+    from ckptstore.manifest.schema import frame, split_file
+
+    body, seal = split_file(data)
     d = json.loads(body)
     wk = d["encryption"]["wrapped_key"]
     d["encryption"]["wrapped_key"] = wk[:10] + ("A" if wk[10] != "A" else "B") + wk[11:]
     nb = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    new = _reseal(nb, json.loads(seal).get("hmac_sha256")) if resealed else b"\n".join([magic, nb, seal]) + b"\n"
+    new = _reseal(nb, seal.get("hmac_sha256")) if resealed else frame(nb, seal)
     tier.put(k, new)
     return new
 
@@ -193,11 +193,13 @@ def test_rekey_never_reseals_a_tampered_manifest(tmp_path):
     crash_ranks.local_save(root, "t", 1, key=OLD)
     st = ckptstore.Store(root)
     k = layout.manifest_key("t")
-    magic, body, seal, _ = st.local.get(k).split(b"\n")
+    from ckptstore.manifest.schema import split_file
+
+    body, seal = split_file(st.local.get(k))
     d = json.loads(body)
     d["step"] = 999999
     nb = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    tampered = _reseal(nb, json.loads(seal)["hmac_sha256"])
+    tampered = _reseal(nb, seal["hmac_sha256"])
     st.local.put(k, tampered)
     rep = rekey(st, OLD, NEW)
     assert [(e.version, e.status) for e in rep.entries] == [("t", "damaged-manifest")] and rep.exit_code == 4

@@ -239,17 +239,18 @@ def test_scrub_deep_encrypted(tmp_path):
 
     # damage the wrapped data key but keep the manifest's checksum seal valid
     path = root / "versions" / "v1" / "manifest.json"
-    magic, body, seal, _ = path.read_bytes().split(b"\n")
+    from ckptstore.manifest.schema import frame, split_file
+
+    body, s = split_file(path.read_bytes())
     d = json.loads(body)
     wk = bytearray(base64.b64decode(d["encryption"]["wrapped_key"]))
     wk[20] ^= 1
     d["encryption"]["wrapped_key"] = base64.b64encode(bytes(wk)).decode()
     body = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    s = json.loads(seal)
     from ckptstore.manifest.schema import seal_checksum
 
     s["xxh3"] = seal_checksum(body, s.get("hmac_sha256"))
-    path.write_bytes(b"\n".join([magic, body, json.dumps(s, sort_keys=True).encode()]) + b"\n")
+    path.write_bytes(frame(body, s))
     assert cli("scrub", root, env=env).exit_code == S.EXIT_CLEAN
     code, out = cli_json("scrub", root, "--deep", "--key-file", keyfile, env=env)
     assert code == S.EXIT_DAMAGE

@@ -265,7 +265,7 @@ def test_forty_steps_whole_job_restart_equals_an_uninterrupted_run_then_three_to
     group's 40 per-step losses equal the reference's bit for bit, its batches are its shard's in order
     (none twice, none skipped), torchft's step and batches_committed continue. Then a restart with 2
     groups continues 5 more steps: groups 0 and 1 their own positions, group 2's position reported
-    orphaned (README "torchft", the loader policy)."""
+    orphaned (docs/howto/torchft.md, the loader policy)."""
     ref, ref_s = _job(tmp_path, tmp_path / "ref-root", "reference", steps=40)
     job, root, restart_s = _cold_restart(tmp_path, steps=40, kill_at=23, name="run")
     shards = {g: tg.shard_order(g) for g in range(3)}

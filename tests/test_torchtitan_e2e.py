@@ -137,8 +137,8 @@ def test_load_step_on_an_abandoned_timeline_supersedes(tmp_path):
 
 
 def test_readme_command_line_is_the_one_tested():
-    """The README's torchtitan command line uses the override this test runs."""
-    with open(os.path.join(REPO, "README.md")) as f:
+    """The docs' torchtitan command line (docs/howto/torchtitan.md) uses the override this test runs."""
+    with open(os.path.join(REPO, "docs", "howto", "torchtitan.md")) as f:
         readme = f.read()
     assert f"--override.imports {OVERRIDE}" in readme or f"--override.imports '{OVERRIDE}=" in readme
 

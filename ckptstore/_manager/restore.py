@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch.distributed.checkpoint as dcp
 
 from .._state_keys import _SpellingLoadPlanner
+from ..errors import raise_typed
 from ..dcp.reader import StorageReader
 from .info import RestoreInfo
 
@@ -166,7 +167,7 @@ class Restorer:
                                                process_group=pg, planner=_SpellingLoadPlanner(sd)))
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
             if not tries.learn(e, view, explicit, self._job.rank):
-                raise
+                raise_typed(e)  # the rank's ckptstore error, not DCP's CheckpointException around it
             return None
         return sd, reader, same_world
 

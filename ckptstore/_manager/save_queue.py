@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import CkptStoreError, JobBrokenError
+from .. import errors as _errors
 from .job import group_failure, short_cause
 
 log = logging.getLogger("ckptstore")
@@ -59,6 +60,7 @@ class SaveQueue:
         self._proc_future = None  # PROCESS: the one save in flight
         self._errors: list[str] = []
         self._causes: list = []  # per failed save: its ckptstore error (``_typed_cause``) or None
+        self._raw: list = []  # per failed save: what DCP raised (the typed error's ``__cause__``)
         self.lock = threading.Lock()
         self.infos: list = []
 
@@ -199,7 +201,8 @@ class SaveQueue:
         self._report(info)
 
     def _failed(self, info, e: BaseException) -> None:
-        info.error = f"{type(e).__name__}: {e}"
+        # one short line per failed rank, never DCP's traceback per rank (CheckpointException.__str__)
+        info.error = _errors.summary(_errors.short_cause(e)).replace("\n", "; ")
         if group_failure(e):
             # the job lost ranks: the JobBrokenError that the next call raises says so, with this cause,
             # once (a queued save that did not run because of it adds nothing)
@@ -214,7 +217,8 @@ class SaveQueue:
             with self.lock:
                 self._errors.append(f"save of step {info.step} ({info.version}) failed: {info.error}")
                 self._causes.append(_typed_cause(e))
-        log.error("ckptstore: save of %s failed: %s", info.version, e)
+                self._raw.append(e)
+        log.error("ckptstore: save of %s failed: %s", info.version, info.error)
         self._report(info)
 
     def take_errors(self) -> list[str]:
@@ -222,6 +226,7 @@ class SaveQueue:
         with self.lock:
             errors, self._errors = self._errors, []
             self._causes = []
+            self._raw = []
         return errors
 
     def raise_errors(self) -> None:
@@ -232,6 +237,7 @@ class SaveQueue:
         :class:`CkptStoreError`."""
         with self.lock:
             causes = [c for c in self._causes if c is not None]
+            raw = list(self._raw)
         errors = self.take_errors()
         broken = self._job.broken
         if broken is not None:
@@ -241,8 +247,8 @@ class SaveQueue:
             if causes:
                 err = copy.copy(causes[0])  # its type and attributes (code, object, ...), this message
                 err.args = (message,)
-                raise err
-            raise CkptStoreError(message)
+                raise err.with_traceback(None) from _errors.short_cause(raw[0]) if raw else None
+            raise CkptStoreError(message) from (_errors.short_cause(raw[0]) if raw else None)
 
     # -- waiting -----------------------------------------------------------------------------------
     def wait_process(self, timeout: float | None = None) -> bool:

@@ -173,7 +173,7 @@ def master_key(key_file: str | None, kms_key: str | None = None) -> tuple[object
 
 def open_store(root: str, remote: str | None, endpoint_url: str | None, key=None):
     """The :class:`~ckptstore.Store` at ``ROOT`` / ``--remote``, after checking that the tiers named
-    are initialised stores (README "Command line", docs/FORMAT.md "An initialised store"):
+    are initialised stores (docs/operations/cli.md, docs/FORMAT.md "An initialised store"):
 
     * ``ROOT`` ``''`` means *no local tier* (an S3-only store; ``--remote`` is then required);
     * a local ``ROOT`` must be an existing, readable directory (it may be empty). With a

@@ -44,7 +44,7 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
     """
     from .. import scrub as _scrub
 
-    # one behaviour for a key however it is given (docs: README "Command line"): only --deep reads
+    # one behaviour for a key however it is given (docs: docs/operations/cli.md): only --deep reads
     # one; a key that cannot be decoded is exit 5 at once, a key that does not fit is exit 5 after
     # the check, a key that no checked version needs is said to be unused
     key = source = None

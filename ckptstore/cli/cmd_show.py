@@ -13,14 +13,21 @@ from ._common import emit_json, human, one_note, open_store, pin_note, plural, s
 @store_options
 @click.argument("version")
 @click.option("--objects", "list_objects", is_flag=True, help="Also list every stored object.")
-def show(root, remote, endpoint_url, as_json, version, list_objects):
+@click.option("--manifest", "raw_manifest", is_flag=True,
+              help="Print the version's manifest body instead (JSON, checked: framing, XXH3 seal, fields; "
+                   "docs/FORMAT.md, \"Manifest\").")
+def show(root, remote, endpoint_url, as_json, version, list_objects, raw_manifest):
     """Summarise one committed VERSION: step, time, ranks, tiers, sizes, codecs, encryption, pin
     (with its note), damage marks, NaN/Inf values its tensors hold (count and first keys), metadata,
     and — from the root's event log — its save's durable lag (seconds from ``save()`` to the remote
     commit)."""
     st = open_store(root, remote, endpoint_url)
     rec = st.get(version)
-    m = st.manifest(version, next(n for n in st.tiers if n in rec.tiers)).manifest
+    pm = st.manifest(version, next(n for n in st.tiers if n in rec.tiers))
+    m = pm.manifest
+    if raw_manifest:  # the body's exact sealed bytes, parsed (the file itself: versions/<v>/manifest.json)
+        click.echo(json.dumps(json.loads(pm.body), indent=1 if not as_json else None, sort_keys=True, ensure_ascii=False))
+        return
     per_tier = _per_tier(st, version, rec.attempt)
     if "local" in per_tier:
         part = rec.local_part  # set for a split version only

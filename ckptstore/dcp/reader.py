@@ -635,5 +635,5 @@ def _entry_of(fqn: str, paths) -> str:
 _OPTIM_HINT = (
     ". For optimizers, save and load optim state through torch.distributed.checkpoint.state_dict's "
     "get_state_dict/set_state_dict (a fresh optimizer's state_dict() has no state entries to load into; "
-    "see the README)"
+    "see docs/howto/dcp.md, \"Optimizers\")"
 )

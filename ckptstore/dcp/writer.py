@@ -88,7 +88,7 @@ class StorageWriter(_DCPStorageWriter):
         root: local directory (the fast NVMe tier). Created if missing.
         remote: ``"s3://bucket/prefix"`` to also stage every version to S3, or None.
         key: master key, 32 bytes or a key provider (``get_key() -> bytes``), or an AWS KMS key
-            (:class:`ckptstore.KmsKey`, ``"kms://<key id>"``; README "Keys"); default
+            (:class:`ckptstore.KmsKey`, ``"kms://<key id>"``; docs/howto/kms.md); default
             ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE`` / ``CKPTSTORE_KMS_KEY_ID``. With a key
             everything is encrypted; with KMS a save that cannot get its data key raises
             :class:`KeyServiceError` before anything is written.

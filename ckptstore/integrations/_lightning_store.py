@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptStoreError, InvalidNameError, VersionNotFoundError
+from ..errors import CkptStoreError, InvalidNameError, VersionNotFoundError, typed
 
 log = logging.getLogger("ckptstore.integrations.lightning")
 
@@ -303,7 +303,8 @@ class LightningStore:
         w.save_options(version, step=step, user_metadata=user_metadata,
                        supersede={a: "saved again (Lightning replaces the checkpoint at its path)"
                                   for a in self.existing_attempts(version)})
-        dcp.save({**tensors, SKELETON: skeleton}, checkpoint_id=version, storage_writer=w, no_dist=True)
+        with typed():  # the rank's ckptstore error, not DCP's CheckpointException around it
+            dcp.save({**tensors, SKELETON: skeleton}, checkpoint_id=version, storage_writer=w, no_dist=True)
         self._pointer(path, version, w, step)
         return version
 
@@ -328,7 +329,8 @@ class LightningStore:
         w = self.writer("job", world_size)
         w.save_options(version, step=step, user_metadata=user_metadata,
                        supersede={a: "saved again (Lightning replaces the checkpoint at its path)" for a in supersede})
-        dcp.save(state, checkpoint_id=version, storage_writer=w)
+        with typed():  # the rank's ckptstore error, not DCP's CheckpointException around it
+            dcp.save(state, checkpoint_id=version, storage_writer=w)
         if write_pointer_here:
             self._pointer(path, version, w, step)
         return version
@@ -354,7 +356,8 @@ class LightningStore:
             raise CkptStoreError(f"version {reader.version!r} of {self.root} is not a Lightning checkpoint "
                                  f"(no {SKELETON!r} item); it was not saved through ckptstore.integrations.lightning")
         targets = empty_targets(md)
-        dcp.load(targets, storage_reader=reader)
+        with typed():  # the rank's ckptstore error, not DCP's CheckpointException around it
+            dcp.load(targets, storage_reader=reader)
         skeleton = targets.pop(SKELETON)
         return reader.version, join(skeleton, targets, weights_only=weights_only)
 
@@ -373,7 +376,8 @@ class LightningStore:
         sharded = make_sharded({fqn.split(".", 1)[0] for fqn in md.state_dict_metadata})
         prefixes = tuple(f"{k}." for k in sharded)
         rest = empty_targets(md, lambda fqn: not fqn.startswith(prefixes) and fqn not in sharded)
-        dcp.load({**sharded, **rest}, storage_reader=reader)
+        with typed():  # the rank's ckptstore error, not DCP's CheckpointException around it
+            dcp.load({**sharded, **rest}, storage_reader=reader)
         skeleton = rest.pop(SKELETON)
         return reader.version, sharded, join(skeleton, rest, weights_only=weights_only)
 

@@ -117,8 +117,7 @@ class LoaderChoice:
 
 def loader_plan(group: int, num_groups: int | None, at_step: dict[int, Position | None]) -> tuple[
         LoaderChoice, Position | None, dict[int, int]]:
-    """The loader policy when a job restarts with ``num_groups`` groups (documented in README
-    "torchft"): group ``group`` continues its own position at the restored step; a group index with
+    """The loader policy when a job restarts with ``num_groups`` groups (documented in docs/howto/torchft.md): group ``group`` continues its own position at the restored step; a group index with
     no position takes the slowest stored group's; groups of the old run with an index ≥
     ``num_groups`` are *orphaned* (returned ``{group: batches}``: their shards' remaining samples are
     seen by no group until a group with that index runs again). ``at_step``: each stored group's

@@ -19,7 +19,7 @@ adds the durable tier for when every group is lost or the job is stopped (``pip 
             break
     tier.close()
 
-What it does (README "torchft"; docs/FORMAT.md, "torchft"):
+What it does (docs/howto/torchft.md; docs/FORMAT.md, "torchft"):
 
 * **One writer per step, fenced.** At a due step (``step % interval_steps == 0``) only the group
   that is rank 0 among the quorum's participants writes the main version ``step-N`` (model,
@@ -74,7 +74,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ..errors import CkptStoreError, JobBrokenError, TransientStorageError
+from ..errors import CkptStoreError, JobBrokenError, TransientStorageError, typed
 from . import _torchft_store as _st
 from . import _torchft_v0_2 as _ft
 from ._torchft_v0_2 import TESTED_VERSIONS
@@ -189,7 +189,11 @@ class DurableTier:
         timeout_s: ckptstore's timeouts (seconds): its gloo groups, the S3 client's connect/read
             timeouts, the lighthouse probe. Default: half of the smaller of torchft's ``timeout`` and
             ``quorum_timeout``; a value not below both raises ``ValueError``.
-        durability, key, on_event, event_log, **writer_options: as :class:`ckptstore.CheckpointManager`.
+        durability: as :class:`ckptstore.CheckpointManager`.
+        key: as :class:`ckptstore.CheckpointManager`.
+        on_event: as :class:`ckptstore.CheckpointManager`.
+        event_log: as :class:`ckptstore.CheckpointManager`.
+        **writer_options: as :class:`ckptstore.CheckpointManager`.
     """
 
     def __init__(self, root: str | os.PathLike, manager: Any, state: dict[str, Any], *, group: int,
@@ -397,7 +401,7 @@ class DurableTier:
         ``timeout_s``). Otherwise the whole job is starting: restore the newest main version whose
         active groups' positions are all saved (docs/FORMAT.md, "torchft"), torchft's step with it, and
         this group's loader and RNG at its position no newer than that step (the loader policy when
-        the number of groups changed: README "torchft"). Raises what a restore raises when a version
+        the number of groups changed: docs/howto/torchft.md). Raises what a restore raises when a version
         cannot be read and no older one can either."""
         t0 = time.monotonic()
         if not self.enabled:
@@ -471,7 +475,8 @@ class DurableTier:
         key = f"positions/rank{rank}"
         sd = {key: {"data": b""}}
         reader = StorageReader(self.root, remote=self.remote, key=self._key, version=version, allow_partial_load=True)
-        dcp.load(sd, storage_reader=reader, no_dist=True)
+        with typed():  # the ckptstore error, not DCP's CheckpointException around it
+            dcp.load(sd, storage_reader=reader, no_dist=True)
         return _st.unpack_history(bytes(sd[key]["data"]))
 
     def _positions_at(self, names: list[str], step: int) -> dict[int, _st.Position | None]:

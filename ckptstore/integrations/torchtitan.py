@@ -36,7 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         f"ckptstore.integrations.torchtitan needs torchtitan 0.3.0 ({e}): from a clone of ckptstore "
         "pip install -e '.[torchtitan]' (in the clone's folder), from a package index "
-        "pip install 'ckptstore[torchtitan]'; on a CPU-only torch also pip install triton (README, \"torchtitan\")"
+        "pip install 'ckptstore[torchtitan]'; on a CPU-only torch also pip install triton (docs/howto/torchtitan.md)"
     ) from e
 
 from ._titan_v0_3 import TESTED_VERSIONS, manager_class

@@ -1,3 +1,6 @@
-"""Manifest schema, two-phase commit and the catalogue of committed versions."""
+"""Manifest schema, two-phase commit and the catalogue of committed versions.
 
-from .schema import FORMAT, Manifest, ObjectEntry, ParsedManifest, parse  # noqa: F401
+:func:`read` reads and checks one manifest file (docs/FORMAT.md, "Manifest") and returns its body.
+"""
+
+from .schema import FORMAT, Manifest, ObjectEntry, ParsedManifest, parse, read  # noqa: F401

@@ -1,6 +1,14 @@
 """The manifest: the one commit point of a version (docs/FORMAT.md, "Manifest"; Save rule 4, Read rule 1).
 
-File format (``versions/<encoded version>/manifest.json``), three lines::
+File format (``versions/<encoded version>/manifest.json``): one JSON document (framing 2, written
+by this release)::
+
+    {"ckptstore_manifest":2,"body":{"format":"ckptstore/1",...},"seal":{"hmac_sha256":"<64 hex>","xxh3":"<16 hex>"}}
+
+``body`` is the canonical JSON of the manifest (sorted keys, no spaces, UTF-8) embedded byte for
+byte: its exact bytes are everything between the fixed prefix ``{"ckptstore_manifest":2,"body":``
+and the last ``,"seal":`` of the file, so the seal over those bytes verifies while ``json.load`` of
+the file works. Framing 1 (older releases; still read, never written): three lines::
 
     CKPTSTORE-MANIFEST 1
     {"format": "ckptstore/1", "version": ..., ...}        <- the body, canonical JSON, UTF-8
@@ -13,7 +21,6 @@ included — is detected without a key.
 version's data key, which only a holder of the master key can unwrap; so an encrypted manifest
 cannot be forged or edited without the master key.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +38,12 @@ FORMAT = "ckptstore/1"
 #: a manifest with references to objects of earlier versions (docs/FORMAT.md, "References")
 FORMAT_REFS = "ckptstore/2"
 FORMATS = (FORMAT, FORMAT_REFS)
-MAGIC = b"CKPTSTORE-MANIFEST 1"
+MAGIC = b"CKPTSTORE-MANIFEST 1"  # framing 1 (three lines; read, never written)
+#: the framing this release writes (docs/FORMAT.md, "Manifest": one JSON document)
+FRAMING = 2
+_HEAD = b'{"ckptstore_manifest":2,"body":'
+_HEAD_KEY = b'{"ckptstore_manifest":'
+_SEAL_KEY = b',"seal":'
 MAX_MANIFEST_BYTES = 512 << 20
 MAX_OBJECTS = 10_000_000
 
@@ -278,15 +290,26 @@ def canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def seal(body: bytes, data_key: bytes | None) -> bytes:
-    """The manifest file for the body line ``body``: magic, body, seal line — the HMAC under
-    ``data_key`` (an encrypted version's; None: no HMAC) and the XXH3 over both. The one sealer:
-    the writer (through :meth:`Manifest.to_bytes`) and rekey both use it."""
+def _seal_fields(body: bytes, data_key: bytes | None) -> dict:
     s = {}
     if data_key is not None:
         s["hmac_sha256"] = manifest_mac(data_key, body)
     s["xxh3"] = seal_checksum(body, s.get("hmac_sha256"))
-    return b"\n".join([MAGIC, body, json.dumps(s, sort_keys=True).encode()]) + b"\n"
+    return s
+
+
+def seal(body: bytes, data_key: bytes | None) -> bytes:
+    """The manifest file for the body bytes ``body`` (framing 2: one JSON document embedding the
+    body verbatim, then the seal): the HMAC under ``data_key`` (an encrypted version's; None: no
+    HMAC) and the XXH3 over both. The one sealer: the writer (through :meth:`Manifest.to_bytes`)
+    and rekey both use it."""
+    return frame(body, _seal_fields(body, data_key), 2)
+
+
+def seal_framing1(body: bytes, data_key: bytes | None) -> bytes:
+    """The same manifest in framing 1 (magic line, body line, seal line), as releases before
+    framing 2 wrote it: still read by :func:`parse`, written only by the compatibility tests."""
+    return frame(body, _seal_fields(body, data_key), 1)
 
 
 @dataclasses.dataclass
@@ -322,27 +345,94 @@ def parse(data: bytes, *, expect_version: str | None = None) -> ParsedManifest:
 
 
 def _split_and_check_seal(data: bytes) -> tuple[bytes, dict]:
-    """The body line and the seal line of a manifest file whose XXH3 seal checks."""
+    """The body bytes and the seal of a manifest file (either framing) whose XXH3 seal checks."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
-    parts = data.split(b"\n")
-    if len(parts) != 4 or parts[3] != b"" or parts[0] != MAGIC:
-        if parts and parts[0].startswith(b"CKPTSTORE-MANIFEST ") and parts[0] != MAGIC:
-            raise UnsupportedFormatError(f"manifest format {parts[0][19:50]!r} is newer than this ckptstore; upgrade")
-        raise ManifestError("not a ckptstore manifest (bad header or line structure)")
-    body, seal_raw = parts[1], parts[2]
+    if data.startswith(b"{"):
+        body, seal_raw = _split_framing2(data)
+    else:
+        body, seal_raw = _split_framing1(data)
     try:
         seal_line = json.loads(seal_raw)
         if not isinstance(seal_line, dict):
             raise ValueError
     except (ValueError, RecursionError):
-        raise ManifestError("manifest seal line is not a JSON object") from None
+        raise ManifestError("manifest seal is not a JSON object") from None
     mac = seal_line.get("hmac_sha256")
     if mac is not None and not isinstance(mac, str):
         raise ManifestError("manifest seal's hmac_sha256 is not a string")
     if seal_line.get("xxh3") != seal_checksum(body, mac):
         raise ManifestError("manifest checksum mismatch: the manifest is damaged or was edited")
     return body, seal_line
+
+
+def _split_framing1(data: bytes) -> tuple[bytes, bytes]:
+    parts = data.split(b"\n")
+    if len(parts) != 4 or parts[3] != b"" or parts[0] != MAGIC:
+        if parts and parts[0].startswith(b"CKPTSTORE-MANIFEST ") and parts[0] != MAGIC:
+            raise UnsupportedFormatError(f"manifest format {parts[0][19:50]!r} is newer than this ckptstore; upgrade")
+        raise ManifestError("not a ckptstore manifest (bad header or line structure)")
+    return parts[1], parts[2]
+
+
+def _split_framing2(data: bytes) -> tuple[bytes, bytes]:
+    """Framing 2 by position (docs/FORMAT.md, "Manifest"): the fixed prefix, the body's exact bytes up
+    to the last ``,"seal":``, the seal object, ``}`` and one newline."""
+    if not data.startswith(_HEAD):
+        if data.startswith(_HEAD_KEY):
+            n = data[len(_HEAD_KEY):len(_HEAD_KEY) + 12].split(b",")[0]
+            if n.isdigit() and int(n) > FRAMING:
+                raise UnsupportedFormatError(f"manifest framing {int(n)} is newer than this ckptstore (it reads "
+                                             f"1 and {FRAMING}); upgrade")
+        raise ManifestError("not a ckptstore manifest (bad header)")
+    if not data.endswith(b"}\n"):  # the file ends exactly so: a truncated one never passes
+        raise ManifestError("not a ckptstore manifest (truncated, or text after the seal)")
+    end = data[:-1]
+    i = end.rfind(_SEAL_KEY)
+    if i < len(_HEAD):
+        raise ManifestError("not a ckptstore manifest (no seal after the body)")
+    return end[len(_HEAD):i], end[i + len(_SEAL_KEY):-1]
+
+
+def split_file(data: bytes) -> tuple[bytes, dict]:
+    """``(body bytes, seal)`` of a manifest file of either framing, **unchecked** (for tools and tests
+    that rewrite a manifest; readers use :func:`parse`). Raises :class:`ManifestError` when the bytes
+    are not framed as a manifest."""
+    body, seal_raw = _split_framing2(data) if data.startswith(b"{") else _split_framing1(data)
+    try:
+        return body, json.loads(seal_raw)
+    except ValueError:
+        raise ManifestError("manifest seal is not JSON") from None
+
+
+def frame(body: bytes, seal: dict, framing_: int = FRAMING) -> bytes:
+    """A manifest file of ``body`` and ``seal`` (``{"xxh3", "hmac_sha256"?}``) in framing ``framing_``."""
+    if framing_ == 1:
+        return b"\n".join([MAGIC, body, json.dumps(seal, sort_keys=True).encode()]) + b"\n"
+    return _HEAD + body + _SEAL_KEY + json.dumps(seal, sort_keys=True, separators=(",", ":")).encode() + b"}\n"
+
+
+def framing(data: bytes) -> int:
+    """The framing of a manifest file's bytes: 2 (one JSON document), 1 (three lines), 0 (neither)."""
+    return 2 if data.startswith(_HEAD) else 1 if data.startswith(MAGIC + b"\n") else 0
+
+
+def read(path) -> dict:
+    """Read and check the manifest file at ``path`` (``versions/<version>/manifest.json`` of a local
+    root, or its bytes): either framing, its XXH3 seal, its fields' types and object names — what
+    every reader checks before it trusts a manifest (docs/FORMAT.md, Read rule 1).
+
+    Returns the body as a dict (the fields of docs/FORMAT.md, "Manifest": ``format``, ``version``,
+    ``attempt``, ``objects``, ...), parsed from its exact sealed bytes. The HMAC of an encrypted
+    version is not checked here (that needs the master key: ``ckptstore scrub --deep``).
+    Raises :class:`ManifestError` (damaged, edited, not a manifest) or
+    :class:`UnsupportedFormatError` (written by a newer ckptstore); ``OSError`` from reading."""
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        data = bytes(path)
+    else:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    return json.loads(parse(data).body)
 
 
 def _load_body(body: bytes) -> dict:
