@@ -13,12 +13,12 @@ from ._common import emit_json, human, one_note, open_store, pin_note, plural, s
 @store_options
 @click.argument("version")
 @click.option("--objects", "list_objects", is_flag=True, help="Also list every stored object.")
-def show(root, remote, endpoint_url, as_json, version, list_objects):
+def show(root, remote, as_json, version, list_objects):
     """Summarise one committed VERSION: step, time, ranks, tiers, sizes, codecs, encryption, pin
     (with its note), damage marks, NaN/Inf values its tensors hold (count and first keys), metadata,
     and — from the root's event log — its save's durable lag (seconds from ``save()`` to the remote
     commit)."""
-    st = open_store(root, remote, endpoint_url)
+    st = open_store(root, remote)
     rec = st.get(version)
     m = st.manifest(version, next(n for n in st.tiers if n in rec.tiers)).manifest
     per_tier = _per_tier(st, version, rec.attempt)
