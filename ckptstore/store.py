@@ -227,7 +227,7 @@ def check_root(root: str) -> None:
     (exit 7) for one that cannot be read."""
     if not os.path.exists(root):
         raise StoreNotFoundError(
-            f"no ckptstore store at {root!r}: the directory does not exist (a typo? for an S3-only store "
+            f"no ckptstore store at {root!r}: the directory does not exist (a typo? for a remote-only store "
             "pass '' as ROOT with --remote, or Store(None, remote=URL))"
         )
     if not os.path.isdir(root):

@@ -131,7 +131,9 @@ def s3_url(s3_bucket, s3_env):
 #              for all three).
 # ------------------------------------------------------------------------------------------------
 
-REMOTES = ["s3", "gs", "az"]
+#: every remote tier's scheme → (its URL fixture, its server fixture); a new tier adds one line
+REMOTE_FIXTURES = {"s3": ("s3_url", "s3_server"), "gs": ("gs_url", "fake_gcs"), "az": ("az_url", "azurite")}
+REMOTES = list(REMOTE_FIXTURES)
 
 
 def _missing(what: str, e: BaseException):
@@ -198,14 +200,14 @@ def az_url(azurite, monkeypatch):
 
 @pytest.fixture(params=REMOTES)
 def remote_url(request):
-    return request.getfixturevalue({"s3": "s3_url", "gs": "gs_url", "az": "az_url"}[request.param])
+    return request.getfixturevalue(REMOTE_FIXTURES[request.param][0])
 
 
 @pytest.fixture
 def remote_server(request, remote_url):
     """The server behind ``remote_url`` (``.kill()``/``.start()``)."""
     scheme = remote_url.partition("://")[0]
-    return request.getfixturevalue({"s3": "s3_server", "gs": "fake_gcs", "az": "azurite"}[scheme])
+    return request.getfixturevalue(REMOTE_FIXTURES[scheme][1])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ import dcp_ranks
 from helpers import bits_equal, load
 from store_helpers import cli, cli_json
 
-NEW = ["gs", "az"]  # S3's own versions of these cases live in tests/test_s3_dcp.py, test_gc.py, test_scrub.py
-ALL = ["s3", "gs", "az"]
+from conftest import REMOTES
+
+ALL = REMOTES
+NEW = [r for r in REMOTES if r != "s3"]  # S3's own versions of these cases: tests/test_s3_dcp.py, test_gc.py, test_scrub.py
 
 
 def _tiers(url):

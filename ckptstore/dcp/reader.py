@@ -97,7 +97,7 @@ class StorageReader(_DCPStorageReader):
         allow_unencrypted: accept an unencrypted version although a key is configured.
         threads: decode threads (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
         read_repair: when an object fails verification in the tier read first (local) and the
-            verified copy of another tier (S3) is used instead, also rewrite the local copy from
+            verified copy of another tier (the remote one) is used instead, also rewrite the local copy from
             those verified bytes (temp file + atomic replace). Off by default.
         avoid: ``{(global rank, object name)}``: copies not to read — that rank's root is treated as
             not holding that object, so the load reads it from another root or the remote tier
@@ -110,7 +110,7 @@ class StorageReader(_DCPStorageReader):
             what each rank's root holds (docs/FORMAT.md, "Placement"): without a version it loads the
             newest version every rank can load; each rank reads its own root first, then another
             rank's root through ``torch.distributed``, then the remote tier. What several ranks need
-            from one place (a replicated weight, the manifest and metadata object of an S3-only
+            from one place (a replicated weight, the manifest and metadata object of a remote-only
             restore) is read once, verified and relayed (docs/FORMAT.md, Read rule 11) over this
             group when it is not the default group (it must then be gloo-capable for bytes to move
             between ranks), else over a gloo group the reader makes for the load.
