@@ -269,7 +269,7 @@ class CheckpointManager:
         # the remote tier is made once, from its URL and options (docs/tiers.md), for the writer and every restore
         remote_options = remote_options_of(writer_options.pop("remote_options", None), writer_options,
                                            where="CheckpointManager")
-        self._remote_tier = make_remote(remote, **remote_options)
+        self._remote_tier = make_remote(self.remote, **remote_options)
         self._reader_options = {k: writer_options[k] for k in ("threads",) if k in writer_options}
         # the writer refuses any save by another number of ranks (docs/FORMAT.md, Save rule 6)
         writer_options.setdefault("world_size", world_size())

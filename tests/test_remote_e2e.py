@@ -138,3 +138,32 @@ def test_two_writers_racing_to_commit_one_version(tmp_path, remote_url):
     assert remote.get(layout.manifest_key("v1")) == ckptstore.Store(winner).local.get(layout.manifest_key("v1"))
     got = load({"w": torch.zeros(50_000)}, str(tmp_path / "none"), "v1", remote=remote_url)
     assert torch.equal(got["w"], torch.full((50_000,), float(len(winner))))
+
+
+@pytest.mark.parametrize("remote_url", NEW, indirect=True)
+def test_manager_local_first_then_remote_only(tmp_path, remote_url):
+    """CheckpointManager with a remote tier and its options: a restore reads the local root (no
+    remote GET of data), and with the root gone the newest version comes from the remote tier alone;
+    retention (keep-last 2) is applied in the remote tier after each commit."""
+    from ckptstore.retention import KeepLast, RetentionPolicy
+
+    root = str(tmp_path / "root")
+    state = {"w": torch.zeros(100_000), "n": 0}
+    with ckptstore.CheckpointManager(root, state, remote=remote_url, interval_steps=1, durability="remote",
+                                     retention=RetentionPolicy(rules=(KeepLast(2),)), save_rng=False,
+                                     remote_options={"max_concurrency": 4}) as m:
+        for step in (1, 2, 3):
+            state["w"] = torch.full((100_000,), float(step))
+            state["n"] = step
+            m.save(step)
+            m.wait()
+    assert [v for v, _t in _tiers(remote_url)] == ["step-2", "step-3"]
+    target = {"w": torch.zeros(100_000), "n": -1}
+    with ckptstore.CheckpointManager(root, target, remote=remote_url, save_rng=False) as m:
+        assert m.restore() == 3 and target["n"] == 3 and torch.equal(target["w"], torch.full((100_000,), 3.0))
+        assert m.last_restore.reads.get("remote_reads", 0) == 0  # local first
+    shutil.rmtree(root)
+    target = {"w": torch.zeros(100_000), "n": -1}
+    with ckptstore.CheckpointManager(root, target, remote=remote_url, save_rng=False) as m:
+        assert m.restore() == 3 and torch.equal(target["w"], torch.full((100_000,), 3.0))
+        assert m.last_restore.reads.get("remote_reads", 0) > 0
