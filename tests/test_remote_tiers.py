@@ -145,6 +145,23 @@ def test_bounded_timeouts_through_the_registry():
     assert (az._kwargs["connect_timeout"], az._kwargs["read_timeout"], az._kwargs["max_attempts"]) == (10.0, 60.0, 3)
 
 
+def test_torchft_builds_its_tier_through_the_registry():
+    """``DurableTier._remote_tier``: any scheme, each request bounded below torchft's timeout (it
+    built an S3Tier itself before, so gs:// and az:// had no durable tier under torchft)."""
+    pytest.importorskip("torchft")
+    import types
+
+    from ckptstore.integrations.torchft import DurableTier
+    from ckptstore.tiers.gcs import GCSTier
+
+    me = types.SimpleNamespace(timeout_s=20.0)
+    gs = DurableTier._remote_tier(me, "gs://bkt/p", None)
+    assert isinstance(gs, GCSTier) and (gs._kwargs["read_timeout"], gs._kwargs["deadline"]) == (10.0, 20.0)
+    s3 = DurableTier._remote_tier(me, "s3://bkt/p", "http://127.0.0.1:1")
+    assert (s3._kwargs["endpoint_url"], s3._kwargs["connect_timeout"], s3._kwargs["max_attempts"]) == \
+        ("http://127.0.0.1:1", 5.0, 3)
+
+
 def test_tiers_pickle_with_their_options():
     from ckptstore.tiers.azure import AzureTier
     from ckptstore.tiers.gcs import GCSTier
