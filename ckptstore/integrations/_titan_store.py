@@ -58,8 +58,15 @@ def is_version(checkpoint_id: str) -> bool:
     return isinstance(checkpoint_id, str) and re.fullmatch(re.escape(PREFIX) + r"\d+", checkpoint_id) is not None
 
 
+def legacy_options(config) -> dict:
+    """The deprecated per-tier fields of a checkpoint config that are set (``tiers.DEPRECATED_OPTIONS``)."""
+    from ..tiers import DEPRECATED_OPTIONS
+
+    return {k: getattr(config, k) for k in DEPRECATED_OPTIONS if getattr(config, k, None) is not None}
+
+
 def open_manager(folder: str, *, async_mode: str, keep_latest_k: int, remote: str | None, key_file: str | None,
-                 durability: str, remote_options: dict | None = None, load_only: bool = False):
+                 durability: str, remote_options: dict | None = None, load_only: bool = False, **legacy):
     """The :class:`ckptstore.CheckpointManager` of a torchtitan job (collective: every rank calls it).
 
     ``folder``: torchtitan's ``dump_folder``/``checkpoint.folder``, the local root (a directory;
@@ -84,6 +91,7 @@ def open_manager(folder: str, *, async_mode: str, keep_latest_k: int, remote: st
         raise CkptStoreError(f"durability must be one of {DURABILITY}, got {durability!r}")
     retention = RetentionPolicy(rules=(KeepLast(keep_latest_k),)) if keep_latest_k > 0 else None
     extra = {"remote_options": dict(remote_options)} if remote_options else {}
+    extra.update(legacy)  # deprecated per-tier options: CheckpointManager maps them onto remote_options
     mgr = CheckpointManager(
         folder, None, remote=remote, key_file=key_file or None, interval_steps=None, retention=retention,
         durability=durability, executor="process" if async_mode == "async_with_pinned_mem" else "thread", save_rng=False,

@@ -100,6 +100,7 @@ class _StoreCheckpointing:
             self.folder, async_mode=str(self.async_mode.value), keep_latest_k=config.keep_latest_k,
             remote=config.remote, key_file=config.key_file, durability=config.durability,
             remote_options=dict(config.remote_options or {}), load_only=bool(getattr(config, "load_only", False)),
+            **_store.legacy_options(config),
         )
         log.info("ckptstore: checkpoints of this job are versions step-N of the store %s%s", self.folder,
                  f" (remote {config.remote})" if config.remote else "")
@@ -222,6 +223,9 @@ def manager_class(base: type) -> type:
 
             remote_options: dict[str, str] = dataclasses.field(default_factory=dict)
             """The remote tier's options (docs/tiers.md, "Options"), e.g. {"endpoint_url": ...}; else its SDK's environment."""
+
+            endpoint_url: str | None = None
+            """Deprecated: remote_options = {"endpoint_url": ...} (mapped onto it, with a DeprecationWarning)."""
 
             def __post_init__(self) -> None:
                 base.Config.__post_init__(self)
