@@ -41,7 +41,7 @@ What it does (README "torchft"; docs/FORMAT.md, "torchft"):
   saved, and pairs its loader with its own position *no newer than* that step.
 * **Never in the way.** Saves never wait (a due save while the previous still runs is skipped and
   reported); a failed save is reported (event, metric, log), never raised; ckptstore's timeouts
-  (its gloo groups, the remote tier's connect/read, the lighthouse probe) sit below torchft's ``timeout`` and
+  (its gloo groups, S3 connect/read, the lighthouse probe) sit below torchft's ``timeout`` and
   ``quorum_timeout``; nothing runs on torchft's process group; ``enabled=False`` or
   ``CKPTSTORE_TORCHFT_DURABLE=0`` turns the tier off (every method a no-op, :meth:`batches` the
   plain loader).
@@ -173,8 +173,7 @@ class DurableTier:
         num_groups: how many groups the job runs now (for the loader policy when it changed).
         loader: the group's data loader (``state_dict()``/``load_state_dict()``, e.g. torchdata's
             ``StatefulDataLoader``), or None.
-        remote: a remote tier's URL (``"s3://bucket/prefix"``, ``"gs://…"``, ``"az://…"``); its client's
-            timeouts are set below ``timeout_s``.
+        remote: ``"s3://bucket/prefix"``; its client's timeouts are set below ``timeout_s``.
         interval_steps: the main version is written at steps ``N % interval_steps == 0``.
         retention: a :class:`ckptstore.retention.RetentionPolicy` of the main versions (default: keep all).
         positions_keep: positions kept per group: versions (retention ``KeepLast``) and the history in
@@ -187,7 +186,7 @@ class DurableTier:
             None and no variable: every start is taken as a cold start (with a warning).
         live_within_s: a member of the previous quorum counts as alive when its heartbeat is younger
             than this (seconds; default 1.0: torchft heartbeats every 0.1 s).
-        timeout_s: ckptstore's timeouts (seconds): its gloo groups, the remote tier's connect/read
+        timeout_s: ckptstore's timeouts (seconds): its gloo groups, the S3 client's connect/read
             timeouts, the lighthouse probe. Default: half of the smaller of torchft's ``timeout`` and
             ``quorum_timeout``; a value not below both raises ``ValueError``.
         durability, key, on_event, event_log, **writer_options: as :class:`ckptstore.CheckpointManager`.
