@@ -91,7 +91,7 @@ class TestAzureTier(TierConformanceTests):
 
         self.request.getfixturevalue("az_url")
         t = AzureTier("az://ckptstore-test/te/", endpoint_url=f"http://127.0.0.1:{_closed_port()}/{ACCOUNT}",
-                      account_name=ACCOUNT, account_key=ACCOUNT_KEY, max_attempts=2, connect_timeout=0.5,
+                      account_name=ACCOUNT, account_key=ACCOUNT_KEY, max_attempts=1, connect_timeout=0.5,
                       read_timeout=0.5, conditional_writes="trust")
         try:
             yield t
