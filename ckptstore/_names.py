@@ -1,7 +1,7 @@
 """Validation and encoding of version names and object keys (docs/FORMAT.md, Format rule 4).
 
 Version names are arbitrary Unicode strings (no control characters, at most 200 UTF-8 bytes, not
-``.`` or ``..``). On disk and on S3 they are percent-encoded into one path component with the
+``.`` or ``..``). On disk and in object stores they are percent-encoded into one path component with the
 alphabet ``[A-Za-z0-9._-]``, so a name can never introduce a separator or a traversal, and the
 name listed back is the exact string that was given. Object keys inside a tier are ``/``-joined
 components of that same alphabet, plus ``%`` for encoded version names.

@@ -24,8 +24,8 @@ The job report (its size grows with roots × versions, never with ranks × anyth
      "invalid":   {version: why},                            # the remote tier's invalid manifests
      "restores":  [restore log entries of the first rank's root, oldest first]}
 
-A manifest's facts appear once per distinct manifest, keyed by the MD5 of the manifest file (what S3
-reports as its ETag); an *object set* is ``[meta, rank runs, other names]`` of one attempt
+A manifest's facts appear once per distinct manifest, keyed by the MD5 of the manifest file (what a
+remote tier's listing reports, docs/FORMAT.md "Tiers", rule 3); an *object set* is ``[meta, rank runs, other names]`` of one attempt
 (:class:`ckptstore.manifest.objsets.ObjSet`): a root of one node holds its group's part as one run.
 Roots are listed in the order of the lowest group rank on each.
 

@@ -21,9 +21,9 @@ Exit codes (documented in docs/operations/exit-codes.md):
 | 4 | integrity error (stored bytes fail their checksum / tag) |
 | 5 | key error (missing, wrong, or unexpected key) |
 | 6 | version already exists |
-| 7 | storage error (disk full, S3 refusal, permission denied) |
+| 7 | storage error (disk full, object-store refusal, permission denied) |
 | 8 | unsupported format or codec version |
-| 9 | no store: ROOT does not exist, or the S3 prefix holds no store |
+| 9 | no store: ROOT does not exist, or the remote prefix holds no store |
 | 10 | scrub: damage found (not repaired) |
 | 11 | scrub: damage found and every damaged object repaired |
 | 12 | scrub: some objects could not be checked |
@@ -131,7 +131,7 @@ def version_not_found(version: str, where: str, committed=()) -> VersionNotFound
 
 
 class StoreNotFoundError(CkptStoreError, FileNotFoundError):
-    """No ckptstore store where one was named: a local root that does not exist, or an S3 prefix
+    """No ckptstore store where one was named: a local root that does not exist, or a remote prefix
     with nothing under ``versions/`` (never written to). An empty but existing root is a store."""
 
     exit_code = 9
@@ -231,8 +231,8 @@ class StorageError(CkptStoreError):
 
 
 class ConditionalWritesError(StorageError):
-    """The S3 endpoint does not enforce put-if-absent (``If-None-Match: *``): it overwrote a key a
-    conditional PUT should have refused. Remote commits are refused there, since two writers could
+    """The remote endpoint does not enforce put-if-absent (S3/Azure ``If-None-Match: *``, GCS
+    ``ifGenerationMatch=0``): it overwrote a key a conditional write should have refused. Remote commits are refused there, since two writers could
     both commit one version (docs/FORMAT.md, "Conditional writes")."""
 
 

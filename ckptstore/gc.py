@@ -4,7 +4,7 @@
 
 1. :func:`collect` takes a :class:`TierSnapshot` of each tier: the listing of everything under
    ``versions/`` **first**, then the committed manifests (``catalogue.scan``), stale multipart
-   uploads (S3) and empty directories (local). Listing before reading manifests means an object
+   uploads (tiers with ``supports_multipart``) and empty directories (local). Listing before reading manifests means an object
    that a save commits while we look is referenced by the manifests we read, or was written after
    the listing and so is not in it.
 2. :func:`plan` — pure: snapshots + :class:`~ckptstore.retention.RetentionPolicy` + ``now`` +
@@ -544,7 +544,7 @@ def _garbage_blocker(tier: Tier, a: Action) -> str | None:
         st = tier.stat(a.key)
     except ObjectNotFoundError:
         return "already gone"
-    # S3 HEAD reports whole seconds where LIST may not: allow one second of difference
+    # an object store's stat may report whole seconds where its listing does not: allow one second
     if st.size != a.size or (a.mtime is not None and abs(st.mtime - a.mtime) >= 1.0):
         return "changed since the plan was made (still being written?)"
     return None

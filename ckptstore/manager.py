@@ -52,6 +52,7 @@ from ._state_keys import canonical_fqn  # noqa: F401 - public here
 from .dcp import StorageWriter
 from .errors import CkptStoreError, JobBrokenError
 from .events import process_start_time
+from .tiers import make_remote, remote_options_of
 
 log = logging.getLogger("ckptstore")
 
@@ -81,7 +82,10 @@ class CheckpointManager:
         state: the default training state of :meth:`save`, :meth:`restore` and :meth:`resume`:
             a dict of modules, optimizers, objects with ``state_dict()``/``load_state_dict()``
             and plain values (see :mod:`ckptstore._manager.state`); None: pass ``state`` to each call.
-        remote: ``"s3://bucket/prefix"`` to also stage every version there.
+        remote: a remote tier's URL (``"s3://bucket/prefix"``, ``"gs://…"``, ``"az://…"``;
+            docs/tiers.md) or a :class:`~ckptstore.tiers.Tier`, to also stage every version there;
+            its options go in ``remote_options`` (a ``writer_options`` entry, as for
+            :class:`ckptstore.StorageWriter`).
         key: master key (see :class:`ckptstore.StorageWriter`).
         key_file: instead of ``key``, a key file (32 bytes or their base64, what ``ckptstore keygen``
             writes; the CLI's ``--key-file``, torchtitan's ``key_file``). Not with ``key``.
@@ -143,7 +147,7 @@ class CheckpointManager:
         raise_errors: True (default): a failed save raises from the next ``save()``/``wait()``/
             ``close()``; False: it is only reported (its save line, ``on_save``, the metrics).
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
-            ``upload_timeout``, ``endpoint_url``, ...); ``world_size`` defaults to the job's.
+            ``upload_timeout``, ``remote_options``, ...); ``world_size`` defaults to the job's.
             Among them ``replicas``: replication factor F — every node's objects are also copied to
             the roots of F other nodes (docs/FORMAT.md, "Replicas"); after a restore, a replaced node
             gets its part back from the replicas in the background. THREAD executor only.
@@ -262,12 +266,16 @@ class CheckpointManager:
         #: ``{name: {attempt: reason}}``: versions the next save of that name supersedes (set by restore)
         self._supersede: dict[str, dict[str, str]] = {}
         self._key = key
-        self._reader_options = {k: writer_options[k] for k in ("endpoint_url", "threads") if k in writer_options}
+        # the remote tier is made once, from its URL and options (docs/tiers.md), for the writer and every restore
+        remote_options = remote_options_of(writer_options.pop("remote_options", None), writer_options,
+                                           where="CheckpointManager")
+        self._remote_tier = make_remote(self.remote, **remote_options)
+        self._reader_options = {k: writer_options[k] for k in ("threads",) if k in writer_options}
         # the writer refuses any save by another number of ranks (docs/FORMAT.md, Save rule 6)
         writer_options.setdefault("world_size", world_size())
         # an incremental save without a baseline in memory takes the newest version of this scope
         writer_options.setdefault("scope", self.scope)
-        self._writer = StorageWriter(self.root, remote=self.remote, key=key, durability=durability, retention=retention,
+        self._writer = StorageWriter(self.root, remote=self._remote_tier, key=key, durability=durability, retention=retention,
                                      max_staged=max_pending + 1, **writer_options)
         self._job = Job(group_timeout_s)
         self.rank = self._job.rank
@@ -443,7 +451,7 @@ class CheckpointManager:
 
     # -- restoring (ckptstore._manager.restore) ----------------------------------------------------
     def _source(self, allow_nonfinite: bool | None = None) -> Source:
-        return Source(self.root, self.remote, self._key, self._reader_options, self.scope, self.reshard,
+        return Source(self.root, self._remote_tier, self._key, self._reader_options, self.scope, self.reshard,
                       self.fall_back_after, self.allow_nonfinite if allow_nonfinite is None else bool(allow_nonfinite))
 
     def latest(self) -> str | None:

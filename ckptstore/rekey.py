@@ -14,7 +14,7 @@ for every encrypted version committed in a tier, :func:`rekey`
 3. checks the result (it parses, unwraps under the new key to the same data key, and its HMAC
    verifies), re-reads the stored manifest to make sure it did not change meanwhile, and replaces
    it atomically with ``tier.put`` (local: temporary file, fsync, ``os.replace``, fsync of the
-   directory; S3: one PUT);
+   directory; a remote tier: one single-request put);
 4. checks that the version's objects are still there (on a node-local root, its part of them); if a
    concurrent retention/gc un-committed
    the version in between (so the put re-created a manifest whose objects are being deleted), the

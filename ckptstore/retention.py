@@ -486,7 +486,7 @@ def _pending_reason(remote: str) -> str:
 #: how many of the local versions not committed remotely (and not uploading) the local tier keeps
 #: beyond its policy, newest first (docs/FORMAT.md, Delete rule 8): the newest is what an upload after
 #: an outage sends, one more covers a commit that overtook it. Unbounded, a long outage (or a host
-#: whose requests S3 refuses) kept every save until the root was full, and every save failed from
+#: whose requests the remote tier refuses) kept every save until the root was full, and every save failed from
 #: then on (the chaos run, docs/DEMO.md)
 PENDING_KEPT = 2
 

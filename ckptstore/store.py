@@ -18,18 +18,21 @@ from .errors import (
 from .manifest import catalogue, layout, placement
 from .manifest.catalogue import VersionRecord
 from .manifest.schema import ParsedManifest
-from .tiers import LocalTier, Tier, make_remote
+from .tiers import LocalTier, Tier, make_remote, remote_options_of
 
 if TYPE_CHECKING:
     from .choice import View
 
 
 class Store:
-    """The versions committed under a local ``root`` and, optionally, a ``remote`` S3 prefix.
+    """The versions committed under a local ``root`` and, optionally, a ``remote`` tier.
 
-    ``root``: local directory (created on first write); None or ``""``: no local tier (an
-    S3-only store — ``""`` is never the current directory). ``remote``: ``"s3://bucket/prefix"``
-    or None; endpoint/credentials from the boto3 chain or ``endpoint_url``. ``key``: master key
+    ``root``: local directory (created on first write); None or ``""``: no local tier (a
+    remote-only store — ``""`` is never the current directory). ``remote``: a remote tier's URL
+    (``"s3://bucket/prefix"``, ``"gs://bucket/prefix"``, ``"az://container/prefix"``), a
+    :class:`~ckptstore.tiers.Tier`, or None; ``remote_options``: the tier's own options
+    (docs/tiers.md, "Options"; the former per-tier keyword arguments are deprecated aliases), else
+    its SDK's environment. ``key``: master key
     (32 bytes or a key provider), or ``key_file`` (a key file, as the CLI's ``--key-file``) — only
     needed to read encrypted data, not to list.
 
@@ -41,8 +44,11 @@ class Store:
     ``events.jsonl``, ``restores.jsonl``: a job that has not saved yet), is an empty store.
     """
 
-    def __init__(self, root: str | os.PathLike | None, *, remote: str | None = None, key=None, endpoint_url: str | None = None,
-                 key_file: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None, *, remote: "str | Tier | None" = None, key=None,
+                 remote_options: dict | None = None, key_file: str | os.PathLike | None = None, **legacy):
+        remote_options = remote_options_of(remote_options, legacy, where="Store")
+        if legacy:
+            raise TypeError(f"Store() got unexpected keyword arguments {sorted(legacy)}")
         if key_file is not None:
             from .codec.crypto import key_or_file
 
@@ -52,7 +58,7 @@ class Store:
         self._given_root = None if root is None else os.fspath(root)
         self.root = None if root is None else os.path.abspath(os.fspath(root))
         self.local: Tier | None = None if root is None else LocalTier(self.root)
-        self.remote: Tier | None = make_remote(remote, endpoint_url=endpoint_url)
+        self.remote: Tier | None = make_remote(remote, **remote_options)
         self.key = key
         self.problems: list = []
 
@@ -221,7 +227,7 @@ def check_root(root: str) -> None:
     (exit 7) for one that cannot be read."""
     if not os.path.exists(root):
         raise StoreNotFoundError(
-            f"no ckptstore store at {root!r}: the directory does not exist (a typo? for an S3-only store "
+            f"no ckptstore store at {root!r}: the directory does not exist (a typo? for a remote-only store "
             "pass '' as ROOT with --remote, or Store(None, remote=URL))"
         )
     if not os.path.isdir(root):

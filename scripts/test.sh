@@ -13,6 +13,8 @@ if [ "${CKPTSTORE_NO_APT:-0}" != 1 ] && ! command -v faketime >/dev/null 2>&1 &&
   (apt-get install -y -q faketime >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q faketime >/dev/null 2>&1; }) \
     || echo "test.sh: could not install faketime; the clock-skew test will be skipped" >&2
 fi
+# Azurite (npm, pinned) for the az:// tier's tests, into .azurite/; the GCS emulator comes with the test extra
+bash scripts/install-azurite.sh || echo "test.sh: could not install Azurite; the Azure Blob tests will be skipped" >&2
 . .venv/bin/activate
 MARK=(-m "not slow")
 if [ "${CKPTSTORE_FULL:-0}" = "1" ]; then MARK=(); fi

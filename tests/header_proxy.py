@@ -1,9 +1,10 @@
 """A loopback HTTP proxy that drops chosen request headers: an S3 endpoint that "accepts and ignores"
 ``If-None-Match`` (pithings/mountx #19), made from a real server that enforces it.
 
-``HeaderStrippingProxy(target, strip=("if-none-match",))`` forwards every request (method, path,
-headers but the stripped ones, body — by ``Content-Length`` or chunked) to ``target`` and the answer
-back; ``url`` is the endpoint to give boto3, ``stripped`` counts the headers dropped. Put it in front
+``HeaderStrippingProxy(target, strip=("if-none-match",), strip_query=())`` forwards every request
+(method, path, headers but the stripped ones, body — by ``Content-Length`` or chunked) to ``target``
+and the answer back; ``strip_query`` names query parameters dropped too (GCS's
+``ifGenerationMatch``); ``url`` is the endpoint to give the SDK, ``stripped`` counts what was dropped. Put it in front
 of moto, which does not check signatures (SeaweedFS would refuse the request whose signed header is
 gone).
 """
@@ -19,10 +20,11 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrad
 
 
 class HeaderStrippingProxy:
-    def __init__(self, target_url: str, strip: tuple[str, ...] = ("if-none-match",)):
+    def __init__(self, target_url: str, strip: tuple[str, ...] = ("if-none-match",), strip_query: tuple[str, ...] = ()):
         u = urllib.parse.urlsplit(target_url)
         self._target = (u.hostname, u.port)
         self.strip = {h.lower() for h in strip}
+        self.strip_query = {q.lower() for q in strip_query}
         self.stripped = 0
         self._lock = threading.Lock()
         proxy = self
@@ -60,9 +62,17 @@ class HeaderStrippingProxy:
                         continue
                     headers[k] = v
                 headers["Content-Length"] = str(len(body))
+                path = self.path
+                if proxy.strip_query and "?" in path:
+                    base, _, query = path.partition("?")
+                    kept = [kv for kv in query.split("&") if kv.split("=", 1)[0].lower() not in proxy.strip_query]
+                    if len(kept) != len(query.split("&")):
+                        with proxy._lock:
+                            proxy.stripped += 1
+                    path = base + ("?" + "&".join(kept) if kept else "")
                 conn = http.client.HTTPConnection(*proxy._target, timeout=60)
                 try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
+                    conn.request(self.command, path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
                     self.send_response(resp.status, resp.reason)

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 import ckptstore
 from ckptstore.cli import main as cli_main
+from conftest import REMOTES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ("list", "show", "pin", "unpin", "gc", "drop", "scrub", "rekey", "keygen", "advise", "goodput", "demo")
@@ -207,18 +208,19 @@ def test_empty_root_is_not_the_current_directory(store, tmp_path):
     assert "v1" not in p.stdout and "no --remote" in p.stderr
 
 
-@pytest.mark.s3
-def test_s3_prefix_that_is_no_store_is_an_error(tmp_path, s3_url):
+@pytest.mark.parametrize("remote_url", REMOTES, indirect=True)
+def test_remote_prefix_that_is_no_store_is_an_error(tmp_path, remote_url):
     for args in (["list"], ["gc", "--dry-run"], ["scrub"], ["show", "v1"]):
-        r = cli(args[0], "", "--remote", s3_url, *args[1:])
+        r = cli(args[0], "", "--remote", remote_url, *args[1:])
         assert r.exit_code == 9, r.output
-        assert "no ckptstore store at s3://" in r.stderr
+        assert f"no ckptstore store at {remote_url.partition('://')[0]}://" in r.stderr
 
 
-@pytest.mark.s3
-def test_empty_root_with_remote_is_s3_only(store, tmp_path, s3_url):
+@pytest.mark.parametrize("remote_url", REMOTES, indirect=True)
+def test_empty_root_with_remote_is_remote_only(store, tmp_path, remote_url):
     from ckptstore.tiers import make_remote
 
+    s3_url = remote_url
     remote = make_remote(s3_url)
     for d, _dn, fns in os.walk(store):
         for f in fns:

@@ -38,6 +38,7 @@ from store_helpers import (
     state,
 )
 from test_retention import T0, _records, kept, rules_st, versions_st
+from conftest import REMOTES
 
 
 
@@ -634,10 +635,10 @@ def test_retention_after_commit_waits_for_uploads(tmp_path):
     assert [r.version for r in ckptstore.Store(tmp_path / "l").versions()] == ["v0", "v4"]
 
 
-@pytest.mark.s3
-def test_gc_s3_only(tmp_path, monkeypatch, request):
-    """The same through a real S3 prefix: ``Store('', remote=s3://...)`` has no local tier."""
-    s3_url = request.getfixturevalue("s3_url")
+@pytest.mark.parametrize("remote_url", REMOTES, indirect=True)
+def test_gc_remote_only(tmp_path, monkeypatch, remote_url):
+    """The same through a real remote prefix (S3, GCS, Azure): ``Store('', remote=URL)`` has no local tier."""
+    s3_url = remote_url
     monkeypatch.chdir(tmp_path)
     st = ckptstore.Store("", remote=s3_url)
     assert list(st.tiers) == ["remote"]

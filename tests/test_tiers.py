@@ -281,8 +281,9 @@ def test_make_remote_builds_s3_tier():
 
     t = make_remote("s3://bkt/p", endpoint_url="http://127.0.0.1:1")
     assert isinstance(t, S3Tier) and t.url == "s3://bkt/p/" and t.name == "remote"
-    with pytest.raises(InvalidNameError):
-        make_remote("gs://bkt/p")
+    for bad in ("ftp://bkt/p", "bkt/p", "s3:/bkt"):
+        with pytest.raises(InvalidNameError):
+            make_remote(bad)
 
 
 def test_pickle_keeps_constructor_args():

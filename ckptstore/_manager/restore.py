@@ -41,12 +41,12 @@ log = logging.getLogger("ckptstore")
 @dataclasses.dataclass(frozen=True)
 class Source:
     """Where and what a restore reads (the manager's settings at the call): the local ``root``, the
-    ``remote`` URL, the master ``key``, options for the readers (``endpoint_url``, ``threads``), the
+    ``remote`` tier, the master ``key``, options for the readers (``threads``), the
     ``scope`` (regular expression of the manager's version names), ``reshard``,
     ``fall_back_after`` and ``allow_nonfinite`` (see :class:`ckptstore.CheckpointManager`)."""
 
     root: str
-    remote: str | None
+    remote: Any  # a Tier, or None
     key: Any
     reader_options: dict
     scope: Any
@@ -112,7 +112,7 @@ class Restorer:
         loadable in scope), passing over ``failed`` versions; a collective on the manager's group."""
         from ..store import Store
 
-        st = Store(src.root, remote=src.remote, key=src.key, endpoint_url=src.reader_options.get("endpoint_url"))
+        st = Store(src.root, remote=src.remote, key=src.key)
         world = self._job.group_world()
         try:
             return st.choose(version, self._job.pg if self._job.dist else None, exclude=failed, scope=src.scope,

@@ -24,7 +24,7 @@ from ._common import CONTEXT_SETTINGS, Group
 @click.group(cls=Group, context_settings=CONTEXT_SETTINGS)
 @click.version_option(__version__, prog_name="ckptstore")
 def main():
-    """ckptstore: list, inspect, prune and verify DCP checkpoints on local disk and S3."""
+    """ckptstore: list, inspect, prune and verify DCP checkpoints on local disk and remote object stores (S3, GCS, Azure Blob)."""
 
 
 main.add_command(cmd_list.list_cmd)

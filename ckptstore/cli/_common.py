@@ -112,11 +112,46 @@ def reported_here():
 
 
 # -- the store options ---------------------------------------------------------------------------------
+def _remote_option(ctx, param, value):
+    """Collect ``--endpoint-url`` and ``--remote-option KEY=VALUE`` into the remote tier's options
+    (``ctx.meta["ckptstore.remote_options"]``, what :func:`open_store` passes on: docs/tiers.md)."""
+    opts = ctx.meta.setdefault("ckptstore.remote_options", {})
+    if param.name == "endpoint_url":
+        if value:
+            opts["endpoint_url"] = value
+        return
+    for item in value or ():
+        name, sep, v = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", ctx=ctx, param=param)
+        opts[name] = _option_value(v)
+
+
+def _option_value(v: str):
+    """``--remote-option`` values: integers, floats, true/false as such, else the string."""
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
+
+
 def store_options(f):
-    """``ROOT``, ``--remote URL``, ``--endpoint-url``, ``--json`` shared by every store command."""
+    """``ROOT``, ``--remote URL``, ``--endpoint-url``, ``--remote-option``, ``--json`` shared by every
+    store command."""
     f = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")(f)
-    f = click.option("--endpoint-url", default=None, help="S3 endpoint (default: the boto3 chain, e.g. AWS_ENDPOINT_URL).")(f)
-    f = click.option("--remote", default=None, metavar="URL", help="S3 tier, s3://bucket/prefix.")(f)
+    f = click.option("--remote-option", "remote_option", multiple=True, metavar="KEY=VALUE", expose_value=False,
+                     callback=_remote_option,
+                     help="An option of the remote tier (repeatable; docs/tiers.md, \"Options\"), e.g. "
+                          "region_name=eu-west-1, project=my-project, account_name=acct.")(f)
+    f = click.option("--endpoint-url", "endpoint_url", default=None, expose_value=False, callback=_remote_option,
+                     help="Endpoint of the remote tier's server (default: its SDK's environment: AWS_ENDPOINT_URL, "
+                          "STORAGE_EMULATOR_HOST, AZURE_STORAGE_CONNECTION_STRING...).")(f)
+    f = click.option("--remote", default=None, metavar="URL",
+                     help="Remote tier: s3://bucket/prefix, gs://bucket/prefix or az://container/prefix.")(f)
     f = click.argument("root", metavar="ROOT")(f)
     return f
 
@@ -171,11 +206,11 @@ def master_key(key_file: str | None, kms_key: str | None = None) -> tuple[object
     return None, None
 
 
-def open_store(root: str, remote: str | None, endpoint_url: str | None, key=None):
+def open_store(root: str, remote: str | None, key=None):
     """The :class:`~ckptstore.Store` at ``ROOT`` / ``--remote``, after checking that the tiers named
     are initialised stores (docs/operations/cli.md, docs/FORMAT.md "An initialised store"):
 
-    * ``ROOT`` ``''`` means *no local tier* (an S3-only store; ``--remote`` is then required);
+    * ``ROOT`` ``''`` means *no local tier* (a remote-only store; ``--remote`` is then required);
     * a local ``ROOT`` must be an existing, readable directory (it may be empty). With a
       ``--remote`` that is a store, a ``ROOT`` that does not exist only draws a warning and the
       store is opened without a local tier (a node that never saved locally);
@@ -192,7 +227,9 @@ def open_store(root: str, remote: str | None, endpoint_url: str | None, key=None
     missing = local is not None and not os.path.lexists(local)
     if local is not None and not (missing and remote):
         _check_local_root(local)
-    st = Store(None if missing else local, remote=remote, endpoint_url=endpoint_url, key=key)
+    ctx = click.get_current_context(silent=True)
+    options = dict(ctx.meta.get("ckptstore.remote_options", {})) if ctx is not None else {}
+    st = Store(None if missing else local, remote=remote, remote_options=options, key=key)
     if st.remote is not None:
         _check_remote(st.remote)
         if missing:

@@ -23,7 +23,7 @@ from ._common import emit_json, human, open_store, plural, reported_here, store_
 @click.option("--force", is_flag=True, help="Drop it even when it is pinned (the pin goes too).")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--dry-run", is_flag=True, help="Print what would be removed; remove nothing.")
-def drop(root, remote, endpoint_url, as_json, version, tiers, force, yes, dry_run):
+def drop(root, remote, as_json, version, tiers, force, yes, dry_run):
     """Remove VERSION (un-commit, then delete its objects), even the newest or a damaged one.
 
     Exit codes: 0 done (or dry run / declined), 3 no tier holds VERSION, 1 VERSION is pinned and
@@ -31,7 +31,7 @@ def drop(root, remote, endpoint_url, as_json, version, tiers, force, yes, dry_ru
     """
     from .. import gc as _gc
 
-    st = open_store(root, remote, endpoint_url)
+    st = open_store(root, remote)
     with reported_here():
         p = _gc.plan_drop(st, version, tiers=tiers or None, force=force)
     n_bytes = sum(a.size or 0 for a in p.actions)

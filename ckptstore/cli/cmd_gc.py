@@ -161,7 +161,7 @@ def _print_result(result) -> None:
               help="Apply the rules only to versions whose name starts with P (the others are kept), e.g. one "
                    "CheckpointManager's prefix on a root that several share.")
 @click.option("--now", "now_text", default=None, hidden=True, help="Plan as of this ISO 8601 time (tests).")
-def gc(root, remote, endpoint_url, as_json, metric, mode, grace, dry_run, now_text, prefix, **rule_kw):
+def gc(root, remote, as_json, metric, mode, grace, dry_run, now_text, prefix, **rule_kw):
     """Apply retention rules and remove garbage (objects no committed version references).
 
     With no rule every committed version is kept. Per-tier rules (--local-*, --remote-*) are added
@@ -178,7 +178,7 @@ def gc(root, remote, endpoint_url, as_json, metric, mode, grace, dry_run, now_te
 
         policy = dataclasses.replace(policy, match=re.escape(prefix) + ".*")
     now = _parse_now(now_text)
-    st = open_store(root, remote, endpoint_url)
+    st = open_store(root, remote)
     tiers = st.tiers
     for t in policy.per_tier:
         if t not in tiers:

@@ -11,7 +11,7 @@ from ._common import emit_json, human, one_note, open_store, pin_notes, reported
 
 @click.command("list")
 @store_options
-def list_cmd(root, remote, endpoint_url, as_json):
+def list_cmd(root, remote, as_json):
     """List committed versions, oldest first, with the tiers that hold each.
 
     On a node-local root that holds one part of a version split over several roots the local tier
@@ -30,7 +30,7 @@ def list_cmd(root, remote, endpoint_url, as_json):
     The last line gives the last save's durable lag (seconds from its ``save()`` call to its remote
     commit) from the root's event log, when there is one (in --json: ``"last_save"``).
     """
-    st = open_store(root, remote, endpoint_url)
+    st = open_store(root, remote)
     with reported_here():
         recs = st.versions()
     last = _last_save(st)

@@ -11,9 +11,9 @@ from ._common import emit_json, open_store, store_options
 @store_options
 @click.argument("version")
 @click.option("--note", default="", help="Why it is pinned (stored with the pin; shown by show, list --json and gc).")
-def pin(root, remote, endpoint_url, as_json, version, note):
+def pin(root, remote, as_json, version, note):
     """Pin VERSION in every tier that holds it: retention never deletes it."""
-    st = open_store(root, remote, endpoint_url)
+    st = open_store(root, remote)
     st.pin(version, note)
     rec = st.get(version)
     if as_json:
@@ -25,12 +25,12 @@ def pin(root, remote, endpoint_url, as_json, version, note):
 @click.command("unpin")
 @store_options
 @click.argument("version")
-def unpin(root, remote, endpoint_url, as_json, version):
+def unpin(root, remote, as_json, version):
     """Remove the pin of VERSION (it becomes eligible for retention again).
 
     Unpinning a version that is not pinned changes nothing, says so, and exits 0.
     """
-    st = open_store(root, remote, endpoint_url)
+    st = open_store(root, remote)
     rec = st.get(version)
     was_pinned = rec.pinned
     if was_pinned:

@@ -22,7 +22,7 @@ from ._common import emit_json, key_file_option, kms_key_option, load_key, open_
 @kms_key_option("--new-kms-key", what="The new master key, in AWS KMS (or --new-key-file)")
 @click.option("--version", "version_name", default=None, metavar="V", help="Only this version.")
 @click.option("--dry-run", is_flag=True, help="Check every version and say what would be re-wrapped; write nothing.")
-def rekey(root, remote, endpoint_url, as_json, old_key_file, old_kms_key, new_key_file, new_kms_key, version_name, dry_run):
+def rekey(root, remote, as_json, old_key_file, old_kms_key, new_key_file, new_kms_key, version_name, dry_run):
     """Re-wrap the data keys of every committed version under a new master key.
 
     The data is not re-encrypted: only each manifest's wrapped data key and key id change, and the
@@ -38,7 +38,7 @@ def rekey(root, remote, endpoint_url, as_json, old_key_file, old_kms_key, new_ke
 
     old = _one_key(old_key_file, old_kms_key, "--key-file", "--kms-key", "current")
     new = _one_key(new_key_file, new_kms_key, "--new-key-file", "--new-kms-key", "new")
-    st = open_store(root, remote, endpoint_url)
+    st = open_store(root, remote)
     report = _rekey.rekey(st, old, new, version=version_name, dry_run=dry_run)
     if as_json:
         emit_json(report.to_json())

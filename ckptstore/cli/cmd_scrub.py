@@ -22,12 +22,12 @@ from ._common import (emit_json, key_file_option, kms_key_option, master_key, op
 @click.option("--deep", is_flag=True, help="Also decrypt and decompress every frame and check the DCP metadata (needs the key when encrypted).")
 @click.option("--repair", is_flag=True, help="Restore damaged objects from the other tier; mark versions that cannot be repaired as damaged.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Worker threads that verify objects and frames (and run ranged GETs on S3). Default: the "
+              help="Worker threads that verify objects and frames (and run ranged GETs on a remote tier). Default: the "
                    "CPUs available, at most 8 — XXH3 needs a core per stream of a few GB/s and releases the GIL, "
                    "so more threads than cores only contend.")
 @key_file_option("--key-file")
 @kms_key_option("--kms-key", what="AWS KMS key of the store, for --deep (else CKPTSTORE_KMS_KEY_ID)")
-def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_file, kms_key, jobs):
+def scrub(root, remote, as_json, version_name, deep, repair, key_file, kms_key, jobs):
     """Verify every committed version's objects in each tier (presence, size, frames, digests).
 
     On a node-local root that holds one part of a version split over several roots, that part is
@@ -53,7 +53,7 @@ def scrub(root, remote, endpoint_url, as_json, version_name, deep, repair, key_f
     elif key_file or kms_key:
         given = f"--key-file {key_file}" if key_file else f"--kms-key {kms_key}"
         click.echo(f"warning: {given} is not used: only --deep decrypts", err=True)
-    st = open_store(root, remote, endpoint_url, key=key)
+    st = open_store(root, remote, key=key)
     with progress("scrub") as (set_total, advance), reported_here():
         report = _scrub.scrub(st, version=version_name, deep=deep, repair=repair, key=key, on_total=set_total, on_bytes=advance,
                                jobs=jobs)

@@ -16,12 +16,12 @@ from ._common import emit_json, human, one_note, open_store, pin_note, plural, s
 @click.option("--manifest", "raw_manifest", is_flag=True,
               help="Print the version's manifest body instead (JSON, checked: framing, XXH3 seal, fields; "
                    "docs/FORMAT.md, \"Manifest\").")
-def show(root, remote, endpoint_url, as_json, version, list_objects, raw_manifest):
+def show(root, remote, as_json, version, list_objects, raw_manifest):
     """Summarise one committed VERSION: step, time, ranks, tiers, sizes, codecs, encryption, pin
     (with its note), damage marks, NaN/Inf values its tensors hold (count and first keys), metadata,
     and — from the root's event log — its save's durable lag (seconds from ``save()`` to the remote
     commit)."""
-    st = open_store(root, remote, endpoint_url)
+    st = open_store(root, remote)
     rec = st.get(version)
     pm = st.manifest(version, next(n for n in st.tiers if n in rec.tiers))
     m = pm.manifest

@@ -21,7 +21,7 @@ class WriterConfig:
 
     root: str
     remote_url: str | None
-    endpoint_url: str | None
+    remote_options: dict
     overwrite: bool
     step: int | None
     user_metadata: dict

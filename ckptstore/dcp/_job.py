@@ -179,7 +179,8 @@ def _remote_view(remote, job: dict, want: str | None = None, everything: bool = 
     directories (docs/FORMAT.md, Read rule 6): ``remote`` maps each version to ``{"manifest":
     digest or None (not read), "damaged"}``, ``manifests`` the facts of the manifests read.
 
-    A remote manifest whose ETag is the MD5 of a root's copy is that copy (no GET). Otherwise it is
+    A remote manifest whose listed MD5 (``ObjectInfo.md5`` on a tier with ``listing_md5``) is that
+    of a root's copy is that copy (no GET). Otherwise it is
     read when a root holds another copy of the name (a possibly divergent copy: docs/FORMAT.md, "One
     name, one content"), or when no root holds the version and its remote manifest is newer
     (LastModified, the server's one clock) than that of every version the roots hold; the others are
@@ -207,8 +208,8 @@ def _remote_view(remote, job: dict, want: str | None = None, everything: bool = 
     for v, vd in listing.items():
         info = vd.manifest
         digests = known.get(v) or set()
-        if info.etag and info.etag in digests:
-            digest = info.etag
+        if remote.listing_md5 and info.md5 and info.md5 in digests:  # docs/FORMAT.md, "Tiers", rule 3
+            digest = info.md5
             attempt = job["manifests"][digest]["attempt"]
         elif digests or newest_both is None or info.mtime > newest_both or v == want or everything:
             try:

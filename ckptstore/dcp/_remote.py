@@ -120,7 +120,7 @@ class RemoteStage(OwnLock):
         objects in this save: ``"coordinator"`` (its root holds every object) or ``"ranks"`` (a
         version saved by a job of this size: every rank its own, from its own root — node-local
         roots, where no single root holds every object). The coordinator then commits them remotely
-        (docs/FORMAT.md, Save rule 8), so a job restarted after an S3 outage stages what it could
+        (docs/FORMAT.md, Save rule 8), so a job restarted after an outage of the remote tier stages what it could
         not. One listing of the remote version directories (not their objects) and one manifest
         read; tried again at the next save when the remote tier does not answer."""
         if self.remote is None or self.guard.in_subprocess or self._caught_up:

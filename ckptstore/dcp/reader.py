@@ -57,6 +57,7 @@ from ..manifest import layout
 from ..manifest.schema import Manifest, ObjectEntry
 from ..manifest.schema import parse as parse_manifest
 from ..store import Store
+from ..tiers import remote_options_of
 from . import _apply, _job, _peers
 from ._checks import install_log_filter, quiet_single_process, reject_unknown_kwargs
 from ._keys import DataKeys
@@ -75,8 +76,10 @@ class StorageReader(_DCPStorageReader):
     """Read DCP checkpoints from a ckptstore.
 
     Args:
-        root: local directory of the store (may be empty or absent when reading from S3 only).
-        remote: ``"s3://bucket/prefix"`` or None.
+        root: local directory of the store (may be empty or absent when reading from the remote
+            tier only).
+        remote: a remote tier's URL (``"s3://bucket/prefix"``, ``"gs://…"``, ``"az://…"``;
+            docs/tiers.md), a :class:`~ckptstore.tiers.Tier`, or None.
         key: master key (32 bytes or key provider); default ``CKPTSTORE_KEY``/``CKPTSTORE_KEY_FILE``.
         key_file: instead of ``key``, a key file (32 bytes or their base64; the CLI's ``--key-file``).
         version: version to load when no ``checkpoint_id`` is given; default the newest committed
@@ -94,7 +97,7 @@ class StorageReader(_DCPStorageReader):
         allow_unencrypted: accept an unencrypted version although a key is configured.
         threads: decode threads (default ``CKPTSTORE_THREADS``, else cores / ``LOCAL_WORLD_SIZE`` + 1, 2..8).
         read_repair: when an object fails verification in the tier read first (local) and the
-            verified copy of another tier (S3) is used instead, also rewrite the local copy from
+            verified copy of another tier (the remote one) is used instead, also rewrite the local copy from
             those verified bytes (temp file + atomic replace). Off by default.
         avoid: ``{(global rank, object name)}``: copies not to read — that rank's root is treated as
             not holding that object, so the load reads it from another root or the remote tier
@@ -107,7 +110,7 @@ class StorageReader(_DCPStorageReader):
             what each rank's root holds (docs/FORMAT.md, "Placement"): without a version it loads the
             newest version every rank can load; each rank reads its own root first, then another
             rank's root through ``torch.distributed``, then the remote tier. What several ranks need
-            from one place (a replicated weight, the manifest and metadata object of an S3-only
+            from one place (a replicated weight, the manifest and metadata object of a remote-only
             restore) is read once, verified and relayed (docs/FORMAT.md, Read rule 11) over this
             group when it is not the default group (it must then be gloo-capable for bytes to move
             between ranks), else over a gloo group the reader makes for the load.
@@ -145,7 +148,7 @@ class StorageReader(_DCPStorageReader):
         allow_partial_load: bool | tuple = False,
         allow_unencrypted: bool = False,
         threads: int | None = None,
-        endpoint_url: str | None = None,
+        remote_options: dict | None = None,
         read_repair: bool = False,
         process_group: Any = None,
         avoid: Any = frozenset(),
@@ -154,6 +157,7 @@ class StorageReader(_DCPStorageReader):
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        remote_options = remote_options_of(remote_options, kwargs, where="StorageReader")
         reject_unknown_kwargs(type(self), kwargs)
         quiet_single_process()
         self.read_repair = read_repair
@@ -168,15 +172,15 @@ class StorageReader(_DCPStorageReader):
         #: keys this reader GET from the remote tier (all its loads)
         self.remote_keys: set[str] = set()
         self.root = None if root is None else os.path.abspath(os.fspath(root))
-        self.remote_url = remote
-        self.endpoint_url = endpoint_url
+        self.remote_url = getattr(remote, "url", remote)
+        self.remote_options = remote_options
         self._keys = DataKeys(resolve_master(key_or_file(key, key_file)))
         self.version = check_version(version) if version is not None else None
         self.allow_cast = allow_cast
         self.allow_partial_load = allow_partial_load
         self.allow_unencrypted = allow_unencrypted
         self.threads = threads or env_threads()
-        self._store = Store(self.root, remote=remote, endpoint_url=endpoint_url)
+        self._store = Store(self.root, remote=remote, remote_options=remote_options)
         if self._store.remote is not None:
             self._store.remote = Counted(self._store.remote, self.stats, self.remote_keys)
         self._reset_state()

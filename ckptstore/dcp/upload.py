@@ -1,19 +1,20 @@
 """Background staging of committed local objects to the remote tier, and the remote commit.
 
-Per rank, streamed (:class:`PartStream`, when the remote tier has ``open_multipart``): while
+Per rank, streamed (:class:`PartStream`, when the remote tier declares ``supports_part_upload``): while
 ``write_data`` appends frames to the rank's local object, every time a part's worth of bytes
-(the tier's ``part_size``, 8 MiB by default, doubling every ``max_parts // 10`` parts) has been
-written, the part is queued for upload. Its XXH3-64 is recorded as its bytes are written; the
+(the tier's declared ``part_limits``: ``part_size``, 8 MiB by default, doubling every
+``max_parts // 10`` parts) has been written, the part is queued for upload. Its XXH3-64 is recorded as its bytes are written; the
 upload thread re-reads the part from the local file (page cache), checks that XXH3 and sends it
-(the server checks the CRC32 botocore sends with the part). The writing thread never waits for
-S3. Once the local object is committed (fsync), :meth:`Uploader.upload_object` sends the tail
+(the server checks the checksum the tier's SDK sends with the part). The writing thread never
+waits for the remote tier. Once the local object is committed (fsync), :meth:`Uploader.upload_object` sends the tail
 part, waits for every part, completes the upload, checks the remote size and writes the *rank
 marker* ``attempts/<attempt>/uploaded.rNNNNN.json`` = ``{"size", "digest", "frames", "rank"}``.
 An object smaller than one part is sent with one PUT after the local commit. A failed or aborted
-local write aborts the multipart upload (in the background; one that cannot be aborted now is
-retried by :meth:`Uploader.wait`, else left to ``ckptstore gc``).
+local write aborts the part upload (in the background; on a tier whose unfinished uploads
+outlive the writer, ``supports_multipart``, one that cannot be aborted now is retried by
+:meth:`Uploader.wait`, else left to ``ckptstore gc``).
 
-Not streamed (catch-up of versions committed locally only, remotes without multipart): the
+Not streamed (catch-up of versions committed locally only, remotes without part uploads): the
 committed local file is walked (its frame headers and payload checksums recomputed and compared
 with the manifest), then uploaded with ``put_file``, then the marker is written.
 
@@ -21,12 +22,12 @@ Coordinator (in ``finish``, after the local commit): upload the DCP metadata obj
 marker exists for every rank object named by the manifest (polling the remote listing — rank
 completion travels through the store itself, never through collectives on the training process
 group), check every marker's size and digest against the manifest, then commit the remote
-``manifest.json`` with ``If-None-Match: "*"`` (put-if-absent).
+``manifest.json`` with put-if-absent (docs/FORMAT.md, "Tiers").
 
 Bounded queue (docs/FORMAT.md, Save rule 8): once :data:`UPLOAD_BACKLOG` newer versions were
 submitted, an older version's jobs not started are skipped and its remote commit stops waiting for
 markers (:class:`Superseded`, not a failure): saves that outpace the remote tier hold a bounded
-number of versions in flight, and the newest reaches S3 first.
+number of versions in flight, and the newest reaches the remote tier first.
 
 ``durability="local"``: all of this runs on background threads; ``StorageWriter.close()`` (and
 interpreter exit) waits for it, bounded by ``upload_timeout`` seconds, and reports what was not
@@ -68,8 +69,8 @@ _live: "weakref.WeakSet[Uploader]" = weakref.WeakSet()
 #: the remote staging queue's bound (docs/FORMAT.md, Save rule 8): a version is no longer staged once this
 #: many newer versions of the same writer were submitted and its upload or remote commit has not finished
 #: (a job not started is skipped, a remote commit waiting for markers gives up). Saves that outpace the
-#: remote tier (a slow or refusing S3, a rank whose requests are refused) then cost at most this many
-#: versions' worth of local space in flight, and the newest version reaches S3 first.
+#: remote tier (a slow or refusing server, a rank whose requests are refused) then cost at most this many
+#: versions' worth of local space in flight, and the newest version reaches the remote tier first.
 UPLOAD_BACKLOG = 3
 
 
@@ -95,8 +96,8 @@ class PartStream:
         self.key = key
         self._remote = up.remote
         self._path = up.local.local_path(key)
-        self._part_size = max(int(getattr(up.remote, "part_size", 8 << 20)), 5 << 20)
-        self._grow_every = max(1, int(getattr(up.remote, "max_parts", 10000)) // 10)
+        self._limits = up.remote.part_limits  # declared by the tier (tiers/base.py, PartLimits)
+        self._part_size = self._limits.part_size
         self._hash = xxh3_stream()
         self._start = 0  # offset of the part being filled
         self._fill = 0  # its bytes so far
@@ -124,15 +125,14 @@ class PartStream:
                 self._fill = 0
                 self._hash = xxh3_stream()
                 self._cut += 1
-                if self._cut % self._grow_every == 0:
-                    self._part_size = min(self._part_size * 2, 5 << 30)
+                self._part_size = self._limits.grown(self._part_size, self._cut)
         return bool(self._ready)
 
     def send(self) -> None:
         """Queue the parts cut by :meth:`feed` (their bytes must have reached the local file)."""
         for off, n, h in self._ready:
             if self._mp is None:
-                self._mp = self._remote.open_multipart(self.key)
+                self._mp = self._remote.open_part_upload(self.key)
             self._mp.send(self._mp.parts + 1, lambda off=off, n=n, h=h: self._read(off, n, h))
         self._ready.clear()
 
@@ -305,7 +305,7 @@ class Uploader:
     def open_stream(self, key: str) -> "PartStream | None":
         """A :class:`PartStream` for the local object ``key`` about to be written, or None when the
         remote tier has no multipart uploads (then :meth:`upload_object` uploads the committed file)."""
-        if not getattr(self.remote, "supports_multipart", False) or not hasattr(self.remote, "open_multipart"):
+        if not self.remote.supports_part_upload:
             return None
         st = PartStream(self, key)
         with self._lock:
@@ -613,7 +613,7 @@ class Uploader:
 
     def _abort_failed(self, deadline: float | None) -> list[str]:
         """Abort multipart uploads left behind by failed uploads (the tier aborts on failure, but
-        the abort itself can fail while S3 is unreachable): retried here until ``deadline``."""
+        the abort itself can fail while the server is unreachable): retried here until ``deadline``."""
         if not self.remote.supports_multipart:
             return []
         with self._lock:

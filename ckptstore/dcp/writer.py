@@ -60,7 +60,7 @@ from ..errors import CkptStoreError
 from ..keys import resolve_master
 from ..manifest import layout
 from ..manifest.schema import Manifest, utcnow
-from ..tiers import LocalTier, make_remote
+from ..tiers import LocalTier, make_remote, remote_options_of
 from . import _roots
 from ._checks import quiet_single_process, reject_unknown_kwargs
 from ._commit import Committer, divergence_checked, value_digests
@@ -86,7 +86,9 @@ class StorageWriter(_DCPStorageWriter):
 
     Args:
         root: local directory (the fast NVMe tier). Created if missing.
-        remote: ``"s3://bucket/prefix"`` to also stage every version to S3, or None.
+        remote: a remote tier's URL (``"s3://bucket/prefix"``, ``"gs://bucket/prefix"``,
+            ``"az://container/prefix"``; docs/tiers.md) or a :class:`~ckptstore.tiers.Tier`, to
+            also stage every version there, or None.
         key: master key, 32 bytes or a key provider (``get_key() -> bytes``), or an AWS KMS key
             (:class:`ckptstore.KmsKey`, ``"kms://<key id>"``; docs/howto/kms.md); default
             ``CKPTSTORE_KEY`` (base64) / ``CKPTSTORE_KEY_FILE`` / ``CKPTSTORE_KMS_KEY_ID``. With a key
@@ -110,7 +112,10 @@ class StorageWriter(_DCPStorageWriter):
             replica is in place). ``"remote"`` only with ``remote``. Under
             ``AsyncCheckpointerType.PROCESS`` a save always completes at the remote commit: DCP's
             checkpoint subprocess cannot keep uploading after it has answered.
-        endpoint_url: S3 endpoint, overriding the boto3 chain.
+        remote_options: the remote tier's own keyword arguments (docs/tiers.md, "Options": an
+            endpoint, a project, an account...); by default each tier reads its SDK's environment.
+            The per-tier keyword arguments this constructor took before are deprecated aliases
+            (a ``DeprecationWarning``; docs/tiers.md).
         upload_timeout: seconds ``close()``/exit and the remote commit wait for uploads (default 1 h).
         retention: a :class:`ckptstore.retention.RetentionPolicy` applied by the coordinator right
             after each commit, per tier (opt-in; default None keeps everything). It considers only
@@ -201,7 +206,7 @@ class StorageWriter(_DCPStorageWriter):
     # the settings above, kept in the WriterConfig every stage reads (``_config.Setting``)
     root = Setting()
     remote_url = Setting()
-    endpoint_url = Setting()
+    remote_options = Setting()
     overwrite = Setting()
     step = Setting()
     user_metadata = Setting()
@@ -237,7 +242,7 @@ class StorageWriter(_DCPStorageWriter):
         compression: str = "auto",
         level: int = 1,
         durability: str = "local",
-        endpoint_url: str | None = None,
+        remote_options: dict | None = None,
         allow_divergent_replicas: bool = False,
         upload_timeout: float = 3600.0,
         retention: Any = None,
@@ -252,12 +257,14 @@ class StorageWriter(_DCPStorageWriter):
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        remote_options = remote_options_of(remote_options, kwargs, where="StorageWriter")
         reject_unknown_kwargs(type(self), kwargs)
         quiet_single_process()
         world_size = check_options(compression=compression, durability=durability, replicas=replicas,
                                    frame_size=frame_size, max_staged=max_staged, world_size=world_size)
         self._cfg = cfg = WriterConfig(
-            root=os.path.abspath(os.fspath(root)), remote_url=remote, endpoint_url=endpoint_url, overwrite=overwrite,
+            root=os.path.abspath(os.fspath(root)), remote_url=getattr(remote, "url", remote),
+            remote_options=remote_options, overwrite=overwrite,
             step=step, user_metadata=dict(user_metadata or {}), threads=threads or env_threads(), frame_size=frame_size,
             compression=compression, level=level, durability=durability, allow_divergent_replicas=allow_divergent_replicas,
             upload_timeout=upload_timeout, retention=retention, world_size=world_size, replicas=replicas,
@@ -265,10 +272,10 @@ class StorageWriter(_DCPStorageWriter):
             commit_check=commit_check, replica_domain=resolve_domain(replica_domain))
         self._keys = DataKeys(resolve_master(key_or_file(key, key_file)))
         if durability == "remote" and not remote:
-            raise ValueError("durability='remote' needs remote='s3://...'")
+            raise ValueError("durability='remote' needs a remote tier (remote='s3://...', 'gs://...', 'az://...')")
         self._default_version = check_version(version) if version is not None else None
         self._tier = LocalTier(cfg.root)
-        self._remote = make_remote(remote, endpoint_url=endpoint_url) if remote else None
+        self._remote = make_remote(remote, **remote_options) if remote else None
         self._stager = Stager(max_staged, timeout=upload_timeout)
         self._shipped = False  # a copy of this writer was sent to DCP's checkpoint subprocess
         self._ship_rank = 0  # the rank that sent it (only rank 0 re-checks the uploads at close)
@@ -309,7 +316,7 @@ class StorageWriter(_DCPStorageWriter):
             raise CkptStoreError("StorageWriter(commit_check=...) cannot run in DCP's checkpoint subprocess "
                                  "(AsyncCheckpointerType.PROCESS): use the THREAD executor (the default) or dcp.save")
         if not self._guard.in_subprocess and self._remote is not None and not self._shipped:
-            self._shipped = True  # close()/exit here check that the subprocess's versions reached S3
+            self._shipped = True  # close()/exit here check that the subprocess's versions reached the remote tier
             self._ship_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
             _shipped.add(self)
         s = self.__dict__.copy()  # the guard's copy knows this process as its trainer (Guard.__getstate__)
@@ -645,7 +652,7 @@ class StorageWriter(_DCPStorageWriter):
                 self._replicas.close(timeout)
             except CkptStoreError as e:
                 gap = e
-            if self._shipped and self._ship_rank == 0:  # the coordinator stages again what did not reach S3
+            if self._shipped and self._ship_rank == 0:  # the coordinator stages again what did not reach the remote tier
                 self._up.check_shipped(timeout, self._born)
             self._up.wait(timeout)
         except CkptStoreError as e:

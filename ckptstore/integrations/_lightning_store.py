@@ -214,7 +214,7 @@ class LightningStore:
     returns at the local commit and uploads continue; ``"remote"``: at the remote commit),
     ``retention`` (a :class:`ckptstore.retention.RetentionPolicy` applied after each commit),
     ``incremental`` (items unchanged since the previous save of this process are referenced, not
-    written again), ``endpoint_url``, ``upload_timeout``.
+    written again), ``remote_options`` (docs/tiers.md), ``upload_timeout``.
 
     Two writers, made on first use: :meth:`save_full` is one process's save of a whole checkpoint
     (``world_size=1``, no collective: Lightning's DDP and single-device strategies save on global
@@ -223,21 +223,26 @@ class LightningStore:
 
     def __init__(self, root: str | os.PathLike, *, remote: str | None = None, key: Any = None,
                  durability: str = "local", retention: Any = None, incremental: bool = True,
-                 endpoint_url: str | None = None, upload_timeout: float = 3600.0) -> None:
+                 remote_options: dict | None = None, upload_timeout: float = 3600.0, **legacy: Any) -> None:
+        from ..tiers import remote_options_of
+
+        remote_options = remote_options_of(remote_options, legacy, where="StoreCheckpointIO")
+        if legacy:
+            raise TypeError(f"StoreCheckpointIO() got unexpected keyword arguments {sorted(legacy)}")
         if root is None or "://" in os.fspath(root):
             raise CkptStoreError(
-                f"root {root!r} must be a local directory (the store's local tier); give S3 as remote='s3://bucket/prefix'")
+                f"root {root!r} must be a local directory (the store's local tier); give an object store as remote='s3://bucket/prefix' (or gs://, az://)")
         if durability not in DURABILITY:
             raise CkptStoreError(f"durability must be one of {DURABILITY}, got {durability!r}")
         if durability == "remote" and not remote:
-            raise CkptStoreError("durability='remote' needs remote='s3://bucket/prefix'")
+            raise CkptStoreError("durability='remote' needs a remote tier (remote='s3://bucket/prefix', gs://, az://)")
         self.root = os.path.abspath(os.fspath(root))
         self.remote = remote
         self.key = key
         self.durability = durability
         self.retention = retention
         self.incremental = incremental
-        self.endpoint_url = endpoint_url
+        self.remote_options = remote_options
         self.upload_timeout = upload_timeout
         self._writers: dict[str, Any] = {}
 
@@ -248,7 +253,7 @@ class LightningStore:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _extra(self) -> dict:
-        return {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
+        return {"remote_options": self.remote_options} if self.remote_options else {}
 
     def store(self):
         from ..store import Store

@@ -58,12 +58,19 @@ def is_version(checkpoint_id: str) -> bool:
     return isinstance(checkpoint_id, str) and re.fullmatch(re.escape(PREFIX) + r"\d+", checkpoint_id) is not None
 
 
+def legacy_options(config) -> dict:
+    """The deprecated per-tier fields of a checkpoint config that are set (``tiers.DEPRECATED_OPTIONS``)."""
+    from ..tiers import DEPRECATED_OPTIONS
+
+    return {k: getattr(config, k) for k in DEPRECATED_OPTIONS if getattr(config, k, None) is not None}
+
+
 def open_manager(folder: str, *, async_mode: str, keep_latest_k: int, remote: str | None, key_file: str | None,
-                 durability: str, endpoint_url: str | None, load_only: bool = False):
+                 durability: str, remote_options: dict | None = None, load_only: bool = False, **legacy):
     """The :class:`ckptstore.CheckpointManager` of a torchtitan job (collective: every rank calls it).
 
     ``folder``: torchtitan's ``dump_folder``/``checkpoint.folder``, the local root (a directory;
-    S3 goes in ``remote``). ``async_mode``: ``"disabled"`` and ``"async"`` save on the manager's
+    the object store goes in ``remote``, its options in ``remote_options``). ``async_mode``: ``"disabled"`` and ``"async"`` save on the manager's
     worker thread, ``"async_with_pinned_mem"`` in DCP's checkpoint subprocess (PROCESS).
     ``keep_latest_k`` > 0: retention ``KeepLast(k)`` in every tier, applied after each commit.
     ``key_file``: the master key (else ``CKPTSTORE_KEY`` / ``CKPTSTORE_KEY_FILE``).
@@ -79,11 +86,12 @@ def open_manager(folder: str, *, async_mode: str, keep_latest_k: int, remote: st
     if "://" in folder:
         raise CkptStoreError(
             f"checkpoint.folder {folder!r} is a URI; with ckptstore it is the local root (a directory), "
-            "and S3 is given as remote (override kwarg {\"remote\": \"s3://bucket/prefix\"})")
+            "and an object store is given as remote (override kwarg {\"remote\": \"s3://bucket/prefix\"})")
     if durability not in DURABILITY:
         raise CkptStoreError(f"durability must be one of {DURABILITY}, got {durability!r}")
     retention = RetentionPolicy(rules=(KeepLast(keep_latest_k),)) if keep_latest_k > 0 else None
-    extra = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    extra = {"remote_options": dict(remote_options)} if remote_options else {}
+    extra.update(legacy)  # deprecated per-tier options: CheckpointManager maps them onto remote_options
     mgr = CheckpointManager(
         folder, None, remote=remote, key_file=key_file or None, interval_steps=None, retention=retention,
         durability=durability, executor="process" if async_mode == "async_with_pinned_mem" else "thread", save_rng=False,

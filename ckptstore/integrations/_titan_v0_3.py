@@ -99,7 +99,8 @@ class _StoreCheckpointing:
         self._ckpt = _store.open_manager(
             self.folder, async_mode=str(self.async_mode.value), keep_latest_k=config.keep_latest_k,
             remote=config.remote, key_file=config.key_file, durability=config.durability,
-            endpoint_url=config.endpoint_url, load_only=bool(getattr(config, "load_only", False)),
+            remote_options=dict(config.remote_options or {}), load_only=bool(getattr(config, "load_only", False)),
+            **_store.legacy_options(config),
         )
         log.info("ckptstore: checkpoints of this job are versions step-N of the store %s%s", self.folder,
                  f" (remote {config.remote})" if config.remote else "")
@@ -205,14 +206,14 @@ def manager_class(base: type) -> type:
     class CkptStoreCheckpointManager(_StoreCheckpointing, base):
         """torchtitan's checkpointer, saving, loading, finding and pruning through ckptstore
         (:mod:`ckptstore.integrations.torchtitan`). Config: torchtitan's, plus ``remote``
-        (``"s3://bucket/prefix"``), ``key_file``, ``durability`` (``"local"``, ``"replicated"``,
-        ``"remote"``), ``endpoint_url``; the local root is torchtitan's ``dump_folder/checkpoint.folder``
+        (``"s3://bucket/prefix"``, ``"gs://…"``, ``"az://…"``), ``key_file``, ``durability``
+        (``"local"``, ``"replicated"``, ``"remote"``), ``remote_options``; the local root is torchtitan's ``dump_folder/checkpoint.folder``
         and ``keep_latest_k`` the retention."""
 
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(base.Config):
             remote: str | None = None
-            """S3 prefix every version is also staged to (``s3://bucket/prefix``); None: local only."""
+            """Remote tier every version is also staged to (``s3://bucket/prefix``, ``gs://…``, ``az://…``); None: local only."""
 
             key_file: str | None = None
             """Master key file (32 bytes or their base64); None: CKPTSTORE_KEY / CKPTSTORE_KEY_FILE or no encryption."""
@@ -220,8 +221,11 @@ def manager_class(base: type) -> type:
             durability: str = "local"
             """When a save counts as done: "local", "replicated" or "remote" (ckptstore.StorageWriter)."""
 
+            remote_options: dict[str, str] = dataclasses.field(default_factory=dict)
+            """The remote tier's options (docs/tiers.md, "Options"), e.g. {"endpoint_url": ...}; else its SDK's environment."""
+
             endpoint_url: str | None = None
-            """S3 endpoint (else the boto3 chain: AWS_ENDPOINT_URL, ...)."""
+            """Deprecated: remote_options = {"endpoint_url": ...} (mapped onto it, with a DeprecationWarning)."""
 
             def __post_init__(self) -> None:
                 base.Config.__post_init__(self)

@@ -35,7 +35,7 @@ uploads continue; ``"remote"``), ``retention`` (a :class:`ckptstore.retention.Re
 int *k* for ``KeepLast(k)``, applied after each commit — in addition to ``ModelCheckpoint``'s),
 ``incremental`` (default True: an item unchanged since this process's previous save, e.g. the
 ``last`` copy of the checkpoint just saved, is referenced instead of written again),
-``endpoint_url``, ``upload_timeout`` (seconds ``teardown`` waits for uploads).
+``remote_options`` (the remote tier's options, docs/tiers.md), ``upload_timeout`` (seconds ``teardown`` waits for uploads).
 
 Importing this module needs pytorch-lightning (:data:`TESTED_VERSIONS`; another release warns once).
 """
@@ -82,7 +82,8 @@ class StoreCheckpointIO(_v.StoreCheckpointIO):
 
     def __init__(self, root: str | os.PathLike, *, remote: str | None = None, key: Any = None,
                  key_file: str | None = None, durability: str = "local", retention: Any = None,
-                 incremental: bool = True, endpoint_url: str | None = None, upload_timeout: float = 3600.0) -> None:
+                 incremental: bool = True, remote_options: dict | None = None, upload_timeout: float = 3600.0,
+                 **legacy: Any) -> None:
         if key_file:
             from ..codec.crypto import load_key_file
 
@@ -92,7 +93,7 @@ class StoreCheckpointIO(_v.StoreCheckpointIO):
 
             retention = RetentionPolicy(rules=(KeepLast(retention),))
         super().__init__(root, remote=remote, key=key, durability=durability, retention=retention,
-                         incremental=incremental, endpoint_url=endpoint_url, upload_timeout=upload_timeout)
+                         incremental=incremental, remote_options=remote_options, upload_timeout=upload_timeout, **legacy)
 
 
 #: Lightning's ``ModelParallelStrategy`` saving every rank's shards through ckptstore

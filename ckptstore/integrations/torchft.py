@@ -268,12 +268,13 @@ class DurableTier:
             **{k: v for k, v in writer_options.items() if k in ("endpoint_url", "threads")})
 
     # -- set-up ------------------------------------------------------------------------------------
-    def _remote_tier(self, url: str, endpoint_url: str | None):
-        from ..tiers.s3 import S3Tier
+    def _remote_tier(self, url: str, options):
+        """The remote tier of ``url`` through the registry, each request bounded below ``timeout_s``
+        (``Tier.bounded_options``). ``options``: the tier's options (a dict), or one endpoint URL."""
+        from ..tiers import make_remote
 
-        t = self.timeout_s
-        return S3Tier(url, endpoint_url=endpoint_url, connect_timeout=min(10.0, t / 4), read_timeout=min(60.0, t / 2),
-                      max_attempts=3)
+        opts = dict(options) if isinstance(options, dict) else ({} if options is None else {"endpoint_url": options})
+        return make_remote(url, timeout_s=self.timeout_s, **opts)
 
     def _event(self, which: str):
         def on_event(e: dict) -> None:

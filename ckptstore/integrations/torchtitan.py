@@ -12,7 +12,7 @@ torchtitan or to its configs::
 The override replaces the ``checkpoint`` config (torchtitan's DCP ``CheckpointManager.Config``) by
 :class:`CheckpointManager.Config` — every torchtitan field kept (``derive``), plus the options given
 as the override's JSON kwargs: ``remote`` (``s3://bucket/prefix``), ``key_file``, ``durability``
-(``"local"``/``"replicated"``/``"remote"``), ``endpoint_url``. The local root is torchtitan's
+(``"local"``/``"replicated"``/``"remote"``), ``remote_options``. The local root is torchtitan's
 ``dump_folder/checkpoint.folder``, retention its ``keep_latest_k``, version names its ``step-N``;
 ``ckptstore list DUMP/checkpoint`` shows them. What the subclass changes: ``ckptstore/integrations/_titan_v0_3.py``
 (module docstring). In Python, without the override::
@@ -62,5 +62,5 @@ CheckpointManager.__qualname__ = CheckpointManager.__name__ = "CheckpointManager
            description="checkpoints through ckptstore (saves, loads, discovery, retention)")
 def checkpointing(cfg, **options):
     """The ``--override.imports`` factory: torchtitan's checkpoint config → :class:`CheckpointManager.Config`
-    with every field kept and ``options`` (``remote``, ``key_file``, ``durability``, ``endpoint_url``)."""
+    with every field kept and ``options`` (``remote``, ``key_file``, ``durability``, ``remote_options``)."""
     return _derive(cfg, CheckpointManager.Config, **options)

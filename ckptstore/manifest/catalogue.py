@@ -117,14 +117,14 @@ class TierEntry:
     parsed: ParsedManifest
     pinned: bool
     damaged: bool
-    md5: str = ""  # MD5 (hex) of the manifest file: what S3 reports as its ETag (docs/FORMAT.md, "One name, one content")
+    md5: str = ""  # MD5 (hex) of the manifest file: what a remote listing reports (docs/FORMAT.md, "Tiers", rule 3)
 
 
 @dataclasses.dataclass(frozen=True)
 class VersionDir:
     """One version directory as a listing of it shows it (docs/FORMAT.md, "Layout by example"):
     ``enc`` (its name, the encoded version), ``manifest`` (the ``manifest.json`` listing entry:
-    size, mtime and, on S3, the ETag; None when absent), whether ``pinned`` and ``damaged.json``
+    size, mtime and, on a remote tier, the listed MD5; None when absent), whether ``pinned`` and ``damaged.json``
     are there, and whether it has an ``attempts/`` directory."""
 
     enc: str
@@ -138,15 +138,15 @@ class VersionDir:
         return f"{layout.VERSIONS}/{self.enc}/{layout.MANIFEST}"
 
 
-#: concurrent listings of version directories on a tier that is not local (S3: one request each)
+#: concurrent listings of version directories on a tier that is not local (one request each)
 _LIST_THREADS = 16
 
 
 def version_dirs(tier: Tier) -> dict[str, VersionDir]:
     """``{encoded name: VersionDir}`` of every directory under ``versions/``: one listing of
-    ``versions/`` and one of each version directory, both one level deep (``Tier.list_dir``: S3's
+    ``versions/`` and one of each version directory, both one level deep (``Tier.list_dir``: the object store's
     ``Delimiter="/"``) — never the objects of the attempts (docs/FORMAT.md, "Restore choice"). On
-    S3 that is 1 + V small requests (the directories' listings run concurrently) instead of one page
+    an object store that is 1 + V small requests (the directories' listings run concurrently) instead of one page
     per 1,000 objects of every version."""
     _files, dirs = tier.list_dir(layout.VERSIONS + "/")
     encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
@@ -197,7 +197,7 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
     A manifest that fails to parse or its checksum (or sits in a directory that is not a version
     name) is *invalid*: skipped, logged, and appended to ``problems`` as ``(tier, key, why)``. A
     storage error is not a verdict on the manifest (docs/FORMAT.md, Read rule 5): the tier has
-    already retried it (botocore's retries on S3), so it is raised, never turned into a missing
+    already retried it (its SDK's retries on a remote tier), so it is raised, never turned into a missing
     version.
     """
     out: dict[str, TierEntry] = {}

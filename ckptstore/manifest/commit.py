@@ -1,7 +1,7 @@
 """Phase 2 of the commit, shared by every tier: make a version visible (docs/FORMAT.md, Save rule 4).
 
-The manifest is written with put-if-absent (local: ``os.link`` of an fsync'd temp file; S3:
-``If-None-Match: "*"``) or, with ``overwrite``, an atomic replace. Of two writers racing for one
+The manifest is written with put-if-absent (local: ``os.link`` of an fsync'd temp file; a remote
+tier: the precondition its server enforces, docs/FORMAT.md "Tiers", rule 1) or, with ``overwrite``, an atomic replace. Of two writers racing for one
 version exactly one wins; the other gets :class:`VersionExistsError` and changes nothing.
 """
 

@@ -5,13 +5,13 @@
     versions/<enc(version)>/damaged.json                   scrub's damage mark (optional)
     versions/<enc(version)>/attempts/<attempt>/r00000.ckd  rank 0's shard object (frames)
     versions/<enc(version)>/attempts/<attempt>/metadata.ckd  pickled DCP Metadata (frames)
-    versions/<enc(version)>/attempts/<attempt>/uploaded.r00000.json  rank 0 finished its upload (S3)
+    versions/<enc(version)>/attempts/<attempt>/uploaded.r00000.json  rank 0 finished its upload (remote)
     versions/<enc(version)>/attempts/<attempt>/replicas.r00002.json  replicas rank 2 wrote into its root
     versions/<enc(version)>/.../.tmp-<random>              a local temporary file (garbage if left)
     probes/root.<token>                                    a root claim: which rank leads the root (local tier)
     leases/<attempt>.r00003.json                           what rank 3's save in flight references (see leases)
     leases/<attempt>.remote.json                           ... the remote commit of that save (remote tier)
-    probes/put-if-absent.<nonce>                           conditional-write probe (S3; deleted at once)
+    probes/put-if-absent.<nonce>                           conditional-write probe (remote; deleted at once)
     restores.jsonl                                         restore log of the jobs whose rank 0 used this root
 
 Every key and name of that layout is built or recognised here and nowhere else. The grammar of
@@ -179,5 +179,6 @@ CONDITIONAL_PROBE = "put-if-absent."
 
 
 def conditional_probe_key() -> str:
-    """A fresh key for the probe that checks whether an S3 endpoint enforces ``If-None-Match: *``."""
+    """A fresh key for the probe that checks whether a remote endpoint enforces put-if-absent
+    (docs/FORMAT.md, "Conditional writes")."""
     return f"{PROBES}/{CONDITIONAL_PROBE}{secrets.token_hex(8)}"

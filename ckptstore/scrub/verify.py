@@ -63,7 +63,7 @@ def default_jobs() -> int:
 
     Verifying is XXH3-64 over every stored byte — several GB/s per core, with the GIL released — so
     one worker per core keeps a local disk (or the page cache) busy and more workers only contend
-    for the same cores; on S3 each worker also keeps one ranged GET in flight.
+    for the same cores; on a remote tier each worker also keeps one ranged GET in flight.
     """
     try:
         n = len(os.sched_getaffinity(0))

@@ -53,7 +53,7 @@ def scrub(
     ``CKPTSTORE_KMS_KEY_ID``); a key service that refuses or does not answer leaves the deep part
     of the versions it wraps *not checked* (exit 12), never damaged. ``on_total(bytes)``/``on_bytes(n)``: progress callbacks (``on_bytes``
     may be called from several threads). ``jobs``: worker threads that verify objects and frames
-    (and run ranged GETs on S3); default :func:`default_jobs`.
+    (and run ranged GETs on a remote tier); default :func:`default_jobs`.
 
     Per tier, the part of each version that tier holds is checked
     (:func:`ckptstore.manifest.placement.part_held`): the whole version in the ``remote`` tier; on a

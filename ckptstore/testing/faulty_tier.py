@@ -97,6 +97,10 @@ class FaultyTier(Tier):
     def close(self) -> None:
         self.inner.close()
 
+    @property
+    def listing_md5(self) -> bool:  # a declared capability of the inner tier
+        return self.inner.listing_md5
+
     def __getattr__(self, attr):  # optional features of the inner tier (multipart uploads, ...)
         if attr == "inner":
             raise AttributeError(attr)

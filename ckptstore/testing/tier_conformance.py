@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import hashlib
 import os
 import random
 import threading
@@ -45,6 +46,7 @@ from ..errors import (
     InvalidNameError,
     ObjectExistsError,
     ObjectNotFoundError,
+    PreconditionFailedError,
     StorageFullError,
     TransientStorageError,
 )
@@ -419,6 +421,95 @@ class TierConformanceTests:
         else:
             with pytest.raises(NotImplementedError):
                 list(tier.list_multipart_uploads("mp/"))
+
+    def test_listing_md5_declared(self, tier):
+        """A tier with ``listing_md5`` lists the MD5 of an object written by one ``put`` /
+        ``put_if_absent`` (docs/FORMAT.md, "Tiers", rule 3); a multi-part object may list None."""
+        if not tier.listing_md5:
+            pytest.skip(f"{type(tier).__name__} does not declare listing_md5")
+        a, b = _data(1000, 13), _data(70_000, 14)
+        tier.put("md5/a", a)
+        tier.put_if_absent("md5/sub/b", b)
+        want = {"md5/a": hashlib.md5(a).hexdigest(), "md5/sub/b": hashlib.md5(b).hexdigest()}
+        assert {i.key: i.md5 for i in tier.list("md5/")} == want
+        files, _dirs = tier.list_dir("md5/")
+        assert [(i.key, i.md5) for i in files] == [("md5/a", want["md5/a"])]
+
+    def test_part_upload_declared(self, tier):
+        """A tier with ``supports_part_upload`` declares its limits and makes an object from parts
+        cut to them; nothing is visible before ``complete``, and ``abort`` leaves nothing."""
+        if not tier.supports_part_upload:
+            with pytest.raises(NotImplementedError):
+                tier.open_part_upload("pu/x")
+            return
+        lim = tier.part_limits
+        assert lim is not None and lim.min_part <= lim.part_size <= lim.max_part
+        data = _data(2 * lim.part_size + 4321, 15)
+        up = tier.open_part_upload("pu/obj")
+        off, n = 0, 0
+        while off < len(data):
+            size = min(lim.part_size, len(data) - off)
+            n += 1
+            up.send(n, lambda o=off, s=size: data[o:o + s])
+            off += size
+        assert not tier.exists("pu/obj")
+        up.complete(len(data))
+        assert tier.get("pu/obj") == data and up.parts == 3
+        up2 = tier.open_part_upload("pu/aborted")
+        up2.send(1, lambda: data[:lim.part_size])
+        up2.abort()
+        assert not tier.exists("pu/aborted") and [i.key for i in tier.list("pu/")] == ["pu/obj"]
+
+    # --- conditional replace (docs/FORMAT.md, "Conditional writes"); skipped where not declared ---
+
+    def _needs_conditional_replace(self, tier):
+        if not tier.supports_conditional_replace:
+            pytest.skip(f"{type(tier).__name__} does not declare supports_conditional_replace")
+
+    def test_conditional_replace_swaps_only_the_token_seen(self, tier):
+        self._needs_conditional_replace(tier)
+        tier.put("cas/k", b"one")
+        t1 = tier.stat("cas/k").token
+        assert t1
+        tier.replace_if_match("cas/k", b"two", t1)
+        assert tier.get("cas/k") == b"two"
+        t2 = tier.stat("cas/k").token
+        assert t2 and t2 != t1
+        with pytest.raises(PreconditionFailedError):  # a stale token: another writer replaced it
+            tier.replace_if_match("cas/k", b"three", t1)
+        assert tier.get("cas/k") == b"two"
+        tier.delete("cas/k")
+        with pytest.raises(PreconditionFailedError):  # deleted since: nothing is written
+            tier.replace_if_match("cas/k", b"four", t2)
+        assert not tier.exists("cas/k")
+
+    def test_conditional_replace_race_has_one_winner(self, tier):
+        self._needs_conditional_replace(tier)
+        tier.put("cas/race", b"base")
+        token = tier.stat("cas/race").token
+        n = 6
+        barrier = threading.Barrier(n)
+        payloads = [f"replacer {i} ".encode() * (i + 1) for i in range(n)]
+
+        def attempt(i):
+            barrier.wait()
+            try:
+                tier.replace_if_match("cas/race", payloads[i], token)
+                return i
+            except PreconditionFailedError:
+                return None
+
+        with cf.ThreadPoolExecutor(n) as ex:
+            results = list(ex.map(attempt, range(n)))
+        winners = [r for r in results if r is not None]
+        assert len(winners) == 1, results
+        assert tier.get("cas/race") == payloads[winners[0]]
+
+    def test_conditional_replace_token_listed(self, tier):
+        self._needs_conditional_replace(tier)
+        tier.put("cas/l", b"x")
+        listed = {i.key: i.token for i in tier.list("cas/")}
+        assert listed["cas/l"] in (None, tier.stat("cas/l").token)
 
     # --- error contract ---
 

@@ -1,7 +1,8 @@
 """The Tier interface: a flat key→bytes store with put-if-absent.
 
-A *tier* is one place a store lives: the local root (NVMe) or an S3 prefix. Both use the same
-layout (see docs/FORMAT.md). Keys are relative, ``/``-separated, validated by
+A *tier* is one place a store lives: the local root (NVMe) or a remote prefix (``s3://``,
+``gs://``, ``az://``: the registry in :mod:`ckptstore.tiers`). All use the same layout (see
+docs/FORMAT.md). Keys are relative, ``/``-separated, validated by
 :func:`ckptstore._names.check_key`; tiers never see an absolute path or ``..``.
 
 Errors are translated once, here at the boundary: a missing key raises
@@ -13,8 +14,11 @@ Errors are translated once, here at the boundary: a missing key raises
 
 Optional features are declared, not probed for (zarr's ``supports_*`` properties): a caller checks
 :attr:`Tier.supports_multipart` before it calls :meth:`Tier.list_multipart_uploads` /
-:meth:`Tier.abort_multipart_upload`, which raise :class:`NotImplementedError` on tiers without
-multipart uploads. Operations that only mean something for a directory tree
+:meth:`Tier.abort_multipart_upload`, :attr:`Tier.supports_part_upload` (with its
+:attr:`Tier.part_limits`) before :meth:`Tier.open_part_upload`,
+:attr:`Tier.supports_conditional_replace` before :meth:`Tier.replace_if_match`, and
+:attr:`Tier.listing_md5` before it takes a listing's :attr:`ObjectInfo.md5` for the object's
+digest; each raises :class:`NotImplementedError` (or the field is None) on tiers without it. Operations that only mean something for a directory tree
 (:meth:`Tier.list_empty_dirs`, :meth:`Tier.remove_empty_dir`) are no-ops elsewhere.
 """
 
@@ -30,8 +34,8 @@ from typing import Callable, Iterator, Sequence
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     """One stored object: ``key`` (relative), ``size`` (bytes), ``mtime`` (POSIX seconds, UTC) and,
-    where the tier's listing reports one, ``etag`` (S3's ETag without quotes: the MD5 of an object
-    written by one PUT; None elsewhere)."""
+    where the tier reports one, ``etag`` (the server's entity tag without quotes, S3's and Azure's;
+    None elsewhere) and ``md5``."""
 
     key: str
     size: int
@@ -41,6 +45,78 @@ class ObjectInfo:
     #: what the local tier's ``stat`` reports): what :meth:`Tier.replace_if_match` compares.
     #: None where the tier's listing does not carry it (ask :meth:`Tier.stat`).
     token: str | None = None
+    #: The MD5 (32 lowercase hex digits) of the object's bytes, where the listing and ``stat``
+    #: carry it: on a tier with :attr:`Tier.listing_md5`, always for an object written by
+    #: :meth:`Tier.put` or :meth:`Tier.put_if_absent` of at most one part (docs/FORMAT.md, "Tiers":
+    #: the manifest's digest is read from the listing, not from its bytes). None otherwise.
+    md5: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PartLimits:
+    """The part sizes a tier's :meth:`Tier.open_part_upload` takes (bytes).
+
+    ``part_size``: the first part's size (and the size of every part until the caller grows it);
+    ``min_part``: every part but the last at least this; ``max_part``: no part larger;
+    ``max_parts``: at most this many parts in one upload; ``multiple``: every part but the last a
+    multiple of this. Sources: S3 (5 MiB–5 GiB, 10,000 parts: the S3 API reference, "UploadPart"),
+    GCS resumable uploads (chunks a multiple of 256 KiB: cloud.google.com/storage/docs/
+    performing-resumable-uploads), Azure block blobs (≤ 4,000 MiB per block, 50,000 blocks:
+    "Put Block" in the Blob service REST reference)."""
+
+    part_size: int
+    min_part: int
+    max_part: int
+    max_parts: int
+    multiple: int = 1
+
+    def __post_init__(self):
+        if not (0 < self.min_part <= self.part_size <= self.max_part) or self.max_parts < 1:
+            raise ValueError(f"inconsistent part limits {self}")
+        if self.part_size % self.multiple:
+            raise ValueError(f"part_size {self.part_size} is not a multiple of {self.multiple}")
+
+    def grown(self, size: int, parts_so_far: int) -> int:
+        """The part size after ``parts_so_far`` parts of which the last had ``size`` bytes: doubled
+        every ``max_parts // 10`` parts (so any object fits in ``max_parts``), at most ``max_part``."""
+        if parts_so_far and parts_so_far % max(1, self.max_parts // 10) == 0:
+            return min(size * 2, self.max_part - self.max_part % self.multiple)
+        return size
+
+
+class PartUpload(abc.ABC):
+    """An upload of one object whose parts the caller cuts while the object is still being produced
+    elsewhere (the streamed upload of a rank object while it is written locally,
+    ``ckptstore/dcp/upload.py``); made by :meth:`Tier.open_part_upload`.
+
+    :meth:`send` queues part ``number`` (1, 2, … in order; sizes within the tier's
+    :attr:`Tier.part_limits`); ``read()`` runs on the tier's threads and returns the part's bytes
+    (it may check them and raise). Nothing is visible under the key until :meth:`complete`, which
+    waits for every part (the first failure aborts the upload and is raised), makes the object and
+    checks that ``size`` bytes are stored. :meth:`abort` cancels queued parts, waits for running
+    ones (no part lands after it) and never raises; what a failed abort leaves is invisible under
+    the key (S3: an incomplete upload that gc finds, :attr:`Tier.supports_multipart`; GCS: a
+    resumable session that expires after a week; Azure: uncommitted blocks the service discards
+    after a week)."""
+
+    key: str
+
+    @property
+    @abc.abstractmethod
+    def parts(self) -> int:
+        """Parts queued so far."""
+
+    @abc.abstractmethod
+    def send(self, number: int, read: Callable[[], bytes]):
+        """Queue part ``number`` (the next one); returns a ``concurrent.futures.Future``."""
+
+    @abc.abstractmethod
+    def complete(self, size: int) -> None:
+        """Wait for every part, make the object, verify that ``size`` bytes are stored."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard the upload (never raises)."""
 
 
 class ObjectWriter(abc.ABC):
@@ -83,6 +159,31 @@ class Tier(abc.ABC):
     #: a precondition the server enforces: S3 ``If-Match``, GCS ``ifGenerationMatch``, Azure
     #: ``If-Match``). A tier whose endpoint ignores the precondition must refuse, not overwrite.
     supports_conditional_replace: bool = False
+    #: True when :meth:`open_part_upload` streams an object part by part (:class:`PartUpload`),
+    #: with the part sizes of :attr:`part_limits`.
+    supports_part_upload: bool = False
+    part_limits: PartLimits | None = None
+    #: True when :meth:`list` / :meth:`list_dir` / :meth:`stat` report :attr:`ObjectInfo.md5` for
+    #: every object written by one :meth:`put` / :meth:`put_if_absent` (S3: the ETag of a single
+    #: PUT; GCS: ``md5Hash``; Azure: ``Content-MD5``). What lets a reader recognise a manifest it
+    #: already holds from the listing alone (docs/FORMAT.md, "Tiers", rule 3).
+    listing_md5: bool = False
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float | None = None, **options) -> "Tier":
+        """The tier of ``url``, as :func:`ckptstore.tiers.make_remote` builds it: ``options`` are
+        the tier's own keyword arguments (its constructor's); ``timeout_s`` bounds every request
+        of the tier and its retries to about that many seconds (:meth:`bounded_options`; an
+        option given explicitly wins)."""
+        if timeout_s is not None:
+            options = {**cls.bounded_options(float(timeout_s)), **options}
+        return cls(url, **options)
+
+    @classmethod
+    def bounded_options(cls, timeout_s: float) -> dict:
+        """The constructor options (connect/read timeouts, attempts) under which one request of the
+        tier, retries included, takes about ``timeout_s`` seconds at most. Default: none."""
+        return {}
 
     @abc.abstractmethod
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -190,6 +291,10 @@ class Tier(abc.ABC):
                 pass
 
     # -- optional features ---------------------------------------------------------------------
+    def open_part_upload(self, key: str) -> PartUpload:
+        """A :class:`PartUpload` of ``key`` (only when :attr:`supports_part_upload`)."""
+        raise NotImplementedError(f"the {self.name} tier has no part uploads")
+
     def list_multipart_uploads(self, prefix: str = "") -> Iterator:
         """Unfinished multipart uploads under ``prefix`` (only when :attr:`supports_multipart`)."""
         raise NotImplementedError(f"the {self.name} tier has no multipart uploads")

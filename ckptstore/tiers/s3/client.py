@@ -30,12 +30,9 @@ connection errors → :class:`TransientStorageError`; everything else (``AccessD
 from __future__ import annotations
 
 import concurrent.futures as cf
-import io
 import os
 import threading
 import time
-from typing import Callable, Iterable
-
 import botocore.exceptions as bce
 import botocore.session
 from botocore.config import Config
@@ -125,107 +122,9 @@ def _skew_words(skew: float) -> str:
     return f"{n} {'ahead of' if skew > 0 else 'behind'}"
 
 
-# --- request bodies -----------------------------------------------------------------------------
+# --- request bodies (shared by every remote tier: tiers/_io.py) ---------------------------------
 
-
-class Slice(io.RawIOBase):
-    """A seekable read-only view of ``[off, off+length)`` of a buffer or a file descriptor.
-
-    botocore reads it (for the checksum and the request), seeks back on retries, and takes the
-    length from seek/tell. It never exposes ``fileno`` (botocore would use the whole file's size).
-    """
-
-    def __init__(self, length: int, *, buf=None, fd: int | None = None, off: int = 0):
-        self._len = length
-        self._buf = buf
-        self._fd = fd
-        self._off = off
-        self._pos = 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def tell(self):
-        return self._pos
-
-    def seek(self, offset, whence=0):
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b):
-        n = min(len(b), self._len - self._pos)
-        if n <= 0:
-            return 0
-        start = self._off + self._pos
-        if self._buf is not None:
-            b[:n] = self._buf[start:start + n]
-        else:
-            data = os.pread(self._fd, n, start)
-            if not data:
-                raise StorageError("local file shrank while it was being uploaded")
-            n = len(data)
-            b[:n] = data
-        self._pos += n
-        return n
-
-    def read(self, size=-1):
-        if size is None or size < 0:
-            size = self._len - self._pos
-        size = max(0, min(size, self._len - self._pos))
-        if self._buf is not None:
-            start = self._off + self._pos
-            self._pos += size
-            return bytes(self._buf[start:start + size])
-        return super().read(size)
-
-
-def body_of(data) -> object:
-    """The request body for ``data`` (bytes as they are; any other buffer without a copy)."""
-    if isinstance(data, bytes):
-        return data
-    mv = memoryview(data).cast("B")
-    return Slice(len(mv), buf=mv)
-
-
-def run_bounded(pool: cf.Executor, fn: Callable, items: Iterable, limit: int) -> list:
-    """``[fn(x) for x in items]`` on ``pool``, at most ``limit`` in flight; stops at the first
-    failure (cancels what has not started, waits for what has), and raises it."""
-    it = iter(enumerate(items))
-    results: dict[int, object] = {}
-    running: dict[cf.Future, int] = {}
-    error: BaseException | None = None
-    try:
-        for idx, x in it:
-            running[pool.submit(fn, x)] = idx
-            if len(running) >= limit:
-                break
-        while running:
-            done, _ = cf.wait(running, return_when=cf.FIRST_EXCEPTION)
-            for f in done:
-                idx = running.pop(f)
-                exc = f.exception()
-                if exc is not None:
-                    error = error or exc
-                else:
-                    results[idx] = f.result()
-            if error is not None:
-                break
-            for idx, x in it:
-                running[pool.submit(fn, x)] = idx
-                if len(running) >= limit:
-                    break
-    except BaseException as e:  # KeyboardInterrupt while waiting
-        error = e
-    if error is not None:
-        for f in running:
-            f.cancel()
-        cf.wait(running)
-        raise error
-    return [results[i] for i in range(len(results))]
+from .._io import Slice, body_of, run_bounded  # noqa: E402,F401
 
 
 # --- the client ---------------------------------------------------------------------------------

@@ -18,6 +18,14 @@ from ..base import ObjectInfo
 from .client import BOTO_ERRORS, Connection
 
 
+def _info(key: str, obj: dict) -> ObjectInfo:
+    """The record of one ``Contents`` entry; ``md5`` is the ETag of an object written by one PUT
+    (32 hex digits; a multipart upload's ETag has a ``-N`` suffix and is no MD5)."""
+    etag = str(obj.get("ETag") or "").strip('"') or None
+    md5 = etag if etag and len(etag) == 32 and "-" not in etag else None
+    return ObjectInfo(key, int(obj["Size"]), obj["LastModified"].timestamp(), etag, md5=md5)
+
+
 def check_prefix(prefix: object) -> str:
     """``prefix`` if it can be listed (a str, no control characters, relative), else
     :class:`InvalidNameError`."""
@@ -59,8 +67,7 @@ def objects(conn: Connection, prefix: str = "", *, page_size: int | None = None)
             k = obj["Key"]
             if not k.startswith(conn.prefix) or k.endswith("/"):
                 continue
-            yield ObjectInfo(k[n:], int(obj["Size"]), obj["LastModified"].timestamp(),
-                             str(obj.get("ETag") or "").strip('"') or None)
+            yield _info(k[n:], obj)
 
 
 def one_level(conn: Connection, prefix: str = "", *, page_size: int | None = None) -> tuple[list[ObjectInfo], list[str]]:
@@ -76,8 +83,7 @@ def one_level(conn: Connection, prefix: str = "", *, page_size: int | None = Non
             k = obj["Key"]
             if not k.startswith(conn.prefix) or k.endswith("/"):
                 continue
-            files.append(ObjectInfo(k[n:], int(obj["Size"]), obj["LastModified"].timestamp(),
-                                    str(obj.get("ETag") or "").strip('"') or None))
+            files.append(_info(k[n:], obj))
         for cp in page.get("CommonPrefixes", ()):
             p = cp.get("Prefix") or ""
             if p.startswith(conn.prefix):

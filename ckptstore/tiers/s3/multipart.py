@@ -35,6 +35,7 @@ import botocore.exceptions as bce
 from ... import _faults
 from ...errors import IntegrityError, StorageError
 from ..base import ObjectWriter
+from ..base import PartUpload as _PartUploadABC
 from .client import BOTO_ERRORS, Connection, error_code, run_bounded
 from .listing import pages
 
@@ -265,7 +266,7 @@ class _S3Writer(ObjectWriter):
             self._up.abort_quietly(self._key, self._upload_id)
 
 
-class PartUpload:
+class PartUpload(_PartUploadABC):
     """A multipart upload whose parts the caller cuts while the object is still being produced
     (made by :meth:`S3Tier.open_multipart <ckptstore.tiers.s3.S3Tier.open_multipart>`).
 

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 
 from ..._names import check_key
 from ...errors import IntegrityError, StorageError
-from ..base import ObjectInfo, ObjectWriter, Tier
+from ..base import ObjectInfo, ObjectWriter, PartLimits, Tier
 from . import conditional, listing
 from .client import Connection, Slice, body_of, run_bounded
 from .multipart import (
@@ -72,6 +72,15 @@ class S3Tier(Tier):
 
     name = "remote"
     supports_multipart = True
+    supports_part_upload = True
+    listing_md5 = True  # the ETag of a single PUT is its body's MD5 (listing.py)
+
+    @classmethod
+    def bounded_options(cls, timeout_s: float) -> dict:
+        """Connect/read timeouts of a quarter/half of ``timeout_s`` (at most botocore's usual 10 s /
+        60 s) and 3 tries per request."""
+        return {"connect_timeout": min(10.0, timeout_s / 4), "read_timeout": min(60.0, timeout_s / 2),
+                "max_attempts": 3}
 
     def __init__(
         self,
@@ -277,10 +286,17 @@ class S3Tier(Tier):
     def open_writer(self, key: str) -> ObjectWriter:
         return _S3Writer(self._uploads, key, self.part_size, self.writer_inflight)
 
-    def open_multipart(self, key: str) -> PartUpload:
+    @property
+    def part_limits(self) -> PartLimits:
+        """S3's: ``part_size`` first, 5 MiB–5 GiB, ``max_parts`` parts (multipart.py)."""
+        return PartLimits(self.part_size, MIN_PART_SIZE, MAX_PART_SIZE, self.max_parts)
+
+    def open_part_upload(self, key: str) -> PartUpload:
         """A multipart upload of ``key`` fed part by part by the caller (see :class:`PartUpload`).
         Nothing is sent until the first part runs."""
         return PartUpload(self._uploads, key)
+
+    open_multipart = open_part_upload
 
     def put_file(self, key: str, path: str | os.PathLike, size: int | None = None) -> None:
         """Upload a local file: multipart with :func:`part_size_for` parts in parallel; verified."""
