@@ -250,7 +250,7 @@ def _compress(raw: memoryview, level: int, float_width: int, cell=None, parts_ok
     ``parts = (list of bytes-likes, total)`` and ``payload`` None; the caller consumes the parts
     before this thread encodes again (they may view its scratch buffer)."""
     n = len(raw)
-    if float_width in (2, 4, 8) and n >= 4096 and n % float_width == 0 and "bytegroup/1" in stages._DECODERS:
+    if float_width in (2, 4, 8) and n >= 4096 and n % float_width == 0 and stages.has_bytegroup():
         from . import bytegroup
 
         r = bytegroup.encode_parts(raw, float_width, cell, scratch=parts_ok)

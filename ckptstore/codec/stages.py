@@ -143,6 +143,17 @@ register_decoder("zstd/1", lambda data, param, raw_len: zstd_decompress(data, ra
                  lambda data, param, raw_len, out: zstd_decompress_into(data, raw_len, out))
 
 
+def has_bytegroup() -> bool:
+    """Whether the byte-grouping float codec (``bytegroup/1``, needs numpy) is available; imports
+    and registers it on first call."""
+    if "bytegroup/1" not in _DECODERS:
+        try:
+            from . import bytegroup  # noqa: F401  (registers itself)
+        except ImportError:  # pragma: no cover
+            return False
+    return "bytegroup/1" in _DECODERS
+
+
 def parse_chain(chain: str) -> list[tuple[str, str]]:
     """``"bytegroup/1:2|zstd/1"`` → ``[("bytegroup/1", "2"), ("zstd/1", "")]``; validates names."""
     if chain == "":
@@ -150,6 +161,8 @@ def parse_chain(chain: str) -> list[tuple[str, str]]:
     out = []
     for desc in chain.split("|"):
         name, _, param = desc.partition(":")
+        if name == "bytegroup/1":
+            has_bytegroup()
         if name != "aesgcm/1" and name not in _DECODERS:
             raise UnsupportedFormatError(
                 f"unknown codec {desc!r}; this ckptstore release knows "
