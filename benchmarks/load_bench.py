@@ -264,6 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    os.environ.setdefault("CKPTBENCH_KEY", os.urandom(32).hex())  # one master key for every rank
     work = a.work or tempfile.mkdtemp(prefix="ckpt-loadbench-")
     os.makedirs(work, exist_ok=True)
     rows = []

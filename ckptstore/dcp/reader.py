@@ -460,7 +460,8 @@ class StorageReader(_DCPStorageReader):
             batches = _apply.batches(_apply.destinations(plan, planner, self.storage_data, self._metadata, self.allow_cast))
             # double-buffered: fetch+decode batch k+1 while batch k is copied into place
             # frames of whole items go straight into their destination's memory (no buffer per
-            # frame, no copy in this thread); a frame that fails verification fails the load
+            # frame, no copy in this thread); each verified before it is written, a frame that fails
+            # fails the load (docs/FORMAT.md, Read rule 13)
             pending = self._submit_batch(batches[0], pool)
             for k, batch in enumerate(batches):
                 nxt = self._submit_batch(batches[k + 1], pool) if k + 1 < len(batches) else None
@@ -643,6 +644,7 @@ def _read_placed(tier, key: str, obj: str, codec, frames: list, placed: dict) ->
     got = tier.readv_ranges(key, reqs)
     # every frame of the task is checked (length, header, index entry, payload XXH3) before any is
     # decoded into place: one damaged frame leaves all the task's destinations untouched
+    # (docs/FORMAT.md, Read rule 13)
     for f, v, g in zip(frames, views, got):
         if g != f.length:
             raise IntegrityError(f"{obj}: frame at offset {f.offset} is cut short ({g} of {f.length} bytes; the "
