@@ -156,7 +156,7 @@ class FrameCodec:
         return head, payload, h
 
     # -- decode ---------------------------------------------------------------------------------
-    def decode(self, obj: str, buf, ref: FrameRef | None, out=None):
+    def decode(self, obj: str, buf, ref: FrameRef | None, out=None, *, checked: bool = False):
         """Verify and decode one frame held whole in ``buf``; returns the raw bytes.
 
         Checks, in order: header checksum, agreement with ``ref`` (index, raw length, payload
@@ -168,7 +168,8 @@ class FrameCodec:
         before the header and the payload checksum have verified; the last stage writes straight
         into it (AES-GCM decryption, zstd, byte-group merge), so when a later check fails (the
         AEAD tag, a stage's own checks) it holds garbage and the :class:`IntegrityError` raised
-        must fail the load (docs/FORMAT.md, Read rules).
+        must fail the load (docs/FORMAT.md, Read rule 13). ``checked``: :meth:`check` already
+        passed on these very bytes (the payload XXH3 is not computed again).
         """
         what = obj
         hd = parse_header(buf, what)
@@ -177,7 +178,7 @@ class FrameCodec:
         if len(buf) != total:
             raise IntegrityError(f"{what}: frame length {len(buf)} != {total}", object=what)
         payload = memoryview(buf)[hd.header_len :]
-        if xxh3(payload) != hd.payload_xxh3:
+        if not checked and xxh3(payload) != hd.payload_xxh3:
             raise IntegrityError(f"{what}: frame {hd.index} payload checksum mismatch", object=what)
         return self._decode_payload(what, obj, hd, payload, out)
 

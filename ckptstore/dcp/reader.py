@@ -653,7 +653,7 @@ def _read_placed(tier, key: str, obj: str, codec, frames: list, placed: dict) ->
     out: dict = {}
     for f, v in zip(frames, views):
         dst = placed[(obj, f.offset)]
-        codec.decode(obj, v, f, out=memoryview(dst))
+        codec.decode(obj, v, f, out=memoryview(dst), checked=True)  # checked just above, same buffer
         out[(obj, f.offset)] = _apply.Placed(dst)
     return out
 
