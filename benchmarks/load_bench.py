@@ -184,7 +184,6 @@ def _rank(rank: int, world: int, args: dict, out: dict) -> None:
 
 def _local(sd):
     import bench_lib as B
-    import torch
 
     return B._map(sd, lambda v: v.to_local() if hasattr(v, "to_local") else v) if isinstance(sd, dict) else sd
 
