@@ -40,7 +40,7 @@ def prepare(root: str, mib: int) -> None:
 
     import ckptstore
 
-    if ckptstore.Store(root).versions():
+    if os.path.isdir(root) and ckptstore.Store(root).versions():
         return
     g = torch.Generator().manual_seed(0)
     n_tensors = 16

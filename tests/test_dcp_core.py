@@ -208,8 +208,10 @@ def test_corruption_is_detected(tmp_path, damage, key):
     else:
         rel = os.path.relpath(expect, os.path.join(root, layout.version_dir("c1"))).replace(os.sep, "/")
         assert any(rel in str(x) for x in errs), (rel, errs)
-    # no wrong tensor was ever returned: the destination is untouched or fully right
-    assert not torch.count_nonzero(tgt["a"]) or bits_equal(tgt["a"], sd["a"])
+    # no unverified byte reached a destination: frames are decoded straight into the tensors, each
+    # only after its checksum verified, so a failed load leaves every element untouched (zero) or right
+    a, want = tgt["a"].view(torch.int32), sd["a"].view(torch.int32)
+    assert bool(torch.all((a == 0) | (a == want)))
 
 
 # Case 10: keys

@@ -190,10 +190,11 @@ def _split(x: np.ndarray, width: int, transform: int, out: np.ndarray | None = N
     return planes
 
 
-def _merge(planes: list, count: int, width: int, transform: int) -> np.ndarray:
-    """Inverse of :func:`_split`: ``width`` uint8 arrays of ``count`` → ``count * width`` uint8."""
+def _merge(planes: list, count: int, width: int, transform: int, dest: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`_split`: ``width`` uint8 arrays of ``count`` → ``count * width`` uint8
+    (written into ``dest``, a writable uint8 array of ``count * width``, when given)."""
     dt = _UINT[width]
-    out = np.empty(count, dtype=dt)
+    out = np.empty(count, dtype=dt) if dest is None else dest.view(dt)
     if count == 0:
         return out.view(np.uint8)
     if width == 1:
@@ -390,13 +391,19 @@ def _bad(msg: str) -> IntegrityError:
     return IntegrityError(f"bytegroup/1 payload: {msg}")
 
 
-def _decode_plane(data: memoryview, count: int, k: int):
+def _decode_plane(data: memoryview, count: int, k: int, into: np.ndarray | None = None):
     try:
         size = zstandard.frame_content_size(data)
     except zstandard.ZstdError as e:
         raise _bad(f"plane {k} is not a zstd frame: {e}") from None
     if size != count:  # also refuses unknown (-1) content size; checked before anything is allocated
         raise _bad(f"plane {k} declares {size} bytes, expected {count}")
+    if into is not None:  # into reused memory (no first-touch page faults per frame)
+        try:
+            stages.zstd_decompress_into(data, count, memoryview(into))
+        except IntegrityError as e:
+            raise _bad(f"plane {k}: {e}") from None
+        return into
     try:
         out = _dctx().decompress(data, max_output_size=count, allow_extra_data=False)
     except zstandard.ZstdError as e:
@@ -406,10 +413,12 @@ def _decode_plane(data: memoryview, count: int, k: int):
     return np.frombuffer(out, dtype=np.uint8)
 
 
-def decode(data, param: str, raw_len: int) -> memoryview:
+def decode(data, param: str, raw_len: int, out=None) -> memoryview:
     """Decode a ``bytegroup/1:<param>`` payload to exactly ``raw_len`` bytes, or raise IntegrityError.
 
-    Returns a read-only, contiguous byte memoryview (bytes-like, like :func:`encode`).
+    Returns a read-only, contiguous byte memoryview (bytes-like, like :func:`encode`). With ``out``
+    (a writable byte buffer of ``raw_len`` bytes: a destination tensor's memory) the planes are
+    decompressed into this thread's scratch and merged straight into ``out``, which is returned.
     """
     if param not in ("1", "2", "4", "8"):
         raise _bad(f"bad width parameter {param!r}")
@@ -457,14 +466,26 @@ def decode(data, param: str, raw_len: int) -> memoryview:
         off += stored
     if off != total:
         raise _bad(f"{total - off} trailing bytes after the planes")
+    if out is not None:
+        dest = np.frombuffer(out, dtype=np.uint8)
+        if dest.shape[0] != raw_len or dest.flags.writeable is False:
+            raise ValueError("out must be a writable byte buffer of raw_len bytes")
+        scratch = _scratch(count * sum(1 for c, _s, _n in entries if c != CODEC_RAW))
     planes = []
+    used = 0
     for k, (codec, start, stored) in enumerate(entries):
         piece = mv[start : start + stored]
         if codec == CODEC_RAW:
             planes.append(np.frombuffer(piece, dtype=np.uint8))
+        elif out is not None:
+            planes.append(_decode_plane(piece, count, k, scratch[used : used + count]))
+            used += count
         else:
             planes.append(_decode_plane(piece, count, k))
     try:
+        if out is not None:
+            _merge(planes, count, width, transform, dest)
+            return out
         out = _merge(planes, count, width, transform)
     except (ValueError, MemoryError) as e:  # pragma: no cover - lengths were all checked above
         raise _bad(f"planes do not merge: {e}") from None
@@ -473,4 +494,4 @@ def decode(data, param: str, raw_len: int) -> memoryview:
     return memoryview(out).toreadonly()
 
 
-stages.register_decoder(DESCRIPTOR, decode)
+stages.register_decoder(DESCRIPTOR, decode, lambda data, param, raw_len, out: decode(data, param, raw_len, out))

@@ -317,17 +317,23 @@ class FrameCipher:
         out[pos : pos + TAG] = enc.tag
         return mv[: pos + TAG]
 
-    def decrypt(self, blob, aad: bytes, what: str, scratch: bool = False):
+    def decrypt(self, blob, aad: bytes, what: str, scratch: bool = False, out=None):
         """Authenticate and decrypt ``nonce ‖ ciphertext ‖ tag``; returns the plaintext as a byte
         memoryview. With ``scratch`` it lies in this thread's reusable buffer (up to 16 MiB), valid
         until the thread decrypts again: for a caller that decodes it further at once (a frame
-        whose chain has stages before ``aesgcm/1``). Raises :class:`IntegrityError`."""
+        whose chain has stages before ``aesgcm/1``). With ``out`` (a writable byte buffer of exactly
+        the plaintext's length: a destination tensor's memory) it is decrypted straight there and
+        ``out`` is returned; the tag is checked at the end, so when it fails ``out`` holds
+        unauthenticated bytes and the caller must treat it as garbage (the load fails).
+        Raises :class:`IntegrityError`."""
         if len(blob) < NONCE + TAG:
             raise IntegrityError(f"{what}: encrypted payload too short", object=what)
         mv = memoryview(blob).cast("B")
         n = len(mv) - NONCE - TAG
         dec = Cipher(self._alg, modes.GCM(bytes(mv[:NONCE]), bytes(mv[NONCE + n :]))).decryptor()
         dec.authenticate_additional_data(aad)
+        if out is not None:
+            return self._decrypt_into(dec, mv[NONCE : NONCE + n], out, what)
         out = _scratch(n + 15) if scratch and n <= _SCRATCH_MAX else bytearray(n + 15)
         try:
             written = dec.update_into(mv[NONCE : NONCE + n], out) if n else 0
@@ -339,3 +345,29 @@ class FrameCipher:
                 object=what,
             ) from None
         return memoryview(out)[:written]
+
+    @staticmethod
+    def _decrypt_into(dec, ct: memoryview, out, what: str):
+        """``update_into`` wants ``len(data) + 15`` bytes of room: all but the last 32 bytes of the
+        ciphertext are decrypted straight into ``out``, the tail through a small buffer."""
+        out = memoryview(out).cast("B")
+        n = len(ct)
+        if len(out) != n:
+            raise ValueError(f"out holds {len(out)} bytes, the plaintext {n}")
+        head = max(0, n - 32)
+        tail = bytearray(n - head + 15)
+        try:
+            pos = dec.update_into(ct[:head], out) if head else 0
+            # GCM is a stream mode: the library writes every byte it is given (checked, not assumed)
+            w = dec.update_into(ct[head:], tail) if n > head else 0
+            if pos != head or w != n - head:
+                raise IntegrityError(f"{what}: AES-GCM wrote {pos + w} of {n} bytes", object=what)
+            out[head:n] = tail[:w]
+            dec.finalize()
+        except InvalidTag:
+            raise IntegrityError(
+                f"{what}: AES-GCM authentication failed (data altered, moved between objects or "
+                "versions, or a different key)",
+                object=what,
+            ) from None
+        return out

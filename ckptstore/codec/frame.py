@@ -156,31 +156,58 @@ class FrameCodec:
         return head, payload, h
 
     # -- decode ---------------------------------------------------------------------------------
-    def decode(self, obj: str, buf, ref: FrameRef | None) -> bytes:
+    def decode(self, obj: str, buf, ref: FrameRef | None, out=None, *, checked: bool = False):
         """Verify and decode one frame held whole in ``buf``; returns the raw bytes.
 
         Checks, in order: header checksum, agreement with ``ref`` (index, raw length, payload
         checksum, total length), payload checksum, AEAD tag, decoded length. Any failure raises
         :class:`IntegrityError` naming ``obj``.
+
+        ``out``: a writable byte buffer of exactly the frame's raw length (a destination tensor's
+        memory) to decode into instead of fresh memory; it is returned. Nothing is written into it
+        before the header and the payload checksum have verified; the last stage writes straight
+        into it (AES-GCM decryption, zstd, byte-group merge), so when a later check fails (the
+        AEAD tag, a stage's own checks) it holds garbage and the :class:`IntegrityError` raised
+        must fail the load (docs/FORMAT.md, Read rule 13). ``checked``: :meth:`check` already
+        passed on these very bytes (the payload XXH3 is not computed again).
         """
         what = obj
         hd = parse_header(buf, what)
         total = hd.header_len + hd.stored_len
+        self._check_ref(what, hd, ref)
+        if len(buf) != total:
+            raise IntegrityError(f"{what}: frame length {len(buf)} != {total}", object=what)
+        payload = memoryview(buf)[hd.header_len :]
+        if not checked and xxh3(payload) != hd.payload_xxh3:
+            raise IntegrityError(f"{what}: frame {hd.index} payload checksum mismatch", object=what)
+        return self._decode_payload(what, obj, hd, payload, out)
+
+    def check(self, obj: str, buf, ref: FrameRef | None) -> None:
+        """The checks of :meth:`decode` that need no decoding (header checksum, agreement with
+        ``ref``, length, payload XXH3); raises :class:`IntegrityError`."""
+        hd = parse_header(buf, obj)
+        self._check_ref(obj, hd, ref)
+        if len(buf) != hd.header_len + hd.stored_len:
+            raise IntegrityError(f"{obj}: frame length {len(buf)} != {hd.header_len + hd.stored_len}", object=obj)
+        if xxh3(memoryview(buf)[hd.header_len :]) != hd.payload_xxh3:
+            raise IntegrityError(f"{obj}: frame {hd.index} payload checksum mismatch", object=obj)
+
+    def _check_ref(self, what: str, hd: FrameHeader, ref: FrameRef | None) -> None:
         if ref is not None and (
-            hd.index != ref.index or hd.raw_len != ref.raw_len or hd.payload_xxh3 != ref.xxh3 or total != ref.length
+            hd.index != ref.index or hd.raw_len != ref.raw_len or hd.payload_xxh3 != ref.xxh3
+            or hd.header_len + hd.stored_len != ref.length
         ):
             raise IntegrityError(
                 f"{what}: frame at offset {ref.offset} is not the frame the index names "
                 f"(index {hd.index} vs {ref.index}, checksum {hd.payload_xxh3:016x} vs {ref.xxh3:016x})",
                 object=what,
             )
-        if len(buf) != total:
-            raise IntegrityError(f"{what}: frame length {len(buf)} != {total}", object=what)
-        payload = memoryview(buf)[hd.header_len :]
-        if xxh3(payload) != hd.payload_xxh3:
-            raise IntegrityError(f"{what}: frame {hd.index} payload checksum mismatch", object=what)
+
+    def _decode_payload(self, what: str, obj: str, hd: FrameHeader, payload, out):
         if hd.raw_len > stages.MAX_FRAME_RAW:
             raise IntegrityError(f"{what}: frame raw length {hd.raw_len} too large", object=what)
+        if out is not None and len(out) != hd.raw_len:
+            raise IntegrityError(f"{what}: frame {hd.index} holds {hd.raw_len} bytes, its destination {len(out)}", object=what)
         parsed = stages.parse_chain(hd.chain)
         data = payload
         if parsed and parsed[-1][0] == "aesgcm/1":
@@ -188,18 +215,27 @@ class FrameCodec:
                 raise KeyMismatchError(
                     f"{what} is encrypted but no key was given; supply key=, CKPTSTORE_KEY or CKPTSTORE_KEY_FILE"
                 )
+            last = len(parsed) == 1
+            if last and out is not None and len(payload) != hd.raw_len + 28:  # nonce(12) + tag(16)
+                raise IntegrityError(f"{what}: frame {hd.index} decrypts to {len(payload) - 28} bytes, expected {hd.raw_len}", object=what)
             data = self.cipher.decrypt(  # the plaintext may sit in scratch when later stages copy it out
                 data, aad(self.version, self.attempt, obj, hd.index, hd.raw_len, hd.chain.rpartition("|")[0] if "|" in hd.chain else ""), what,
-                scratch=len(parsed) > 1,
+                scratch=not last, out=out if last else None,
             )
             parsed = parsed[:-1]
         elif self.cipher is not None:
             raise IntegrityError(f"{what}: frame {hd.index} is not encrypted in an encrypted version", object=what)
         if any(n == "aesgcm/1" for n, _ in parsed):
             raise UnsupportedFormatError(f"{what}: aesgcm/1 must be the last stage of a chain")
-        for name, param in reversed(parsed):
+        if out is not None and not parsed and data is not out:  # stored raw: one copy into place
+            if len(data) != hd.raw_len:
+                raise IntegrityError(f"{what}: frame {hd.index} decoded to {len(data)} bytes, expected {hd.raw_len}", object=what)
+            stages.copy_into(out, data)
+            return out
+        for i, (name, param) in enumerate(reversed(parsed)):
+            into = out if (out is not None and i == len(parsed) - 1) else None  # the last decode step
             try:
-                data = stages.decode_stage(name, param, data, hd.raw_len)
+                data = stages.decode_stage(name, param, data, hd.raw_len, into)
             except IntegrityError as e:
                 raise IntegrityError(f"{what}: frame {hd.index}: {e}", object=what) from None
             except (ValueError, TypeError, OverflowError, MemoryError) as e:
@@ -215,7 +251,7 @@ def _compress(raw: memoryview, level: int, float_width: int, cell=None, parts_ok
     ``parts = (list of bytes-likes, total)`` and ``payload`` None; the caller consumes the parts
     before this thread encodes again (they may view its scratch buffer)."""
     n = len(raw)
-    if float_width in (2, 4, 8) and n >= 4096 and n % float_width == 0 and "bytegroup/1" in stages._DECODERS:
+    if float_width in (2, 4, 8) and n >= 4096 and n % float_width == 0 and stages.has_bytegroup():
         from . import bytegroup
 
         r = bytegroup.encode_parts(raw, float_width, cell, scratch=parts_ok)

@@ -137,6 +137,52 @@ def batches(dests: list) -> list[list]:
     return out
 
 
+class Placed:
+    """A frame decoded straight into its destination's memory (``view``: those bytes) by a decoder
+    thread: :func:`deliver` has nothing left to copy for it."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view) -> None:
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+def _fast_dest(ri, loc: ItemLocation, frames, start, b0, b1, target):
+    """The destination's own bytes when the item is a whole stored chunk loaded into a tensor of
+    its dtype whose memory is its own (the frames then go straight into place), else None."""
+    if ri.type == LoadItemType.BYTE_IO or target is None or not frames or target.numel() == 0:
+        return None
+    if not (b0 == 0 and b1 == loc.nbytes and start == 0 and tuple(ri.lengths) == tuple(loc.shape)):
+        return None
+    if target.dtype != getattr(torch, loc.dtype):
+        return None
+    return _subclass.own_bytes(target)
+
+
+def placements(batch: list) -> dict:
+    """``{(object, offset): writable byte view}``: where each frame of ``batch`` may be decoded
+    straight into (its item is a whole stored chunk with a destination of its own memory, see
+    :func:`_fast_dest`). A frame that two jobs need is decoded into fresh memory as before."""
+    out: dict = {}
+    seen: dict = {}
+    for ri, loc, (frames, start, b0, b1), dest, asm in batch:
+        for f in frames:
+            seen[(loc.object, f.offset)] = seen.get((loc.object, f.offset), 0) + 1
+        if asm is not None:
+            continue
+        dst = _fast_dest(ri, loc, frames, start, b0, b1, dest)
+        if dst is None or sum(f.raw_len for f in frames) != dst.shape[0]:
+            continue
+        pos = 0
+        for f in frames:
+            out[(loc.object, f.offset)] = dst[pos : pos + f.raw_len]
+            pos += f.raw_len
+    return {k: v for k, v in out.items() if seen[k] == 1}
+
+
 def apply(batch: list, decoded: dict, planner: LoadPlanner, record) -> None:
     """Deliver every job of ``batch`` from ``decoded`` (``{(object, offset): bytes}``) and commit its
     tensor (an assembly's once its last part is in). ``record(ri, loc, parts)``: called for every item
@@ -164,6 +210,8 @@ def deliver(ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner, targ
     The fast path copies decoded frames straight into ``target``'s memory, only when that memory
     is checked to be ``target``'s own (``_subclass.own_bytes``); otherwise ``target.copy_``."""
     parts = [decoded[(loc.object, f.offset)] for f in frames]
+    placed = bool(parts) and all(isinstance(p, Placed) for p in parts)
+    parts = [p.view if isinstance(p, Placed) else p for p in parts]
     if record is not None and b0 == 0 and b1 == loc.nbytes and start == 0 and (
             ri.type == LoadItemType.BYTE_IO or tuple(ri.lengths) == tuple(loc.shape)):
         record(ri, loc, parts)
@@ -176,6 +224,8 @@ def deliver(ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner, targ
     whole = b0 == 0 and b1 == loc.nbytes and start == 0 and tuple(ri.lengths) == tuple(loc.shape)
     dst = _subclass.own_bytes(target) if whole and target.dtype == dtype else None
     if dst is not None:
+        if placed:  # every frame was decoded straight into place by the decoder threads
+            return
         # fast path: the item is the whole stored chunk; copy frames straight into place
         pos = 0
         for p in parts:  # numpy copies release the GIL (a memoryview slice assignment holds it)
@@ -194,4 +244,4 @@ def deliver(ri, loc: ItemLocation, frames, start, b0, b1, decoded, planner, targ
     target.copy_(src)
 
 
-__all__ = ["apply", "batches", "contig_strides", "deliver", "destinations", "needed"]
+__all__ = ["Placed", "apply", "batches", "placements", "contig_strides", "deliver", "destinations", "needed"]

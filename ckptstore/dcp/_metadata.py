@@ -207,29 +207,41 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, bytes], int, i
 
     One ``join`` per column over all tables and one vectorised lookup per name column: the work per
     table is a few length checks and the names it does not share with the table before it."""
-    raws: dict[str, list] = {k: [] for k in _TABLE_COLUMNS}
-    counts: list[int] = []  # items per table
+    # every check is one pass per column over all tables (C-level map/join), not a Python loop per
+    # table and column
+    if not _only(tables, ItemTable):
+        raise TypeError("a rank's item table is not an ItemTable")
+    counts = list(map(_G("items"), tables))  # items per table
+    fcounts = list(map(_G("frames"), tables))
+    if not (_only(counts, int) and _only(fcounts, int)) or (tables and (min(counts) < 0 or min(fcounts) < 0)):
+        raise TypeError("a rank's item table has no whole item and frame counts")
+    tcols = list(map(_G("columns"), tables))
+    if not _only(tcols, dict) or not _only(list(map(_G("names"), tables)), tuple):
+        raise TypeError("a rank's item table is not an ItemTable")
+    nt = len(tables)
+    items_a = np.asarray(counts, np.int64)
+    frames_a = np.asarray(fcounts, np.int64)
+    raws: dict[str, list] = {}
+    for k in _TABLE_COLUMNS:
+        col = list(map(operator.methodcaller("get", k), tcols))
+        size = _ITEMSIZE[k]
+        per = COLUMNS[k][1]
+        if not _only(col, bytes):
+            raise TypeError(f"item table column {k} is missing or not whole values")
+        lens = np.fromiter(map(len, col), np.int64, nt)
+        if (lens % size).any():
+            raise TypeError(f"item table column {k} is missing or not whole values")
+        want = items_a if per == "items" else frames_a if per == "frames" else None
+        if want is not None and (lens != want * size).any():
+            i = int(np.flatnonzero(lens != want * size)[0])
+            raise TypeError(f"item table column {k} has {int(lens[i]) // size} values")
+        raws[k] = col
     n_names: list[int] = []  # names per table
     remaps: list = []  # per table: the position in ``names`` of each of its names
     prev: tuple = ()
     prev_map = np.empty(0, "<i4")
-    n = nf = 0
     ids = names.ids
     for t in tables:
-        if type(t) is not ItemTable or type(t.columns) is not dict or type(t.names) is not tuple:
-            raise TypeError("a rank's item table is not an ItemTable")
-        if not all(type(x) is int and x >= 0 for x in (t.items, t.frames)):
-            raise TypeError("a rank's item table has no whole item and frame counts")
-        cols = t.columns
-        for k in _TABLE_COLUMNS:
-            raw = cols.get(k)
-            size = _ITEMSIZE[k]
-            per = COLUMNS[k][1]
-            if type(raw) is not bytes or len(raw) % size:
-                raise TypeError(f"item table column {k} is missing or not whole values")
-            if (per == "items" and len(raw) != t.items * size) or (per == "frames" and len(raw) != t.frames * size):
-                raise TypeError(f"item table column {k} has {len(raw) // size} values")
-            raws[k].append(raw)
         tn = t.names
         j = _common_prefix(tn, prev)
         tail = []
@@ -240,10 +252,9 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, bytes], int, i
         m = np.concatenate((prev_map[:j], np.asarray(tail, "<i4"))) if tail else prev_map[:j]
         remaps.append(m)
         prev, prev_map = tn, m
-        counts.append(t.items)
         n_names.append(len(tn))
-        n += t.items
-        nf += t.frames
+    n = int(items_a.sum())
+    nf = int(frames_a.sum())
     cols = {k: b"".join(v) for k, v in raws.items()}
     if n:
         per_item = np.repeat(np.arange(len(tables)), counts)

@@ -40,6 +40,7 @@ import threading
 import uuid
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -462,6 +463,9 @@ class StorageReader(_DCPStorageReader):
             # every destination is resolved and checked before any byte is written into any of them
             batches = _apply.batches(_apply.destinations(plan, planner, self.storage_data, self._metadata, self.allow_cast))
             # double-buffered: fetch+decode batch k+1 while batch k is copied into place
+            # frames of whole items go straight into their destination's memory (no buffer per
+            # frame, no copy in this thread); each verified before it is written, a frame that fails
+            # fails the load (docs/FORMAT.md, Read rule 13)
             pending = self._submit_batch(batches[0], pool)
             for k, batch in enumerate(batches):
                 nxt = self._submit_batch(batches[k + 1], pool) if k + 1 < len(batches) else None
@@ -540,6 +544,7 @@ class StorageReader(_DCPStorageReader):
         by_obj: dict[str, set] = collections.defaultdict(set)
         for _ri, loc, (frames, *_rest), *_dest in batch:
             by_obj[loc.object].update(frames)
+        placed = _apply.placements(batch)
         tasks = []
         for obj, frames in by_obj.items():
             fl = sorted(frames, key=lambda f: f.offset)
@@ -549,24 +554,42 @@ class StorageReader(_DCPStorageReader):
                 group.append(f)
                 gsize += f.length
                 if gsize >= _GROUP_BYTES:
-                    tasks.append(pool.submit(self._fetch_decode, obj, group))
+                    tasks.append(pool.submit(self._fetch_decode, obj, group, placed))
                     group, gsize = [], 0
             if group:
-                tasks.append(pool.submit(self._fetch_decode, obj, group))
+                tasks.append(pool.submit(self._fetch_decode, obj, group, placed))
         return tasks
 
-    def _fetch_decode(self, obj: str, frames: list) -> dict:
+    def _fetch_decode(self, obj: str, frames: list, placed: dict | None = None) -> dict:
         """A decoder thread's task: ``frames`` of ``obj`` read (ranged, from its sources: the bytes
-        the exchange brought first) and decoded — every frame verified as it is decoded."""
+        the exchange brought first) and decoded — every frame verified as it is decoded. A frame
+        with a place in ``placed`` (``{(object, offset): destination bytes}``) is decoded straight
+        into it (:class:`_apply.Placed` in the result); from this rank's root it is read with
+        ``readv_ranges`` into this thread's reusable buffer first."""
         key = self._opened.key(obj)
         codec = self._opened.codec_of(obj)
+        placed = placed or {}
 
         def reader(fs: list):
-            ranges = [(f.offset, f.offset + f.length) for f in fs]
-
             def read(tier):
-                bufs = tier.get_ranges(key, ranges)
-                return {(obj, f.offset): codec.decode(obj, b, f) for f, b in zip(fs, bufs)}
+                out: dict = {}
+                rest = [f for f in fs if (obj, f.offset) not in placed]
+                mine = [f for f in fs if (obj, f.offset) in placed]
+                if mine and getattr(type(tier), "readv_ranges", None) is not None:
+                    out.update(_read_placed(tier, key, obj, codec, mine, placed))
+                elif mine:
+                    rest = fs
+                    mine = []
+                if rest:
+                    bufs = tier.get_ranges(key, [(f.offset, f.offset + f.length) for f in rest])
+                    for f, b in zip(rest, bufs):
+                        dst = placed.get((obj, f.offset))
+                        if dst is None:
+                            out[(obj, f.offset)] = codec.decode(obj, b, f)
+                        else:
+                            codec.decode(obj, b, f, out=memoryview(dst))
+                            out[(obj, f.offset)] = _apply.Placed(dst)
+                return out
 
             return read
 
@@ -594,6 +617,49 @@ class StorageReader(_DCPStorageReader):
             h.update(p)
         with self._alt_lock:
             self.item_digests[item_key(ri.storage_index)] = (h.intdigest(), loc)
+
+
+_tls = threading.local()
+
+
+def _read_buffer(nbytes: int) -> memoryview:
+    """This decoder thread's reusable read buffer of at least ``nbytes`` (grown in whole MiB): the
+    stored bytes of frames decoded into place land here, not in fresh memory per frame."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < nbytes:  # not zero-filled: every byte used is read into first
+        buf = _tls.buf = np.empty(max(nbytes + (4 << 20), _GROUP_BYTES + (4 << 20)), dtype=np.uint8)
+    return memoryview(buf)
+
+
+def _read_placed(tier, key: str, obj: str, codec, frames: list, placed: dict) -> dict:
+    """Read ``frames`` of ``obj`` from a local tier (``readv_ranges``: into this thread's reusable
+    buffer, no fresh memory per frame) and decode each into its place once its header and payload
+    checksum verify (``FrameCodec.decode(out=)``; a raw frame is then one cache-hot copy). Raises
+    :class:`IntegrityError` (a short read: the object is truncated) like ``FrameCodec.decode``."""
+    buf = _read_buffer(sum(f.length for f in frames))
+    reqs: list = []
+    views = []
+    pos = 0
+    for f in frames:
+        v = buf[pos : pos + f.length]
+        views.append(v)
+        reqs.append((f.offset, [v]))
+        pos += f.length
+    got = tier.readv_ranges(key, reqs)
+    # every frame of the task is checked (length, header, index entry, payload XXH3) before any is
+    # decoded into place: one damaged frame leaves all the task's destinations untouched
+    # (docs/FORMAT.md, Read rule 13)
+    for f, v, g in zip(frames, views, got):
+        if g != f.length:
+            raise IntegrityError(f"{obj}: frame at offset {f.offset} is cut short ({g} of {f.length} bytes; the "
+                                 "object is truncated)", object=obj)
+        codec.check(obj, v, f)
+    out: dict = {}
+    for f, v in zip(frames, views):
+        dst = placed[(obj, f.offset)]
+        codec.decode(obj, v, f, out=memoryview(dst), checked=True)  # checked just above, same buffer
+        out[(obj, f.offset)] = _apply.Placed(dst)
+    return out
 
 
 EMPTY_ROOT = "\"\""  # the command line's "no local tier"

@@ -37,11 +37,12 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from rich.console import Console
+from typing import TYPE_CHECKING, Any
 
 from .. import events
+
+if TYPE_CHECKING:  # annotations only: the ``ckptstore`` command line imports this module without rich
+    from rich.console import Console
 
 
 @dataclass

@@ -189,7 +189,13 @@ class MappedSource:
         n = min(max(LOCAL_CHUNK, need), self.size - off)
         upto = min(self.size, off + n + LOCAL_AHEAD)
         if upto > self.advised:  # read ahead: this window and the next LOCAL_AHEAD bytes
-            self._advise(getattr(mmap, "MADV_WILLNEED", None), max(off, self.advised), upto - max(off, self.advised))
+            # through the file (posix_fadvise releases the GIL while the kernel queues the reads;
+            # mmap.madvise holds it, stalling the hashing workers whenever the disk queue is full)
+            start = max(off, self.advised)
+            if hasattr(os, "posix_fadvise"):
+                _fadvise(self.fd, start, upto - start, "POSIX_FADV_WILLNEED")
+            else:
+                self._advise(getattr(mmap, "MADV_WILLNEED", None), start, upto - start)
             self.advised = upto
         if os.fstat(self.fd).st_size < off + n:
             raise IntegrityError(f"short read at offset {off}: the file shrank while being read (object changed?)")
