@@ -34,6 +34,8 @@ __all__ = [
     "VersionNotFoundError",
     "StoreNotFoundError",
     "VersionExistsError",
+    "SupersedeConflictError",
+    "SupersedeRefusedError",
     "DamagedVersionError",
     "KeyMismatchError",
     "KeyServiceError",
@@ -129,6 +131,12 @@ class VersionExistsError(CkptStoreError, FileExistsError):
     """A committed version with that name already exists (pass ``overwrite=True`` to replace it)."""
 
     exit_code = 6
+
+
+class SupersedeConflictError(VersionExistsError):
+    """Two saves superseded one copy of a name at once and this one lost: the copy it checked was
+    replaced (or removed) by another writer before its conditional commit (docs/FORMAT.md,
+    "Superseding"). Nothing of this save is committed there; its attempt is reclaimed."""
 
 
 class KeyMismatchError(CkptStoreError):
@@ -260,6 +268,12 @@ class CommitRefusedError(CkptStoreError):
 
 class PlacementError(CommitRefusedError):
     """The ranks of a save disagree on which of them share a root (docs/FORMAT.md, "Placement")."""
+
+
+class SupersedeRefusedError(CommitRefusedError):
+    """A tier that cannot replace an object conditionally (or whose endpoint does not enforce it)
+    refuses a superseding commit instead of overwriting what another writer may have committed
+    (docs/FORMAT.md, "Superseding")."""
 
 
 class JobBrokenError(CkptStoreError):

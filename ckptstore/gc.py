@@ -79,7 +79,7 @@ DEFAULT_GRACE = 3600.0
 #: (docs/FORMAT.md, "Placement"); gc deletes them once older than the grace period and leaves
 #: anything else in it alone
 PROBES = "probes"
-_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|root\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+")
+_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|root\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+|if-match\.[0-9a-f]+")
 
 # -- collect -----------------------------------------------------------------------------------------
 def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
@@ -369,7 +369,8 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
 
 def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
     """Root claims (``probes/root.<token>``, and older releases' ``probes/r<rank>.<nonce>``),
-    conditional-write probes left by a killed process (``probes/put-if-absent.<nonce>``) and the
+    conditional-write probes left by a killed process (``probes/put-if-absent.<nonce>``,
+    ``probes/if-match.<nonce>``) and the
     temporary files of a probe write a killed process left (``probes/.tmp-<random>``) older than
     ``grace`` are deleted; younger ones (a save or load running now) and anything else under
     ``probes/`` survive."""

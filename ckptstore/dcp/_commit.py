@@ -21,7 +21,7 @@ from ..codec.crypto import FrameCipher
 from ..errors import (CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
                       PlacementError, StateDictKeysError, UnsupportedFormatError)
 from ..manifest import layout, leases, placement
-from ..manifest.commit import commit_manifest
+from ..manifest.commit import commit_manifest, supersede_manifest
 from ..manifest.placement import group_domains
 from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, parse, utcnow
 from . import _roots
@@ -97,11 +97,16 @@ class Committer(OwnLock):
             self.check_committable(s, m, body)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
             self.check_owner(s.version)
-            commit_manifest(
-                self.tier, s.version, body, overwrite=self.cfg.overwrite or s.existing is not None,
-                fault="commit.manifest",
-                hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
-            )
+            if s.existing is not None and not self.cfg.overwrite:
+                # replace the copy the save checked and no other (docs/FORMAT.md, "Superseding")
+                supersede_manifest(self.tier, s.version, body, token=s.existing_token, attempt=s.existing,
+                                   fault="commit.manifest")
+            else:
+                commit_manifest(
+                    self.tier, s.version, body, overwrite=self.cfg.overwrite,
+                    fault="commit.manifest",
+                    hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
+                )
         except BaseException:
             if split:
                 self.publisher.publish(s.attempt, b"", None)  # the other roots stop waiting (and reclaim)

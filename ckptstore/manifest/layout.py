@@ -181,3 +181,8 @@ CONDITIONAL_PROBE = "put-if-absent."
 def conditional_probe_key() -> str:
     """A fresh key for the probe that checks whether an S3 endpoint enforces ``If-None-Match: *``."""
     return f"{PROBES}/{CONDITIONAL_PROBE}{secrets.token_hex(8)}"
+
+
+def if_match_probe_key() -> str:
+    """A fresh key for the probe that checks whether an S3 endpoint enforces ``If-Match`` on PutObject."""
+    return f"{PROBES}/if-match.{secrets.token_hex(8)}"
