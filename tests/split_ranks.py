@@ -73,3 +73,32 @@ def supersede_rounds(rank, world, root, remote, rounds, job, barrier_root, olds)
                 pass
             out.append(("error", [n for n, _ok, _m in crash_ranks._describe(e)], str(e)[:400]))
     return out
+
+
+def blob_state(seed: int, nbytes: int) -> dict:
+    """An incompressible state of ``nbytes`` (so what a killed save leaves is what it wrote)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g), "meta": {"seed": seed}}
+
+
+def blob_save(rank, world, root, version, seed, nbytes):
+    """Save :func:`blob_state` (killed mid-write when ``CKPTSTORE_FAULT`` is armed). Returns
+    ``("ok", None)`` or ``("error", error type names)``."""
+    w = ckptstore.StorageWriter(root, step=seed, frame_size=64 << 10, compression="none")
+    try:
+        dcp.save(blob_state(seed, nbytes), checkpoint_id=version, storage_writer=w)
+        w.close()
+        return ("ok", None)
+    except BaseException as e:  # noqa: BLE001
+        return ("error", [n for n, _ok, _m in crash_ranks._describe(e)])
+
+
+def blob_loads(root: str, version: str, seed: int, nbytes: int) -> bool:
+    import torch
+
+    exp = blob_state(seed, nbytes)
+    tgt = {"w": torch.zeros_like(exp["w"]), "meta": {"seed": -1}}
+    dcp.load(tgt, checkpoint_id=version, storage_reader=ckptstore.StorageReader(root))
+    return torch.equal(tgt["w"], exp["w"]) and tgt["meta"] == exp["meta"]

@@ -5,11 +5,16 @@
   nodes on one S3 prefix (SeaweedFS): exactly one commits each round, the other gets
   :class:`SupersedeConflictError`, its attempt is gone at once, and every listed version loads and
   equals what its writer saved.
+* A rank SIGKILLed again and again mid-save on a small tmpfs root: what each killed save left is
+  reclaimed by the next save (its coordinator is provably dead, Delete rule 15) instead of after
+  gc's hour of grace, so the root never fills; no committed version is touched.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import time
 
 import pytest
 
@@ -18,6 +23,7 @@ from ckptstore.manifest import catalogue, layout
 
 import crash_ranks
 import split_ranks
+from helpers import small_tmpfs
 
 ROUNDS = 20
 
@@ -109,3 +115,119 @@ def test_two_nodes_supersede_one_name_s3(tmp_path, s3_url):
         mine = {v: e for v, e in expected.items() if winners[int(v[1:])] == j}
         state, viol = crash_ranks.audit(root, None, None, mine)
         assert not viol, viol
+
+
+# -- killed writers (Delete rule 15) ------------------------------------------------------------------------
+MiB = 1 << 20
+BLOB = 1536 << 10  # one save: 1.5 MiB, incompressible
+
+
+def _free(path) -> int:
+    s = os.statvfs(path)
+    return s.f_bavail * s.f_frsize
+
+
+def _kill_loop(tmp_path, kills: int, size: str, budget_s: float | None = None, seed: int = 0) -> list[str]:
+    """``kills`` saves SIGKILLed mid-write (a random frame, or just before the manifest), a committed
+    save after every fourth; returns the log. The root never lacks room for the next save, and every
+    committed version still loads bit-exactly."""
+    rnd = random.Random(seed)
+    log = []
+    with small_tmpfs(tmp_path / "fs", size=size) as fs:
+        root = os.path.join(fs, "root")
+        assert crash_ranks.Job(split_ranks.blob_save, 1, root, "base", 1, BLOB).wait(120) == {0: 0}
+        committed = {"base": 1}
+        low = _free(fs)
+        t0 = time.monotonic()
+        for k in range(kills):
+            point = rnd.choice(["write.frame:%d" % rnd.randint(2, 20), "commit.manifest"])
+            job = crash_ranks.Job(split_ranks.blob_save, 1, root, f"k{k}", 100 + k, BLOB,
+                                  env={"CKPTSTORE_FAULT": point})
+            codes = job.wait(120)
+            assert codes == {0: -9}, (k, point, codes, job.results)
+            low = min(low, _free(fs))
+            log.append(f"kill {k} at {point}: {_free(fs) // 1024} KiB free")
+            if k % 4 == 3:  # a save that commits: the root must still have room for it
+                v = f"c{k}"
+                job = crash_ranks.Job(split_ranks.blob_save, 1, root, v, 200 + k, BLOB)
+                assert job.wait(120) == {0: 0} and job.results[0] == ("ok", ("ok", None)), (k, job.results)
+                committed[v] = 200 + k
+            if budget_s is not None:  # spread the kills over the budget
+                time.sleep(max(0.0, (k + 1) * budget_s / kills - (time.monotonic() - t0)))
+        # a last save commits, and reclaims what the last kill left
+        job = crash_ranks.Job(split_ranks.blob_save, 1, root, "last", 9, BLOB)
+        assert job.wait(120) == {0: 0} and job.results[0] == ("ok", ("ok", None)), job.results
+        committed["last"] = 9
+        st = ckptstore.Store(root)
+        assert sorted(r.version for r in st.versions()) == sorted(committed)
+        for v, sd in committed.items():
+            assert split_ranks.blob_loads(root, v, sd, BLOB), v
+        # nothing of a killed save is left, though every one is younger than gc's grace period
+        tier = st.tier("local")
+        left = [i.key for i in tier.list("versions/") if (layout.version_of_key(i.key) or "").startswith("k")
+                and not layout.is_temporary(i.key)]
+        assert not left, left
+        log.append(f"lowest free: {low // 1024} KiB")
+    return log
+
+
+def test_killed_writers_do_not_fill_the_root(tmp_path):
+    """8 kills on a 7 MiB tmpfs (room for the committed versions and about two saves in flight): on
+    main the third or fourth killed save's objects fill the root (they wait for gc's hour of grace)
+    and the next save fails with StorageFullError."""
+    log = _kill_loop(tmp_path, kills=8, size="12m", seed=1)
+    print("\n".join(log))
+
+
+@pytest.mark.slow
+def test_killed_writers_30_kills_in_10_minutes(tmp_path):
+    log = _kill_loop(tmp_path, kills=30, size="20m", budget_s=540, seed=2)
+    print("\n".join(log))
+
+
+def test_writer_verdict_rule():
+    """Provably dead only on this host, boot and PID namespace: the pid gone, or reused (another start
+    time); the same pid and start time is alive; anything from elsewhere may live."""
+    import subprocess
+    import sys
+
+    from ckptstore.manifest import writers
+
+    me = writers.identity()
+    assert writers.verdict(me) == writers.ALIVE
+    assert writers.verdict({**me, "start": me["start"] + 1}) == writers.DEAD  # the pid now belongs to another process
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert writers.verdict({**me, "pid": p.pid}) == writers.DEAD  # gone
+    assert writers.verdict({**me, "host": "elsewhere"}) == writers.UNKNOWN
+    assert writers.verdict({**me, "boot_id": "another boot"}) == writers.UNKNOWN
+    assert writers.verdict({**me, "pidns": 1}) == writers.UNKNOWN
+    assert writers.verdict({"pid": "x"}) == writers.UNKNOWN and writers.verdict(None) == writers.UNKNOWN
+
+
+def test_gc_reclaims_a_dead_writers_attempt_before_the_grace_period(tmp_path):
+    """``ckptstore gc`` (grace 1 h) deletes the attempt of a killed save at once, and leaves alone an
+    attempt whose writer is alive or on another host: those wait for the grace period."""
+    import json
+
+    from ckptstore import gc as _gc
+    from ckptstore.manifest import writers
+
+    root = str(tmp_path / "root")
+    assert crash_ranks.Job(split_ranks.blob_save, 1, root, "base", 1, 256 << 10).wait(120) == {0: 0}
+    job = crash_ranks.Job(split_ranks.blob_save, 1, root, "killed", 2, 256 << 10, env={"CKPTSTORE_FAULT": "write.frame:3"})
+    assert job.wait(120) == {0: -9}
+    tier = ckptstore.Store(root).tier("local")
+    (dead_attempt,) = _attempts(tier, "killed")
+    # two more in-flight attempts: one of this (live) process, one written on another host
+    for name, rec in (("alive", writers.identity()), ("other", {**writers.identity(), "host": "node-b"})):
+        a = layout.new_attempt()
+        tier.put(layout.object_key(name, layout.shard_name(a, 0)), b"x" * 1000)
+        tier.put(layout.object_key(name, layout.writer_record_name(a)), json.dumps(rec).encode())
+    plan, res = _gc.run(ckptstore.Store(root).tiers, None, grace=3600)
+    assert res.ok, res.failed
+    gone = {a.key for a in plan.actions}
+    assert gone and all(layout.attempt_of_key(k) == dead_attempt for k in gone), gone
+    assert not _attempts(tier, "killed")
+    assert _attempts(tier, "alive") and _attempts(tier, "other")
+    assert split_ranks.blob_loads(root, "base", 1, 256 << 10)

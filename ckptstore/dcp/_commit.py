@@ -20,7 +20,7 @@ from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
 from ..errors import (CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
                       PlacementError, StateDictKeysError, UnsupportedFormatError)
-from ..manifest import layout, leases, placement
+from ..manifest import layout, leases, placement, writers
 from ..manifest.commit import commit_manifest, supersede_manifest
 from ..manifest.placement import group_domains
 from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, parse, utcnow
@@ -115,8 +115,10 @@ class Committer(OwnLock):
 
             gc.reclaim_failed_attempt(self.tier, s.version, s.attempt)  # unless it did commit (Delete rule 14)
             raise
-        # committed here: the manifest now names what the ranks of this root referenced (their leases go)
+        # committed here: the manifest now names what the ranks of this root referenced (their leases go),
+        # and protects the attempt (its writer record goes, Delete rule 15)
         leases.release(self.tier, s.attempt)
+        writers.remove(self.tier, s.version, s.attempt)
         _faults.point("commit.after_manifest")
         timed(s.version, commit_s=time.monotonic() - t0)
         if m.nonfinite_count:

@@ -91,7 +91,8 @@ def _objects_in(local, enc: str, attempt: str) -> list[str]:
         names = [i.key[len(prefix):] for i in files]
     out = []
     for n in names:
-        if n.startswith(layout.TMP_PREFIX) or layout.replica_record_rank(n) is not None or layout.marker_rank(n) is not None:
+        if (n.startswith(layout.TMP_PREFIX) or layout.replica_record_rank(n) is not None or layout.marker_rank(n) is not None
+                or layout.is_writer_record(n)):
             continue
         out.append(f"{layout.attempt_dir(attempt)}/{n}")
     return out

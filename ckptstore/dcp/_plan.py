@@ -145,7 +145,15 @@ class Planner:
         one rank the coordinator claims its root for the attempt here, before any other rank sees the
         attempt, so it leads its root group (docs/FORMAT.md, "Placement")."""
         self.guard.check_world(len(plans), f"the plan of {s.version!r}")
+        from .. import gc
+        from ..manifest import writers
+
+        # housekeeping first: what killed saves left in this root goes now, not after the grace period
+        # (docs/FORMAT.md, Delete rule 15), so a root that killed writers filled has room for this save
+        gc.reclaim_dead_writers(self.tier)
         attempt = layout.new_attempt()
+        # who coordinates the attempt, before any rank learns it (Delete rule 15)
+        writers.write(self.tier, s.version, attempt)
         # before any rank writes anything: a key service that refuses fails the save here (docs/FORMAT.md, Save rule 10)
         w = self.keys.draw(s.version, attempt)
         wrapped, kid, arn = (None, None, None) if w is None else (w.wrapped_key, w.key_id, w.kms_key_arn)

@@ -104,6 +104,20 @@ def _rank_file(key: str, prefix: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+#: the writer record of an attempt's coordinator (docs/FORMAT.md, Delete rule 15)
+WRITER_RECORD = "writer.json"
+
+
+def writer_record_name(attempt: str) -> str:
+    """The writer record of ``attempt``: who (host, boot, pid, start time) coordinates it (Delete rule 15)."""
+    return f"{attempt_dir(attempt)}/{WRITER_RECORD}"
+
+
+def is_writer_record(key: str) -> bool:
+    """Whether ``key`` (any prefix) names an attempt's writer record."""
+    return key.rsplit("/", 1)[-1] == WRITER_RECORD
+
+
 def marker_prefix(attempt: str) -> str:
     """What every upload marker name of ``attempt`` starts with."""
     return f"{attempt_dir(attempt)}/{MARKER_PREFIX}"
