@@ -36,6 +36,7 @@ __all__ = [
     "VersionExistsError",
     "SupersedeConflictError",
     "SupersedeRefusedError",
+    "CatalogueRollbackError",
     "DamagedVersionError",
     "KeyMismatchError",
     "KeyServiceError",
@@ -274,6 +275,22 @@ class SupersedeRefusedError(CommitRefusedError):
     """A tier that cannot replace an object conditionally (or whose endpoint does not enforce it)
     refuses a superseding commit instead of overwriting what another writer may have committed
     (docs/FORMAT.md, "Superseding")."""
+
+
+class CatalogueRollbackError(CkptStoreError):
+    """The catalogue chain of a keyed store shows a missing newest version or a manifest put back in
+    place of a newer one (docs/FORMAT.md, "Catalogue chain"): someone who can write the storage but
+    has no key deleted or replayed manifests, or a lifecycle rule removed them. ``findings``: the
+    :class:`ckptstore.manifest.chain.Finding` s. ``list`` and ``scrub`` exit with this code (15)."""
+
+    exit_code = 15
+
+    def __init__(self, message: str, findings=()):
+        super().__init__(message)
+        self.findings = list(findings)
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
 
 
 class JobBrokenError(CkptStoreError):

@@ -231,3 +231,149 @@ def test_gc_reclaims_a_dead_writers_attempt_before_the_grace_period(tmp_path):
     assert not _attempts(tier, "killed")
     assert _attempts(tier, "alive") and _attempts(tier, "other")
     assert split_ranks.blob_loads(root, "base", 1, 256 << 10)
+
+
+# -- the catalogue chain (docs/FORMAT.md, "Catalogue chain") -------------------------------------------------
+CHAIN_KEY = bytes(range(32))
+
+
+def _chain_env() -> dict:
+    import base64
+
+    return {"CKPTSTORE_KEY": base64.b64encode(CHAIN_KEY).decode()}
+
+
+def _keyed_save(root, remote, version, seed, supersede=None):
+    import torch.distributed.checkpoint as dcp
+
+    w = ckptstore.StorageWriter(root, remote=remote, key=CHAIN_KEY, durability="remote", step=seed)
+    if supersede:
+        w.save_options(version, supersede=supersede)
+    dcp.save(crash_ranks.expected_state(seed, 1), checkpoint_id=version, storage_writer=w)
+    w.close()
+
+
+def _bucket(s3_url):
+    import boto3
+
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    return boto3.client("s3"), bucket, prefix
+
+
+def _fresh_choice(tmp_path, s3_url, name="fresh"):
+    """The restore choice of a node that has only the bucket (a replacement node: what resume() uses)."""
+    fresh = tmp_path / name
+    fresh.mkdir()
+    return ckptstore.Store(str(fresh), remote=s3_url, key=CHAIN_KEY).choose()
+
+
+@pytest.mark.s3
+def test_chain_detects_deleted_newest_version_s3(tmp_path, s3_url):
+    """Someone who can write the bucket but has no key deletes the newest version's objects (manifest
+    included) with boto3: on main every remaining manifest verifies and a restore silently goes back
+    to v2. Now list and scrub exit 15 naming the missing version, and the restore loads v2 with a
+    ``missing-newest`` record at the head of what it skipped."""
+    from store_helpers import cli
+
+    root = str(tmp_path / "root")
+    for i in (1, 2, 3):
+        _keyed_save(root, s3_url, f"v{i}", i)
+    assert cli("list", root, "--remote", s3_url, env=_chain_env()).exit_code == 0
+    s3, bucket, prefix = _bucket(s3_url)
+    gone = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + layout.version_dir("v3") + "/")["Contents"]
+    s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": o["Key"]} for o in gone]})
+
+    r = cli("list", "", "--remote", s3_url, env=_chain_env())
+    assert r.exit_code == 15 and "missing-newest" in r.output and "'v3'" in r.output, r.output
+    r = cli("scrub", "", "--remote", s3_url, env=_chain_env())
+    assert r.exit_code == 15 and "missing-newest" in r.output, r.output
+    # restore (resume's choice) on a node with only the bucket: falls back to v2, loudly, without a person
+    view = _fresh_choice(tmp_path, s3_url)
+    assert view.version == "v2"
+    assert [(s.version, s.kind) for s in view.skipped][:1] == [("v3", "missing-newest")]
+    assert crash_ranks.load_state("", "v2", 2, world=1, remote=s3_url, key=CHAIN_KEY)
+    # the node's own root keeps a copy of the remote head: a deleted remote head too is seen from there
+    s3.delete_object(Bucket=bucket, Key=prefix + layout.CATALOGUE_HEAD)
+    r = cli("list", root, "--remote", s3_url, env=_chain_env())
+    assert r.exit_code == 15 and "remote tier (missing-newest)" in r.output, r.output
+
+
+@pytest.mark.s3
+def test_chain_detects_a_replayed_older_manifest_s3(tmp_path, s3_url):
+    """An older manifest of a name (the attempt a later save superseded; its objects still in the
+    bucket) is put back over the newer one: on main the restore loads the old weights under the name.
+    Now list and scrub exit 15 (``rolled-back``) and the restore skips that copy."""
+    from store_helpers import cli
+
+    root = str(tmp_path / "root")
+    _keyed_save(root, s3_url, "v1", 1)
+    _keyed_save(root, s3_url, "v2", 2)
+    s3, bucket, prefix = _bucket(s3_url)
+    mkey = prefix + layout.manifest_key("v2")
+    old = s3.get_object(Bucket=bucket, Key=mkey)["Body"].read()
+    old_attempt = catalogue.read_manifest(ckptstore.Store(root).tier("local"), "v2").manifest.attempt
+    _keyed_save(root, s3_url, "v2", 5, supersede={old_attempt: "retrained"})
+    assert _fresh_choice(tmp_path, s3_url, "before").version == "v2"
+    s3.put_object(Bucket=bucket, Key=mkey, Body=old)  # the replay
+
+    r = cli("list", "", "--remote", s3_url, env=_chain_env())
+    assert r.exit_code == 15 and "rolled-back" in r.output, r.output
+    r = cli("scrub", "", "--remote", s3_url, env=_chain_env())
+    assert r.exit_code == 15 and "rolled-back" in r.output, r.output
+    view = _fresh_choice(tmp_path, s3_url)
+    assert view.version == "v1"
+    assert [(s.version, s.attempt, s.kind) for s in view.skipped] == [("v2", old_attempt, "rolled-back")]
+
+
+@pytest.mark.s3
+def test_chain_accepts_gc_and_drop_s3(tmp_path, s3_url):
+    """Deletions by gc (retention) and drop (with the key) extend the chain: nothing is flagged."""
+    from store_helpers import cli
+
+    root = str(tmp_path / "root")
+    for i in (1, 2, 3, 4):
+        _keyed_save(root, s3_url, f"v{i}", i)
+    env = _chain_env()
+    r = cli("gc", root, "--remote", s3_url, "--keep-last", "2", env=env)
+    assert r.exit_code == 0, r.output
+    r = cli("drop", root, "--remote", s3_url, "v4", "--yes", env=env)
+    assert r.exit_code == 0, r.output
+    for where in (root, ""):
+        r = cli("list", where, "--remote", s3_url, env=env)
+        assert r.exit_code == 0 and "chain" not in r.output, r.output
+        assert cli("scrub", where, "--remote", s3_url, env=env).exit_code == 0
+    assert [v.version for v in ckptstore.Store(root, remote=s3_url).versions()] == ["v3"]
+    view = _fresh_choice(tmp_path, s3_url)
+    assert view.version == "v3" and not view.skipped
+    # and the chain goes on: a save after the drop is not flagged either
+    _keyed_save(root, s3_url, "v5", 5)
+    assert cli("list", root, "--remote", s3_url, env=env).exit_code == 0
+
+
+def test_chain_findings_rule():
+    """The pure rule (docs/FORMAT.md, "Catalogue chain"): a gone head, an older attempt under the head's
+    name or under a later commit's ``prev``, a dropped version back; a legitimately newer commit is fine."""
+    from ckptstore.manifest import chain
+
+    class M:
+        def __init__(self, attempt, n, prev=None):
+            self.attempt, self.chain = attempt, {"n": n, "prev": prev}
+
+    def head(v, a, n, dropped=False):
+        return chain.Head(n, v, a, n, dropped, {}, "", b"")
+
+    link = {"version": "a", "attempt": "A2", "n": 2}
+    ok = {"a": M("A2", 2), "b": M("B3", 3, link)}
+    assert chain.findings(ok, [head("b", "B3", 3)], "remote") == []
+    kinds = lambda fs: sorted((f.kind, f.version, f.attempt) for f in fs)  # noqa: E731
+    assert kinds(chain.findings({"a": M("A2", 2)}, [head("b", "B3", 3)], "remote")) == [("missing-newest", "b", "B3")]
+    assert kinds(chain.findings({"a": M("A1", 1), "b": M("B3", 3, link)}, [head("b", "B3", 3)], "remote")) == [
+        ("rolled-back", "a", "A1")]
+    assert kinds(chain.findings({"a": M("A2", 2), "b": M("B1", 1)}, [head("b", "B3", 3)], "remote")) == [
+        ("rolled-back", "b", "B1")]
+    assert kinds(chain.findings({"b": M("B3", 3)}, [head("b", "B3", 3, dropped=True)], "local")) == [
+        ("rolled-back", "b", "B3")]
+    # the name superseded later (a higher n), a head behind a newer commit: nothing to report
+    assert chain.findings({"a": M("A4", 4), "b": M("B3", 3, link)}, [head("b", "B3", 3)], "local") == []
+    assert chain.findings({"a": M("A2", 2), "c": M("C4", 4)}, [head("b", "B3", 3)], "local") == []
+    assert chain.findings({"a": M("A2", 2)}, [], "local") == []

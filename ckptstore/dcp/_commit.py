@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import _faults
 from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
-from ..errors import (CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
+from ..errors import (CkptStoreError, CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
                       PlacementError, StateDictKeysError, UnsupportedFormatError)
-from ..manifest import layout, leases, placement, writers
+from ..manifest import chain, layout, leases, placement, writers
 from ..manifest.commit import commit_manifest, supersede_manifest
 from ..manifest.placement import group_domains
 from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, parse, utcnow
@@ -119,6 +119,11 @@ class Committer(OwnLock):
         # and protects the attempt (its writer record goes, Delete rule 15)
         leases.release(self.tier, s.attempt)
         writers.remove(self.tier, s.version, s.attempt)
+        if s.head is not None:  # the root's catalogue head names this commit now (docs/FORMAT.md, "Catalogue chain")
+            try:
+                self.tier.put(layout.CATALOGUE_HEAD, s.head)
+            except CkptStoreError as e:
+                log.warning("ckptstore: could not update the catalogue head of %s after %r: %s", self.tier.url, s.version, e)
         _faults.point("commit.after_manifest")
         timed(s.version, commit_s=time.monotonic() - t0)
         if m.nonfinite_count:
@@ -225,6 +230,10 @@ class Committer(OwnLock):
             supersedes=[{"attempt": a, "reason": s.supersede.get(a, "overwritten (overwrite=True)")} for a in s.replaced] or None,
             nonfinite=nonfinite_of(reports) if cfg.count_nonfinite else None,
         )
+        if data_key is not None:  # a keyed commit extends the root's chain (docs/FORMAT.md, "Catalogue chain")
+            counter, prev = chain.counter_of(self.tier)
+            m.chain = {"n": counter + 1, "prev": prev}
+            s.head = chain.head_bytes(s.version, s.attempt, counter + 1, m.encryption, data_key, counter=counter + 1)
         return m, m.to_bytes(data_key)
 
     def after_commit(self, m: Manifest) -> None:

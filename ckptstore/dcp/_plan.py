@@ -54,6 +54,7 @@ class Save:
     seq: int | None = None  # commit sequence (coordinator)
     restage: tuple = ()  # versions staged again with this save (see _remote.RemoteStage.restage_plan)
     replaced: tuple = ()  # attempts this commit replaces, every rank's root and the remote tier (coordinator)
+    head: bytes | None = None  # the catalogue head this commit writes into the root (docs/FORMAT.md, "Catalogue chain")
 
 
 class Planner:

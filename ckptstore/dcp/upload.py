@@ -522,6 +522,10 @@ class Uploader:
                 leases.release(self.remote, m.attempt, "remote")
         key = layout.manifest_key(v)
         log.info("ckptstore: version %s committed in %s", v, self.remote.url)
+        if m.chain:  # the remote tier's catalogue head follows (docs/FORMAT.md, "Catalogue chain")
+            from ..manifest import chain
+
+            chain.publish_remote(self.local, self.remote, v, m.attempt, m.chain["n"])
         pin = layout.pin_key(v)
         if self.local.exists(pin):  # a pin made before the remote commit travels with the version
             self.remote.put(pin, self.local.get(pin))
@@ -541,6 +545,13 @@ class Uploader:
         try:
             if _remote_attempt(self.local, v) == attempt:
                 self.local.delete(layout.manifest_key(v))
+                from ..manifest import chain
+
+                raw = chain.read(self.local)
+                if raw is not None and chain.parse_head(raw).attempt == attempt:
+                    # its head named the retracted commit: without the key it cannot be moved back, so it goes
+                    # (the root's chain restarts from the next keyed commit; docs/FORMAT.md, "Catalogue chain")
+                    self.local.delete(layout.CATALOGUE_HEAD)
                 log.warning("ckptstore: the local copy of %r (attempt %s) was un-committed: another writer superseded "
                             "the name in %s first", v, attempt, self.remote.url)
             reclaim_failed_attempt(self.local, v, attempt)

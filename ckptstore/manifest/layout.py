@@ -104,6 +104,11 @@ def _rank_file(key: str, prefix: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+#: the catalogue head at the top of a tier, and a local root's copy of the remote tier's head
+#: (docs/FORMAT.md, "Catalogue chain")
+CATALOGUE_HEAD = "catalogue-head.json"
+REMOTE_HEAD_COPY = "catalogue-head.remote.json"
+
 #: the writer record of an attempt's coordinator (docs/FORMAT.md, Delete rule 15)
 WRITER_RECORD = "writer.json"
 
