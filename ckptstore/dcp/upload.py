@@ -498,23 +498,9 @@ class Uploader:
                 commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest",
                                 hint="the remote copy was not replaced")
             except VersionExistsError:
-                # a superseding save replaces the remote copy of an attempt it supersedes, and no other,
-                # conditionally: only if it is still the copy read here (docs/FORMAT.md, "Superseding")
                 if not m.superseded_attempts:
                     raise
-                token = read_token(self.remote, v)
-                there = _remote_attempt(self.remote, v)
-                try:
-                    if there not in m.superseded_attempts:
-                        raise SupersedeConflictError(
-                            f"version {v!r} in the remote tier ({self.remote.url}) is attempt {there}, which this save "
-                            f"does not supersede (another writer committed it); the remote copy was not replaced")
-                    supersede_manifest(self.remote, v, body, token=token, attempt=there, fault="remote.supersede")
-                except (VersionExistsError, CommitRefusedError):
-                    # the loser's uploads are garbage now, not in an hour (docs/FORMAT.md, Delete rule 14), and
-                    # its local copy is retracted: nothing it wrote stays loadable under the name ("Superseding")
-                    self._retract(v, m.attempt)
-                    raise
+                self._supersede(m, body)
             if m.refs:  # again after the commit, against a remover that ignores leases: uploaded again if gone
                 self._ensure_refs(m, committed=True)
         finally:
@@ -534,6 +520,25 @@ class Uploader:
 
             apply_after_commit(self.remote, self.retention, m, tier_name="remote", others={"local": self.local})
         return key
+
+    def _supersede(self, m: Manifest, body: bytes) -> None:
+        """A superseding save replaces the remote copy of an attempt it supersedes, and no other,
+        conditionally: only if it is still the copy read here (docs/FORMAT.md, "Superseding"). The
+        loser raises :class:`SupersedeConflictError` after :meth:`_retract`."""
+        v = m.version
+        token = read_token(self.remote, v)
+        there = _remote_attempt(self.remote, v)
+        try:
+            if there not in m.superseded_attempts:
+                raise SupersedeConflictError(
+                    f"version {v!r} in the remote tier ({self.remote.url}) is attempt {there}, which this save "
+                    f"does not supersede (another writer committed it); the remote copy was not replaced")
+            supersede_manifest(self.remote, v, body, token=token, attempt=there, fault="remote.supersede")
+        except (VersionExistsError, CommitRefusedError):
+            # the loser's uploads are garbage now, not in an hour (docs/FORMAT.md, Delete rule 14), and
+            # its local copy is retracted: nothing it wrote stays loadable under the name ("Superseding")
+            self._retract(v, m.attempt)
+            raise
 
     def _retract(self, v: str, attempt: str) -> None:
         """A superseding save lost the remote commit of ``v`` to another writer: delete its uploaded
