@@ -153,10 +153,10 @@ class Planner:
         # (docs/FORMAT.md, Delete rule 15), so a root that killed writers filled has room for this save
         gc.reclaim_dead_writers(self.tier)
         attempt = layout.new_attempt()
-        # who coordinates the attempt, before any rank learns it (Delete rule 15)
-        writers.write(self.tier, s.version, attempt)
         # before any rank writes anything: a key service that refuses fails the save here (docs/FORMAT.md, Save rule 10)
         w = self.keys.draw(s.version, attempt)
+        # who coordinates the attempt, before any rank learns it (Delete rule 15)
+        writers.write(self.tier, s.version, attempt)
         wrapped, kid, arn = (None, None, None) if w is None else (w.wrapped_key, w.key_id, w.kms_key_arn)
         ranks = [p.storage_data.rank if isinstance(p.storage_data, LocalPlanData) else i for i, p in enumerate(plans)]
         discover = len(plans) > 1 and multi_rank()
