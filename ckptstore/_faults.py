@@ -8,8 +8,9 @@ passes ``POINT`` — only on rank RANK when given (rank from the ``RANK`` env). 
 Points: ``write.frame`` (each frame appended to a shard), ``write.commit`` (before a shard's fsync),
 ``local.fsync``, ``write.metadata`` (DCP metadata object), ``local.tmp_write`` (manifest temp file),
 ``commit.manifest`` (before the manifest link/conditional PUT), ``commit.after_manifest``,
-``local.link``, ``local.replace``, the remote tiers' own (``<tier>.part``, ``<tier>.put_if_absent``, …:
-each tier package's docstring),
+``local.link``, ``local.replace``, ``local.replace_if_match``, the remote tiers' own (``<tier>.part``,
+``<tier>.put_if_absent``, ``s3.replace_if_match``, …: each tier package's docstring), ``remote.supersede`` (before a
+superseding remote commit's conditional replace),
 ``upload.object`` (a rank starts uploading its object), ``remote.manifest``, ``copy.manifest`` (a
 root without the commit point is about to receive its manifest copy), ``gc.uncommit``, ``gc.delete``, ``scrub.repair``.
 """

@@ -37,6 +37,9 @@ class TierSnapshot:
     empty_dirs: list[ObjectInfo] = dataclasses.field(default_factory=list)  # local only
     probes: list[ObjectInfo] = dataclasses.field(default_factory=list)  # probes/ (root-sharing probes)
     leases: list = dataclasses.field(default_factory=list)  # leases/ of saves in flight (manifest.leases.Lease)
+    #: ``{attempt dir prefix: why}``: attempts whose coordinator was provably dead before the manifests
+    #: were read (``manifest.writers``, Delete rule 15)
+    dead_writers: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,8 @@ The job report (its size grows with roots × versions, never with ranks × anyth
      "remote":    None | {version: {"manifest": digest | None (not read), "damaged": bool}},
      "remote_error": None | "why the remote tier could not be read",
      "invalid":   {version: why},                            # the remote tier's invalid manifests
-     "restores":  [restore log entries of the first rank's root, oldest first]}
+     "restores":  [restore log entries of the first rank's root, oldest first],
+     "chain":     [catalogue chain findings of the first rank's root and the remote tier]}  # optional
 
 A manifest's facts appear once per distinct manifest, keyed by the MD5 of the manifest file (what a
 remote tier's listing reports, docs/FORMAT.md "Tiers", rule 3); an *object set* is ``[meta, rank runs, other names]`` of one attempt
@@ -44,6 +45,11 @@ The rules, in order, for each version name, newest first (docs/FORMAT.md, "Order
    newer committed in between is skipped.
 8. **Numerical health.** Unless ``allow_nonfinite``, a version whose manifest records NaN/Inf values
    (``nonfinite.count > 0``) is skipped; one whose values were not counted is not.
+
+With a key, the catalogue chain's findings (``job["chain"]``, docs/FORMAT.md "Catalogue chain") add:
+a copy the chain shows to be an older manifest put back (``rolled-back``) is skipped like rule 4;
+a newest commit that is gone everywhere (``missing-newest``) skips nothing — there is nothing to
+load — but heads the view's ``skipped`` so the restore says it loads an older version.
 
 Every skipped version is recorded with its reason (:class:`Skipped`); an explicit ``version``
 skips nothing: it is loaded or the reason is raised. :func:`decide` is linear in the size of the job
@@ -69,6 +75,10 @@ UNVERIFIED = "unverified"
 SHAPE = "shape"
 RESTARTS = "restarts"
 NONFINITE = "nonfinite"
+#: the catalogue chain (docs/FORMAT.md, "Catalogue chain"): a manifest put back in place of a newer
+#: commit (skipped), and the newest commit gone (recorded, nothing to skip)
+ROLLED_BACK = "rolled-back"
+MISSING_NEWEST = "missing-newest"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +407,10 @@ class _Choice:
         self.restores = job.get("restores") or []
         self.scope = scope
         self.facts, self.order = _resolved(job, self.roots, scope)
+        found = job.get("chain") or ()
+        self.rolled_back = {(f["version"], f["attempt"]): f["message"] for f in found if f["kind"] == ROLLED_BACK}
+        self.missing_newest = [Skipped(f["version"], f["attempt"], MISSING_NEWEST, f["message"]) for f in found
+                               if f["kind"] == MISSING_NEWEST and f["version"] not in self.facts]
         self.newest = (self.order[0], self.facts[self.order[0]]["attempt"]) if self.order else None
 
     def view(self, v: str) -> View:
@@ -423,6 +437,7 @@ class _Choice:
             why = self.exclude[(v, a)]
             reason, obj = (why, None) if isinstance(why, str) else (why[0], why[1])
             return None, Skipped(v, a, UNVERIFIED, reason, obj)
+
         vw = self.view(v)
         empty = not vw.objects and not any(st for _v, _a, st in vw.refs)
         missing = [] if vw.remote_ok else [m for m in vw.missing() if m]
@@ -492,11 +507,13 @@ class _Choice:
              allow_nonfinite: bool = False) -> tuple[View | None, list]:
         """Rules 3-8 for each version, newest first: the view of the first loadable one (None: none
         is), and every version passed over before it with its reason."""
-        skipped: list[Skipped] = []
+        skipped: list[Skipped] = list(self.missing_newest)
         newer: dict[str, list] = {}  # every version ordered before the current one was skipped
         for v in self.order:
             f = self.facts[v]
             vw, why = self.check(v)
+            if why is None and (v, f["attempt"]) in self.rolled_back:  # an explicit version is loaded as asked
+                why = Skipped(v, f["attempt"], ROLLED_BACK, self.rolled_back[(v, f["attempt"])])
             if why is None and not reshard and world_size is not None and f.get("world_size") not in (None, world_size):
                 why = Skipped(v, f["attempt"], SHAPE, f"saved by {f.get('world_size')} ranks, this job has {world_size} "
                                                       "(pass reshard=True to load it resharded)")
@@ -610,4 +627,5 @@ def version_pattern(prefix: str = "", version_format: str | None = None) -> str:
 
 
 __all__ = ["Presence", "Skipped", "View", "decide", "restore_count", "version_pattern", "DAMAGED", "MISSING", "UNVERIFIED",
+           "ROLLED_BACK", "MISSING_NEWEST",
            "SHAPE", "RESTARTS", "NONFINITE"]

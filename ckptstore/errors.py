@@ -42,6 +42,9 @@ __all__ = [
     "VersionNotFoundError",
     "StoreNotFoundError",
     "VersionExistsError",
+    "SupersedeConflictError",
+    "SupersedeRefusedError",
+    "CatalogueRollbackError",
     "DamagedVersionError",
     "KeyMismatchError",
     "KeyServiceError",
@@ -141,6 +144,12 @@ class VersionExistsError(CkptStoreError, FileExistsError):
     """A committed version with that name already exists (pass ``overwrite=True`` to replace it)."""
 
     exit_code = 6
+
+
+class SupersedeConflictError(VersionExistsError):
+    """Two saves superseded one copy of a name at once and this one lost: the copy it checked was
+    replaced (or removed) by another writer before its conditional commit (docs/FORMAT.md,
+    "Superseding"). Nothing of this save is committed there; its attempt is reclaimed."""
 
 
 class KeyMismatchError(CkptStoreError):
@@ -272,6 +281,28 @@ class CommitRefusedError(CkptStoreError):
 
 class PlacementError(CommitRefusedError):
     """The ranks of a save disagree on which of them share a root (docs/FORMAT.md, "Placement")."""
+
+
+class SupersedeRefusedError(CommitRefusedError):
+    """A tier that cannot replace an object conditionally (or whose endpoint does not enforce it)
+    refuses a superseding commit instead of overwriting what another writer may have committed
+    (docs/FORMAT.md, "Superseding")."""
+
+
+class CatalogueRollbackError(CkptStoreError):
+    """The catalogue chain of a keyed store shows a missing newest version or a manifest put back in
+    place of a newer one (docs/FORMAT.md, "Catalogue chain"): someone who can write the storage but
+    has no key deleted or replayed manifests, or a lifecycle rule removed them. ``findings``: the
+    :class:`ckptstore.manifest.chain.Finding` s. ``list`` and ``scrub`` exit with this code (15)."""
+
+    exit_code = 15
+
+    def __init__(self, message: str, findings=()):
+        super().__init__(message)
+        self.findings = list(findings)
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
 
 
 class JobBrokenError(CkptStoreError):

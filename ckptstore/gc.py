@@ -1,4 +1,4 @@
-"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-13).
+"""Garbage collection and retention: plan first (pure), then apply (docs/FORMAT.md, Delete rules 1-15).
 
 ``ckptstore gc`` works in three steps:
 
@@ -26,6 +26,8 @@
      manifest), and only when their size and mtime are still what was planned (a growing file is
      skipped). Objects of an attempt that a committed manifest lists in ``supersedes`` go at once
      (Delete rule 12: retired by that commit, nothing writes to them any more).
+     Objects of an attempt whose coordinator is provably dead (its writer record, judged before the
+     manifests are read: Delete rule 15) go without the grace period too.
      Fault point ``gc.delete`` before each object deletion.
    * stale incomplete multipart uploads (tiers that declare ``supports_multipart``) older than grace
      are aborted; empty local directories older than grace are removed; root claims
@@ -64,7 +66,7 @@ from typing import Callable, Iterable, Mapping
 from . import _faults
 from ._gc_types import ABORT_UPLOAD, DELETE, RMDIR, UNCOMMIT, Action, GcPlan, GcResult, Survivor, TierSnapshot, Upload
 from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError, version_not_found
-from .manifest import catalogue, layout, leases, placement
+from .manifest import catalogue, layout, leases, placement, writers
 from .manifest.order import order_key
 from .manifest.schema import Manifest, parse
 from .retention import Decision, RetentionPolicy, across_tiers, format_duration
@@ -79,13 +81,16 @@ DEFAULT_GRACE = 3600.0
 #: (docs/FORMAT.md, "Placement"); gc deletes them once older than the grace period and leaves
 #: anything else in it alone
 PROBES = "probes"
-_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|root\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+")
+_PROBE_NAME = re.compile(r"r[0-9]+\.[A-Za-z0-9_-]+|root\.[A-Za-z0-9_-]+|put-if-absent\.[0-9a-f]+|if-match\.[0-9a-f]+")
 
 # -- collect -----------------------------------------------------------------------------------------
 def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
     """Snapshot one tier: listing first, then manifests, uploads and (local) empty directories."""
     name = name or tier.name
     listing = sorted(tier.list(layout.VERSIONS + "/"), key=lambda i: i.key)
+    # whose writer is dead, before the manifests are read: a coordinator dead now committed nothing after
+    # this point, so an attempt the manifests below do not name never commits (Delete rule 15)
+    dead = writers.dead_attempts(tier, [i.key for i in listing if layout.is_writer_record(i.key)])
     problems: list = []
     entries = catalogue.scan(tier, problems)
     invalid = [(key, why) for _t, key, why in problems]
@@ -96,7 +101,7 @@ def collect(tier: Tier, name: str | None = None) -> TierSnapshot:
         uploads.sort(key=lambda u: (u.key, u.upload_id))
     empty_dirs = sorted(tier.list_empty_dirs(layout.VERSIONS + "/"), key=lambda i: i.key)
     probes = sorted(tier.list(PROBES + "/"), key=lambda i: i.key)
-    return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs, probes, leases.read(tier))
+    return TierSnapshot(name, listing, entries, invalid, uploads, empty_dirs, probes, leases.read(tier), dead)
 
 
 def _upload(u) -> Upload:
@@ -279,6 +284,13 @@ def _plan_garbage(s: TierSnapshot, deleted_dirs: set[str], now_ts: float, grace:
             parts.garbage.append(Action(s.name, DELETE, info.key, "garbage", _superseded_reason(attempt),
                                         version=layout.version_of_key(info.key), size=info.size, mtime=info.mtime))
             continue
+        adir = info.key.rsplit("/", 1)[0] + "/"
+        if attempt is not None and adir in s.dead_writers and committed.attempt.get(layout.version_dir_of(info.key)) != attempt:
+            parts.garbage.append(Action(s.name, DELETE, info.key, "garbage",
+                                        f"{_classify(info.key)} of a save whose writer died: {s.dead_writers[adir]}; "
+                                        "no grace period", version=layout.version_of_key(info.key), size=info.size,
+                                        mtime=info.mtime))
+            continue
         what, ref_t = _describe_garbage(info, committed, deleted_dirs)
         age = now_ts - ref_t
         if age >= grace:
@@ -369,7 +381,8 @@ def _plan_uploads_and_dirs(s: TierSnapshot, now_ts: float, grace: float, parts: 
 
 def _plan_probes(s: TierSnapshot, now_ts: float, grace: float, parts: _Parts) -> None:
     """Root claims (``probes/root.<token>``, and older releases' ``probes/r<rank>.<nonce>``),
-    conditional-write probes left by a killed process (``probes/put-if-absent.<nonce>``) and the
+    conditional-write probes left by a killed process (``probes/put-if-absent.<nonce>``,
+    ``probes/if-match.<nonce>``) and the
     temporary files of a probe write a killed process left (``probes/.tmp-<random>``) older than
     ``grace`` are deleted; younger ones (a save or load running now) and anything else under
     ``probes/`` survive."""
@@ -689,6 +702,47 @@ def reclaim_failed_attempt(tier: Tier, version: str, attempt: str) -> int | None
         log.warning("ckptstore: reclaiming the failed attempt %s of %r stopped (%s); gc removes the rest", attempt, version, e)
     if n:
         log.info("ckptstore: deleted %d object(s) of the failed attempt %s of %r", n, attempt, version)
+    return n
+
+
+def reclaim_dead_writers(tier: Tier) -> int:
+    """Delete the objects of every attempt in ``tier`` whose coordinator is provably dead
+    (docs/FORMAT.md, Delete rule 15; ``manifest.writers``) and that no manifest of the tier names:
+    what killed saves left, at once instead of after the grace period. Objects a committed manifest
+    references and objects a live lease names stay (Delete rules 12, 13). The save path's
+    housekeeping (the coordinator, before it draws an attempt); best effort, returns how many
+    objects went."""
+    try:
+        keys = []
+        _files, vdirs = tier.list_dir(layout.VERSIONS + "/")
+        for vd in vdirs:
+            _f, adirs = tier.list_dir(vd + layout.ATTEMPTS + "/")
+            keys.extend(ad + layout.WRITER_RECORD for ad in adirs if tier.exists(ad + layout.WRITER_RECORD))
+        dead = writers.dead_attempts(tier, keys)  # before the manifests are read (see collect)
+        if not dead:
+            return 0
+        entries = catalogue.scan(tier)
+        keep = set(catalogue.referenced(entries))
+        keep |= set(leases.live(leases.read(tier), _dt.datetime.now(_dt.timezone.utc).timestamp(), leases.TTL))
+    except Exception as e:  # noqa: BLE001 - housekeeping: gc does it later
+        log.warning("ckptstore: could not look for the attempts of killed saves in %s: %s", tier.url, e)
+        return 0
+    n = 0
+    for adir, why in dead.items():
+        version, attempt = layout.version_of_key(adir + "x"), layout.attempt_of_key(adir + "x")
+        e = entries.get(version)
+        if version is None or attempt is None or (e is not None and e.manifest.attempt == attempt):
+            continue
+        try:
+            objs = [i.key for i in tier.list(adir)]
+            for key in sorted(objs, key=layout.is_writer_record):  # the record last: a crash leaves it to find again
+                if key not in keep:
+                    tier.delete(key)
+                    n += 1
+        except Exception as ex:  # noqa: BLE001
+            log.warning("ckptstore: reclaiming attempt %s of %r stopped (%s); gc removes the rest", attempt, version, ex)
+    if n:
+        log.info("ckptstore: deleted %d object(s) of saves whose writer died in %s", n, tier.url)
     return n
 
 

@@ -306,6 +306,10 @@ def rekey_tier(tier, tier_name: str, old_key, new_key, report: RekeyReport, *, v
             e.status, e.detail = OTHER_KEY, str(ex)
         except (CkptStoreError, OSError) as ex:
             e.status, e.detail = ERROR, f"{type(ex).__name__}: {ex}"
+    if not dry_run and version is None:  # the catalogue heads carry a wrapped data key too (docs/FORMAT.md, "Catalogue chain")
+        from .manifest import chain
+
+        chain.rewrap(tier, old_key, rewrapper)
 
 
 def rekey(store, old_key, new_key, *, version: str | None = None, dry_run: bool = False) -> RekeyReport:

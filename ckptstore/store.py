@@ -62,6 +62,17 @@ class Store:
         self.key = key
         self.problems: list = []
 
+    def master_key(self):
+        """The master key this store was given (``key=``, else ``CKPTSTORE_KEY``/``CKPTSTORE_KEY_FILE``/
+        ``CKPTSTORE_KMS_KEY_ID``) as a key object with ``unwrap``, or None (also when it cannot be read:
+        what needs it then checks nothing). What the catalogue chain is verified with."""
+        from .keys import resolve_master
+
+        try:
+            return resolve_master(self.key)
+        except Exception:  # noqa: BLE001
+            return None
+
     @property
     def tiers(self) -> dict[str, Tier]:
         t = {}
@@ -161,7 +172,7 @@ class Store:
         from .dcp import _job
 
         view, _me = _job.exchange(self.local, self.remote, process_group, version,
-                                  empty_ok=version is None, **choice)
+                                  empty_ok=version is None, master=self.master_key(), **choice)
         return view
 
     def get(self, version: str) -> VersionRecord:

@@ -126,3 +126,41 @@ def test_bad_opt_out_value_is_refused(monkeypatch):
     monkeypatch.setenv(CONDITIONAL_WRITES_ENV, "yes")
     with pytest.raises(ValueError, match="verify' or 'trust"):
         S3Tier("s3://bucket-x/p")
+
+
+@pytest.fixture
+def ignoring_if_match(moto, monkeypatch):
+    """Like ``ignoring``, for ``If-Match``: an endpoint that enforces put-if-absent but not a
+    conditional replace."""
+    for k, v in moto.env.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", CONDITIONAL_WRITES_ENV):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    with HeaderStrippingProxy(moto.endpoint, strip=("if-match",)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        yield proxy, f"s3://ckptstore-test/t-{uuid.uuid4().hex[:12]}/"
+
+
+def test_conditional_replace_through_an_endpoint_ignoring_if_match_is_refused(ignoring_if_match):
+    """Through the proxy a PUT with a stale If-Match overwrites (on main a superseding remote commit
+    was a plain overwrite everywhere); the probe sees it, and replace_if_match refuses with
+    ConditionalWritesError without writing, so two superseding saves cannot both commit there."""
+    from ckptstore.errors import ConditionalWritesError
+
+    proxy, url = ignoring_if_match
+    raw = S3Tier(url, conditional_writes="trust")
+    raw.put("versions/v/manifest.json", b"A")
+    stale = raw.stat("versions/v/manifest.json").token
+    raw.put("versions/v/manifest.json", b"B")
+    raw.replace_if_match("versions/v/manifest.json", b"C", stale)  # trusted: the stale token overwrote
+    assert raw.get("versions/v/manifest.json") == b"C"
+    raw.close()
+    t = S3Tier(url)
+    token = t.stat("versions/v/manifest.json").token
+    with pytest.raises(ConditionalWritesError, match="If-Match"):
+        t.replace_if_match("versions/v/manifest.json", b"D", token)
+    assert t.get("versions/v/manifest.json") == b"C"
+    assert _keys(url, "probes/") == []  # the probe cleaned up after itself
+    t.close()

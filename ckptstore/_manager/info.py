@@ -39,7 +39,10 @@ class RestoreInfo:
     What the choice passed over (docs/FORMAT.md, "Restore choice"): ``skipped`` — newer versions
     not loaded, newest first, each a :class:`ckptstore.choice.Skipped` with its ``kind``
     (``damaged``, ``missing``, ``unverified``: failed verification while loading, ``shape``,
-    ``restarts``, ``nonfinite``: its manifest records NaN/Inf values) and ``reason``;
+    ``restarts``, ``nonfinite``: its manifest records NaN/Inf values, ``rolled-back``: the catalogue
+    chain shows an older manifest put back under the name, ``missing-newest``: the chain's newest
+    commit is gone — nothing was loadable of it, recorded first; docs/FORMAT.md "Catalogue chain")
+    and ``reason``;
     ``remote_error`` — why the remote tier was not consulted (None: it was, or there is none);
     ``restore_count`` — restores in a row before this one that loaded the same version with nothing
     newer committed in between (the job died after each: a restart loop);

@@ -28,6 +28,10 @@ def drop(root, remote, as_json, version, tiers, force, yes, dry_run):
 
     Exit codes: 0 done (or dry run / declined), 3 no tier holds VERSION, 1 VERSION is pinned and
     --force was not given, 7 a storage action failed.
+
+    On a keyed store give the key (CKPTSTORE_KEY, CKPTSTORE_KEY_FILE or CKPTSTORE_KMS_KEY_ID): drop then
+    moves the catalogue head off VERSION, so list, scrub and restores accept the deletion; without it
+    a dropped newest version is reported as missing (docs/FORMAT.md, "Catalogue chain").
     """
     from .. import gc as _gc
 
@@ -57,6 +61,12 @@ def drop(root, remote, as_json, version, tiers, force, yes, dry_run):
             click.echo("nothing removed")
             return
     result = _gc.apply(st.tiers, p)
+    # a keyed store's catalogue heads move off the dropped version, so the deletion is not reported
+    # as a missing newest version (docs/FORMAT.md, "Catalogue chain"); the key from the environment
+    from ..manifest import chain
+
+    for w in chain.after_drop(st.tiers, version, st.master_key()):
+        click.echo(f"warning: {w}", err=True)
     if as_json:
         emit_json({"dry_run": False, "plan": p.to_json(), "result": result.to_json()})
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import click
@@ -27,6 +28,10 @@ def list_cmd(root, remote, as_json):
     not the default restore point; ``ckptstore show`` names them; in --json ``"nonfinite"``: the count,
     null when not counted).
 
+    With a key (CKPTSTORE_KEY, CKPTSTORE_KEY_FILE, CKPTSTORE_KMS_KEY_ID) the catalogue chain is
+    checked (docs/FORMAT.md, "Catalogue chain"): a newest version deleted or an older manifest put
+    back without the key is warned about (in --json under "chain") and list exits 15.
+
     The last line gives the last save's durable lag (seconds from its ``save()`` call to its remote
     commit) from the root's event log, when there is one (in --json: ``"last_save"``).
     """
@@ -34,6 +39,9 @@ def list_cmd(root, remote, as_json):
     with reported_here():
         recs = st.versions()
     last = _last_save(st)
+    from ..manifest import chain
+
+    found = chain.check_store(st.tiers, st.master_key())  # with a key only (docs/FORMAT.md, "Catalogue chain")
     if as_json:
         versions = []
         for r in recs:
@@ -41,6 +49,7 @@ def list_cmd(root, remote, as_json):
             d["pin_note"] = one_note(pin_notes(st, r.version, r.tiers)) if r.pinned else None
             versions.append(d)
         emit_json({"versions": versions, "problems": [list(p) for p in st.problems],
+                   "chain": [f.to_json() for f in found],
                    "last_save": None if last is None else {k: last.get(k) for k in (
                        "version", "step", "outcome", "durability", "durable_lag_s", "local_commit_s", "t_call", "t")}})
     else:
@@ -60,6 +69,12 @@ def list_cmd(root, remote, as_json):
             click.echo(f"warning: {r.version} was committed at {r.created:%Y-%m-%d %H:%M:%S} UTC, in the future of this "
                        "host's clock (a skewed clock on the saving host); its order comes from its step and commit "
                        "sequence, not from that time", err=True)
+    for f in found:
+        click.echo(f"warning: catalogue chain, {f.tier} tier ({f.kind}): {f.message}", err=True)
+    if found:
+        from ..errors import CatalogueRollbackError
+
+        sys.exit(CatalogueRollbackError.exit_code)
 
 
 def _last_save(st):

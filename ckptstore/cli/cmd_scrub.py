@@ -40,7 +40,10 @@ def scrub(root, remote, as_json, version_name, deep, repair, key_file, kms_key, 
     be checked (key missing for --deep, tier unreachable, the AWS KMS key refused or did not answer);
     13 no damage, but a version's manifest records NaN/Inf values in its tensors (a finding: the bytes
     are intact and never marked; the version is not the default restore point);
-    9 no store at ROOT / --remote.
+    9 no store at ROOT / --remote;
+    15 nothing worse than 11/13, but the catalogue chain (checked with the key given or in the
+    environment, also without --deep) shows a newest version deleted or an older manifest put back
+    without the key (docs/FORMAT.md, "Catalogue chain").
     """
     from .. import scrub as _scrub
 
@@ -52,15 +55,21 @@ def scrub(root, remote, as_json, version_name, deep, repair, key_file, kms_key, 
         key, source = master_key(key_file, kms_key)
     elif key_file or kms_key:
         given = f"--key-file {key_file}" if key_file else f"--kms-key {kms_key}"
-        click.echo(f"warning: {given} is not used: only --deep decrypts", err=True)
+        click.echo(f"warning: {given} is used only to check the catalogue chain: only --deep decrypts", err=True)
     st = open_store(root, remote, key=key)
     with progress("scrub") as (set_total, advance), reported_here():
         report = _scrub.scrub(st, version=version_name, deep=deep, repair=repair, key=key, on_total=set_total, on_bytes=advance,
                                jobs=jobs)
+    found = _chain_findings(st, key, key_file, kms_key)
     if key is not None and report.versions and not any(v.encrypted for v in report.versions):
         click.echo(f"warning: the key from {source} is not used: no version checked is encrypted", err=True)
+    code = report.exit_code
+    if found and code in (0, 11, 13):
+        from ..errors import CatalogueRollbackError
+
+        code = CatalogueRollbackError.exit_code
     if as_json:
-        emit_json(report.to_json())
+        emit_json({**report.to_json(), "chain": [f.to_json() for f in found], "exit_code": code})
     else:
         for line in _scrub.format_report(report):
             click.echo(line)
@@ -70,6 +79,23 @@ def scrub(root, remote, as_json, version_name, deep, repair, key_file, kms_key, 
         click.echo(f"{s['versions']} version copies, {s['objects']} objects: {s['damaged']} damaged, "
                    f"{s['repaired']} repaired, {s['unchecked']} not fully checked"
                    + (f", {s['nonfinite']} with NaN/Inf values (not damage)" if s["nonfinite"] else "")
-                   + f" (exit {report.exit_code})")
-    if report.exit_code:
-        sys.exit(report.exit_code)
+                   + f" (exit {code})")
+    for f in found:
+        click.echo(f"catalogue chain, {f.tier} tier ({f.kind}): {f.message}", err=True)
+    if code:
+        sys.exit(code)
+
+
+def _chain_findings(st, key, key_file, kms_key) -> list:
+    """The catalogue chain's findings (docs/FORMAT.md, "Catalogue chain") with the key given or in
+    the environment; none without one (or when it cannot be read: the --deep check reports that)."""
+    from ..errors import CkptStoreError
+    from ..keys import resolve_master
+    from ..manifest import chain
+
+    try:
+        k = key if key is not None else master_key(key_file, kms_key)[0]
+        master = resolve_master(k) if k is not None else None
+    except CkptStoreError:
+        return []
+    return chain.check_store(st.tiers, master) if master is not None else []

@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import _faults
 from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
-from ..errors import (CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
+from ..errors import (CkptStoreError, CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
                       PlacementError, StateDictKeysError, UnsupportedFormatError)
-from ..manifest import layout, leases, placement
-from ..manifest.commit import commit_manifest
+from ..manifest import chain, layout, leases, placement, writers
+from ..manifest.commit import commit_manifest, supersede_manifest
 from ..manifest.placement import group_domains
 from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, parse, utcnow
 from . import _roots
@@ -97,11 +97,16 @@ class Committer(OwnLock):
             self.check_committable(s, m, body)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
             self.check_owner(s.version)
-            commit_manifest(
-                self.tier, s.version, body, overwrite=self.cfg.overwrite or s.existing is not None,
-                fault="commit.manifest",
-                hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
-            )
+            if s.existing is not None and not self.cfg.overwrite:
+                # replace the copy the save checked and no other (docs/FORMAT.md, "Superseding")
+                supersede_manifest(self.tier, s.version, body, token=s.existing_token, attempt=s.existing,
+                                   fault="commit.manifest")
+            else:
+                commit_manifest(
+                    self.tier, s.version, body, overwrite=self.cfg.overwrite,
+                    fault="commit.manifest",
+                    hint="another save committed it first; its data is intact. Choose a new checkpoint_id or pass overwrite=True",
+                )
         except BaseException:
             if split:
                 self.publisher.publish(s.attempt, b"", None)  # the other roots stop waiting (and reclaim)
@@ -110,8 +115,15 @@ class Committer(OwnLock):
 
             gc.reclaim_failed_attempt(self.tier, s.version, s.attempt)  # unless it did commit (Delete rule 14)
             raise
-        # committed here: the manifest now names what the ranks of this root referenced (their leases go)
+        # committed here: the manifest now names what the ranks of this root referenced (their leases go),
+        # and protects the attempt (its writer record goes, Delete rule 15)
         leases.release(self.tier, s.attempt)
+        writers.remove(self.tier, s.version, s.attempt)
+        if s.head is not None:  # the root's catalogue head names this commit now (docs/FORMAT.md, "Catalogue chain")
+            try:
+                self.tier.put(layout.CATALOGUE_HEAD, s.head)
+            except CkptStoreError as e:
+                log.warning("ckptstore: could not update the catalogue head of %s after %r: %s", self.tier.url, s.version, e)
         _faults.point("commit.after_manifest")
         timed(s.version, commit_s=time.monotonic() - t0)
         if m.nonfinite_count:
@@ -218,6 +230,10 @@ class Committer(OwnLock):
             supersedes=[{"attempt": a, "reason": s.supersede.get(a, "overwritten (overwrite=True)")} for a in s.replaced] or None,
             nonfinite=nonfinite_of(reports) if cfg.count_nonfinite else None,
         )
+        if data_key is not None:  # a keyed commit extends the root's chain (docs/FORMAT.md, "Catalogue chain")
+            counter, prev = chain.counter_of(self.tier)
+            m.chain = {"n": counter + 1, "prev": prev}
+            s.head = chain.head_bytes(s.version, s.attempt, counter + 1, m.encryption, data_key, counter=counter + 1)
         return m, m.to_bytes(data_key)
 
     def after_commit(self, m: Manifest) -> None:

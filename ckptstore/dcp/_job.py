@@ -91,7 +91,8 @@ def _objects_in(local, enc: str, attempt: str) -> list[str]:
         names = [i.key[len(prefix):] for i in files]
     out = []
     for n in names:
-        if n.startswith(layout.TMP_PREFIX) or layout.replica_record_rank(n) is not None or layout.marker_rank(n) is not None:
+        if (n.startswith(layout.TMP_PREFIX) or layout.replica_record_rank(n) is not None or layout.marker_rank(n) is not None
+                or layout.is_writer_record(n)):
             continue
         out.append(f"{layout.attempt_dir(attempt)}/{n}")
     return out
@@ -334,7 +335,26 @@ def _raise_errors(job: dict, me: int, own: dict | None) -> None:
         raise CkptStoreError(f"rank {lead} of the load could not read its root: {err!r}")
 
 
-def exchange(local, remote, pg, version: str | None, key_id: str | None = None, **choice) -> tuple[View, int]:
+def _chain_findings(local, remote, master) -> list:
+    """The catalogue chain's findings (docs/FORMAT.md, "Catalogue chain") of the first rank's root and
+    the remote tier, as dicts for the job report; none without a key. Never raises: a chain that
+    cannot be read is warned about and checked nothing."""
+    if master is None:
+        return []
+    from ..manifest import chain
+
+    try:
+        found = chain.check_store({k: t for k, t in (("local", local), ("remote", remote)) if t is not None}, master)
+    except Exception as e:  # noqa: BLE001 - the check must not stop a restore
+        log.warning("ckptstore: could not check the catalogue chain: %s", e)
+        return []
+    for f in found:
+        log.warning("ckptstore: catalogue chain (%s tier, %s): %s", f.tier, f.kind, f.message)
+    return [f.to_json() for f in found]
+
+
+def exchange(local, remote, pg, version: str | None, key_id: str | None = None, master=None,
+             **choice) -> tuple[View, int]:
     """Build the job report and decide (see the module docstring; ``choice``: keyword arguments of
     :func:`ckptstore.choice.decide`; ``key_id``: the id of the master key this rank loads with — the
     first rank's is the load's, ``job["key_id"]``); returns the view and this rank's index in the group. Outside a
@@ -349,6 +369,7 @@ def exchange(local, remote, pg, version: str | None, key_id: str | None = None, 
             _add_remote(job, remote, version)
         job["ranks"] = [[me_global, 0 if local is not None else None]]
         job["key_id"] = key_id
+        job["chain"] = _chain_findings(local, remote, master)
         return _said(_decide(job, version, local, remote, None, 0, choice)), 0
     me = dist.get_rank(pg)
     first = _first(pg)
@@ -385,6 +406,7 @@ def exchange(local, remote, pg, version: str | None, key_id: str | None = None, 
             job["key_id"] = key_id  # the load's master key: the first rank's (docs/FORMAT.md, Read rule 12)
             if remote is not None and not job["errors"]:  # the remote tier, knowing what every root holds
                 _add_remote(job, remote, version)
+            job["chain"] = _chain_findings(local, remote, master)
             box = [job]
         except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast
             box = [e]

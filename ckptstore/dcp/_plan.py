@@ -47,10 +47,14 @@ class Save:
     #: ``{attempt: reason}`` of existing copies of this name the save may replace (docs/FORMAT.md, "Superseding")
     supersede: dict = dataclasses.field(default_factory=dict)
     existing: str | None = None  # the attempt of this name committed in this rank's root, if any
+    #: the version token of that copy's manifest when it was checked: a superseding commit replaces
+    #: only that copy (docs/FORMAT.md, "Superseding")
+    existing_token: str | None = None
     existing_remote: str | None = None  # ... in the remote tier (coordinator)
     seq: int | None = None  # commit sequence (coordinator)
     restage: tuple = ()  # versions staged again with this save (see _remote.RemoteStage.restage_plan)
     replaced: tuple = ()  # attempts this commit replaces, every rank's root and the remote tier (coordinator)
+    head: bytes | None = None  # the catalogue head this commit writes into the root (docs/FORMAT.md, "Catalogue chain")
 
 
 class Planner:
@@ -96,7 +100,7 @@ class Planner:
         A copy is replaced only with ``overwrite=True`` or when its attempt is one the save was told
         to supersede; otherwise :class:`VersionExistsError`. The attempts found are recorded in the
         new manifest's ``supersedes`` (docs/FORMAT.md, "Superseding")."""
-        s.existing = existing_attempt(self.tier, s.version)
+        s.existing, s.existing_token = existing_copy(self.tier, s.version)
         where = None
         sync = self.uploads.sync
         if s.existing is not None and not self._may_replace(s, s.existing):
@@ -142,9 +146,17 @@ class Planner:
         one rank the coordinator claims its root for the attempt here, before any other rank sees the
         attempt, so it leads its root group (docs/FORMAT.md, "Placement")."""
         self.guard.check_world(len(plans), f"the plan of {s.version!r}")
+        from .. import gc
+        from ..manifest import writers
+
+        # housekeeping first: what killed saves left in this root goes now, not after the grace period
+        # (docs/FORMAT.md, Delete rule 15), so a root that killed writers filled has room for this save
+        gc.reclaim_dead_writers(self.tier)
         attempt = layout.new_attempt()
         # before any rank writes anything: a key service that refuses fails the save here (docs/FORMAT.md, Save rule 10)
         w = self.keys.draw(s.version, attempt)
+        # who coordinates the attempt, before any rank learns it (Delete rule 15)
+        writers.write(self.tier, s.version, attempt)
         wrapped, kid, arn = (None, None, None) if w is None else (w.wrapped_key, w.key_id, w.kms_key_arn)
         ranks = [p.storage_data.rank if isinstance(p.storage_data, LocalPlanData) else i for i, p in enumerate(plans)]
         discover = len(plans) > 1 and multi_rank()
@@ -181,17 +193,25 @@ class Planner:
 def existing_attempt(tier, version: str) -> str | None:
     """The attempt of ``version`` committed in ``tier`` (None: not committed there). A manifest
     that does not parse counts as a copy of an unknown attempt: never replaced unless overwrite."""
+    return existing_copy(tier, version)[0]
+
+
+def existing_copy(tier, version: str) -> tuple[str | None, str | None]:
+    """``(attempt, token)`` of the copy of ``version`` committed in ``tier`` (``(None, None)``: not
+    committed there): its attempt as :func:`existing_attempt` says, and the version token of its
+    manifest taken before the manifest was read (``manifest.commit.read_token``)."""
     from ..manifest import catalogue
+    from ..manifest.commit import read_token
 
-    key = layout.manifest_key(version)
-    if not tier.exists(key):
-        return None
+    token = read_token(tier, version)
+    if token is None and not tier.exists(layout.manifest_key(version)):
+        return None, None
     try:
-        return catalogue.read_manifest(tier, version).manifest.attempt
+        return catalogue.read_manifest(tier, version).manifest.attempt, token
     except VersionNotFoundError:
-        return None
+        return None, None
     except (ManifestError, UnsupportedFormatError, InvalidNameError):
-        return "(invalid manifest)"
+        return "(invalid manifest)", token
 
 
-__all__ = ["Planner", "Save", "existing_attempt"]
+__all__ = ["Planner", "Save", "existing_attempt", "existing_copy"]

@@ -37,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import _faults
-from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError
+from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError, PreconditionFailedError
 from ..manifest import layout, leases
 from ..manifest.schema import parse
 from ..tiers import LocalTier
@@ -277,12 +277,18 @@ def copy_into(tier: LocalTier, version: str, attempt: str, manifest: bytes, meta
     try:
         tier.put_if_absent(mkey, manifest)
     except ObjectExistsError:
-        # a copy of an attempt this commit supersedes is replaced (docs/FORMAT.md, "Superseding");
-        # any other copy stays (the same attempt, or a divergent one the restore choice reports)
+        # a copy of an attempt this commit supersedes is replaced, conditionally: only if it is still
+        # the copy read here (docs/FORMAT.md, "Superseding"); any other copy stays (the same attempt,
+        # or a divergent one the restore choice reports)
         try:
+            token = tier.stat(mkey).token
             old = parse(tier.get(mkey), expect_version=version).manifest.attempt
         except CkptStoreError:
-            old = None
-        if old is not None and old in m.superseded_attempts:
-            tier.put(mkey, manifest)
+            old = token = None
+        if old is not None and old in m.superseded_attempts and token is not None:
+            try:
+                tier.replace_if_match(mkey, manifest, token)
+            except PreconditionFailedError:
+                log.warning("ckptstore: the copy of %r in %s changed while it was being superseded; left as it is "
+                            "(the restore choice decides between the copies)", version, tier.url)
     return m

@@ -251,7 +251,7 @@ class StorageReader(_DCPStorageReader):
         if self._joined is None:
             try:
                 view, me = _job.exchange(self._store.local, self._store.remote, self._pg, self.version,
-                                         key_id=_raw_key_id(self._keys.master), bad=self.avoid,
+                                         key_id=_raw_key_id(self._keys.master), master=self._keys.master, bad=self.avoid,
                                          allow_nonfinite=self.allow_nonfinite)
                 if (_job.in_job(self._pg) and not view.holders and view.remote_ok and self._store.remote is not None
                         and self._can_relay()):

@@ -56,9 +56,9 @@ import weakref
 from .. import _faults
 from ..codec.frame import FrameWalk, xxh3, xxh3_stream
 from ..errors import (CkptStoreError, IntegrityError, ManifestError, ObjectNotFoundError, StorageError,
-                      VersionExistsError, VersionNotFoundError)
+                      VersionExistsError, VersionNotFoundError, CommitRefusedError, SupersedeConflictError)
 from ..manifest import layout, leases
-from ..manifest.commit import commit_manifest
+from ..manifest.commit import commit_manifest, read_token, supersede_manifest
 from ..manifest.schema import Manifest, ObjectEntry
 from ..tiers.base import Tier
 
@@ -498,11 +498,9 @@ class Uploader:
                 commit_manifest(self.remote, v, body, overwrite=overwrite, fault="remote.manifest",
                                 hint="the remote copy was not replaced")
             except VersionExistsError:
-                # a superseding save replaces the remote copy of an attempt it supersedes, and no other
-                # (docs/FORMAT.md, "Superseding")
-                if not m.superseded_attempts or _remote_attempt(self.remote, v) not in m.superseded_attempts:
+                if not m.superseded_attempts:
                     raise
-                commit_manifest(self.remote, v, body, overwrite=True, fault="remote.manifest", hint="")
+                self._supersede(m, body)
             if m.refs:  # again after the commit, against a remover that ignores leases: uploaded again if gone
                 self._ensure_refs(m, committed=True)
         finally:
@@ -510,6 +508,10 @@ class Uploader:
                 leases.release(self.remote, m.attempt, "remote")
         key = layout.manifest_key(v)
         log.info("ckptstore: version %s committed in %s", v, self.remote.url)
+        if m.chain:  # the remote tier's catalogue head follows (docs/FORMAT.md, "Catalogue chain")
+            from ..manifest import chain
+
+            chain.publish_remote(self.local, self.remote, v, m.attempt, m.chain["n"])
         pin = layout.pin_key(v)
         if self.local.exists(pin):  # a pin made before the remote commit travels with the version
             self.remote.put(pin, self.local.get(pin))
@@ -518,6 +520,48 @@ class Uploader:
 
             apply_after_commit(self.remote, self.retention, m, tier_name="remote", others={"local": self.local})
         return key
+
+    def _supersede(self, m: Manifest, body: bytes) -> None:
+        """A superseding save replaces the remote copy of an attempt it supersedes, and no other,
+        conditionally: only if it is still the copy read here (docs/FORMAT.md, "Superseding"). The
+        loser raises :class:`SupersedeConflictError` after :meth:`_retract`."""
+        v = m.version
+        token = read_token(self.remote, v)
+        there = _remote_attempt(self.remote, v)
+        try:
+            if there not in m.superseded_attempts:
+                raise SupersedeConflictError(
+                    f"version {v!r} in the remote tier ({self.remote.url}) is attempt {there}, which this save "
+                    f"does not supersede (another writer committed it); the remote copy was not replaced")
+            supersede_manifest(self.remote, v, body, token=token, attempt=there, fault="remote.supersede")
+        except (VersionExistsError, CommitRefusedError):
+            # the loser's uploads are garbage now, not in an hour (docs/FORMAT.md, Delete rule 14), and
+            # its local copy is retracted: nothing it wrote stays loadable under the name ("Superseding")
+            self._retract(v, m.attempt)
+            raise
+
+    def _retract(self, v: str, attempt: str) -> None:
+        """A superseding save lost the remote commit of ``v`` to another writer: delete its uploaded
+        objects, un-commit its local copy (only while that still names ``attempt``) and reclaim its
+        local objects (docs/FORMAT.md, "Superseding"). Best effort: what is left is garbage for gc."""
+        from ..gc import reclaim_failed_attempt
+
+        reclaim_failed_attempt(self.remote, v, attempt)
+        try:
+            if _remote_attempt(self.local, v) == attempt:
+                self.local.delete(layout.manifest_key(v))
+                from ..manifest import chain
+
+                raw = chain.read(self.local)
+                if raw is not None and chain.parse_head(raw).attempt == attempt:
+                    # its head named the retracted commit: without the key it cannot be moved back, so it goes
+                    # (the root's chain restarts from the next keyed commit; docs/FORMAT.md, "Catalogue chain")
+                    self.local.delete(layout.CATALOGUE_HEAD)
+                log.warning("ckptstore: the local copy of %r (attempt %s) was un-committed: another writer superseded "
+                            "the name in %s first", v, attempt, self.remote.url)
+            reclaim_failed_attempt(self.local, v, attempt)
+        except CkptStoreError as e:
+            log.warning("ckptstore: could not retract the local copy of %r (attempt %s): %s", v, attempt, e)
 
     # -- catch-up ---------------------------------------------------------------------------
     def catch_up(self, exclude: str | None = None, only: "list[str] | None" = None) -> list[str]:

@@ -104,6 +104,25 @@ def _rank_file(key: str, prefix: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+#: the catalogue head at the top of a tier, and a local root's copy of the remote tier's head
+#: (docs/FORMAT.md, "Catalogue chain")
+CATALOGUE_HEAD = "catalogue-head.json"
+REMOTE_HEAD_COPY = "catalogue-head.remote.json"
+
+#: the writer record of an attempt's coordinator (docs/FORMAT.md, Delete rule 15)
+WRITER_RECORD = "writer.json"
+
+
+def writer_record_name(attempt: str) -> str:
+    """The writer record of ``attempt``: who (host, boot, pid, start time) coordinates it (Delete rule 15)."""
+    return f"{attempt_dir(attempt)}/{WRITER_RECORD}"
+
+
+def is_writer_record(key: str) -> bool:
+    """Whether ``key`` (any prefix) names an attempt's writer record."""
+    return key.rsplit("/", 1)[-1] == WRITER_RECORD
+
+
 def marker_prefix(attempt: str) -> str:
     """What every upload marker name of ``attempt`` starts with."""
     return f"{attempt_dir(attempt)}/{MARKER_PREFIX}"
@@ -182,3 +201,8 @@ def conditional_probe_key() -> str:
     """A fresh key for the probe that checks whether a remote endpoint enforces put-if-absent
     (docs/FORMAT.md, "Conditional writes")."""
     return f"{PROBES}/{CONDITIONAL_PROBE}{secrets.token_hex(8)}"
+
+
+def if_match_probe_key() -> str:
+    """A fresh key for the probe that checks whether an S3 endpoint enforces ``If-Match`` on PutObject."""
+    return f"{PROBES}/if-match.{secrets.token_hex(8)}"

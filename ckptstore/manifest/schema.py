@@ -226,6 +226,10 @@ class Manifest:
     #: values, "items": write items holding any, "first": [{"key": fqn, "count": values}, ...]}``;
     #: None: not counted (older releases, ``count_nonfinite=False``) — unknown
     nonfinite: dict | None = None
+    #: the catalogue chain (docs/FORMAT.md, "Catalogue chain"; encrypted versions only): ``{"n": commit
+    #: counter, "prev": None | {"version", "attempt", "n"}}`` — the previous commit of the store this
+    #: commit extends. None: not chained (older releases, unencrypted stores)
+    chain: dict | None = None
 
     @property
     def nonfinite_count(self) -> int | None:
@@ -276,6 +280,7 @@ class Manifest:
             **({} if self.domains is None else {"domains": self.domains}),
             **({} if not self.refs else {"refs": [r.to_json() for r in self.refs]}),
             **({} if self.nonfinite is None else {"nonfinite": self.nonfinite}),
+            **({} if self.chain is None else {"chain": self.chain}),
         }
 
     def to_bytes(self, data_key: bytes | None) -> bytes:
@@ -475,6 +480,7 @@ def _manifest_from_body(d: dict) -> Manifest:
             domains=_domains(d.get("domains"), d.get("placement")),
             refs=_refs(d.get("refs"), d.get("format")),
             nonfinite=_nonfinite(d.get("nonfinite")),
+            chain=_chain(d.get("chain")),
             format=d["format"],
         )
     except KeyError as k:
@@ -570,6 +576,31 @@ def _nonfinite(v: Any) -> dict | None:
         _int(e.get("count"), "nonfinite.first.count")
     return {"count": _int(v.get("count"), "nonfinite.count"), "items": _int(v.get("items", 0), "nonfinite.items"),
             "first": [{"key": e["key"], "count": e["count"]} for e in first]}
+
+
+def _chain_link(v: Any, what: str) -> dict:
+    if not isinstance(v, dict) or set(v) != {"version", "attempt", "n"}:
+        raise ManifestError(f"manifest {what} must be an object of version, attempt and n")
+    return {"version": check_version(v["version"]), "attempt": check_attempt(v["attempt"]), "n": _chain_n(v["n"], what)}
+
+
+def _chain_n(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ManifestError(f"manifest {what}'s n must be an integer >= 1")
+    return v
+
+
+def _chain(v: Any) -> dict | None:
+    """``chain`` (docs/FORMAT.md, "Catalogue chain"): ``{"n": int >= 1, "prev": None | link}``."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) != {"n", "prev"}:
+        raise ManifestError("manifest 'chain' must be an object of n and prev")
+    n = _chain_n(v["n"], "'chain'")
+    prev = None if v["prev"] is None else _chain_link(v["prev"], "'chain.prev'")
+    if prev is not None and prev["n"] >= n:
+        raise ManifestError("manifest 'chain.prev' must be an earlier commit (a lower n)")
+    return {"n": n, "prev": prev}
 
 
 def _supersedes(v: Any) -> list | None:

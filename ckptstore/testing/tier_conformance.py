@@ -176,6 +176,52 @@ class TierConformanceTests:
         tier.put("pia/k", b"replaced")  # plain put still replaces
         assert tier.get("pia/k") == b"replaced"
 
+    # --- replace_if_match (tiers that declare supports_conditional_replace) ---
+
+    def test_replace_if_match(self, tier):
+        from ..errors import PreconditionFailedError
+
+        if not tier.supports_conditional_replace:
+            pytest.skip(f"the {tier.name} tier has no conditional replace")
+        tier.put("cas/k", b"one")
+        t1 = tier.stat("cas/k").token
+        assert t1
+        tier.replace_if_match("cas/k", b"two", t1)
+        assert tier.get("cas/k") == b"two"
+        t2 = tier.stat("cas/k").token
+        assert t2 and t2 != t1
+        with pytest.raises(PreconditionFailedError):  # the copy read with t1 is gone
+            tier.replace_if_match("cas/k", b"three", t1)
+        assert tier.get("cas/k") == b"two"
+        with pytest.raises(PreconditionFailedError):  # a missing key is never created
+            tier.replace_if_match("cas/missing", b"x", t2)
+        assert not tier.exists("cas/missing")
+        assert [i.key for i in tier.list("cas/")] == ["cas/k"]  # no lock or temporary file left
+
+    def test_replace_if_match_race_has_one_winner(self, tier):
+        from ..errors import PreconditionFailedError
+
+        if not tier.supports_conditional_replace:
+            pytest.skip(f"the {tier.name} tier has no conditional replace")
+        n = 8
+        tier.put("cas/r", b"base")
+        token = tier.stat("cas/r").token
+        barrier = threading.Barrier(n)
+        payloads = [f"writer {i} ".encode() * (i + 1) for i in range(n)]
+
+        def go(i):
+            barrier.wait()
+            try:
+                tier.replace_if_match("cas/r", payloads[i], token)
+                return i
+            except PreconditionFailedError:
+                return None
+
+        with cf.ThreadPoolExecutor(n) as ex:
+            won = [i for i in ex.map(go, range(n)) if i is not None]
+        assert len(won) == 1, won
+        assert tier.get("cas/r") == payloads[won[0]]
+
     def test_put_if_absent_race_has_one_winner(self, tier):
         n = 8
         barrier = threading.Barrier(n)

@@ -5,11 +5,23 @@ from. Put-if-absent links a fully written, fsync'd temporary file into place wit
 (which fails with EEXIST instead of replacing, unlike ``rename``), then removes the temporary
 name. ``put`` (replace) uses ``os.replace``. Temporary files are named ``.tmp-*`` and are garbage
 for ``ckptstore gc`` once older than the grace period.
+
+Conditional replace (compare-and-swap, docs/FORMAT.md "Conditional writes"): an object's version
+token is its inode, modification time (ns) and size (``stat``); ``replace_if_match`` takes an
+exclusive ``flock`` on a lock file ``.tmp-lock.<name>`` next to the key, compares the token, then
+renames the fsync'd new copy into place and removes the lock file before it unlocks. A lock is
+stale exactly when its holder is gone: the kernel drops a ``flock`` when the process that holds it
+exits or is killed, whatever the signal, so a crash never leaves the name locked; the file a killed
+holder leaves is a ``.tmp-`` file, garbage for ``gc`` after the grace period, and never blocks: a
+waiter that gets the lock on a file no longer at that path (removed by its holder) tries again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -23,6 +35,7 @@ from ..errors import (
     CkptStoreError,
     ObjectExistsError,
     ObjectNotFoundError,
+    PreconditionFailedError,
     StorageError,
     StorageFullError,
 )
@@ -169,10 +182,68 @@ class _LocalWriter(ObjectWriter):
         _unlink_quietly(self._path)
 
 
+#: seconds ``replace_if_match`` waits for the lock of a key another writer holds (a holder keeps it
+#: for one stat and one rename; a killed holder's lock is released by the kernel at once)
+CAS_LOCK_WAIT = 30.0
+
+
+def token_of(st: os.stat_result) -> str:
+    """The local tier's version token of a file (:attr:`ObjectInfo.token`): inode, mtime in ns and
+    size, hex. A replace (``os.replace`` of a new file) always changes the inode while the old file
+    is still linked, so a token names one content."""
+    return f"{st.st_ino:x}.{st.st_mtime_ns:x}.{st.st_size:x}"
+
+
+@contextlib.contextmanager
+def _cas_lock(path: str, key: str):
+    """Hold the exclusive lock of ``path``'s conditional replace (module docstring)."""
+    import socket
+    import time
+
+    lock = os.path.join(os.path.dirname(path), f"{TMP_PREFIX}lock.{os.path.basename(path)}")
+    deadline = time.monotonic() + CAS_LOCK_WAIT
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _oserror(e, "locking", key) from e
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() > deadline:
+                    raise TransientStorageError(f"local tier: the lock {lock} of {key!r} is held by another writer "
+                                                f"for more than {CAS_LOCK_WAIT:.0f} s; try again") from None
+                time.sleep(0.002)
+                continue
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(lock))
+            except FileNotFoundError:
+                same = False
+            if not same:  # its holder removed it before unlocking: take the one at the path now
+                os.close(fd)
+                continue
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        break
+    try:
+        with contextlib.suppress(OSError):  # who holds it, for a person looking at a stuck root
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+        yield
+    finally:
+        _unlink_quietly(lock)
+        os.close(fd)
+
+
 class LocalTier(Tier):
     """A tier in directory ``root`` (created on first write)."""
 
     name = "local"
+    supports_conditional_replace = True
 
     def __init__(self, root: str | os.PathLike):
         self.root = os.path.abspath(os.fspath(root))
@@ -299,6 +370,29 @@ class LocalTier(Tier):
             _unlink_quietly(tmp)
         fsync_dir(os.path.dirname(path))
 
+    def replace_if_match(self, key, data, token: str) -> None:
+        """Compare-and-swap under the key's lock (module docstring): :class:`PreconditionFailedError`
+        when ``key`` is gone or its token is no longer ``token``; nothing is written then."""
+        path, tmp = self._write_tmp(key, data)
+        try:
+            with _cas_lock(path, key):
+                try:
+                    now = token_of(os.stat(path))
+                except FileNotFoundError:
+                    now = None
+                if now != token:
+                    raise PreconditionFailedError(
+                        f"object {key!r} in the local tier {self.root} was "
+                        f"{'deleted' if now is None else 'replaced'} by another writer since it was read; "
+                        "not replaced", object=key)
+                _faults.point("local.replace_if_match")
+                os.replace(tmp, path)
+                fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise _oserror(e, "replacing", key) from e
+        finally:
+            _unlink_quietly(tmp)  # gone after the rename
+
     def open_writer(self, key) -> ObjectWriter:
         return _LocalWriter(self, key)
 
@@ -309,7 +403,7 @@ class LocalTier(Tier):
             raise _oserror(e, "stat of", key) from e
         if stat.S_ISDIR(st.st_mode):  # a directory is not an object (as on S3)
             raise ObjectNotFoundError(f"object {key!r} not found in local tier (it is a directory)", object=key)
-        return ObjectInfo(key, st.st_size, st.st_mtime)
+        return ObjectInfo(key, st.st_size, st.st_mtime, token=token_of(st))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # walk only the directory that can hold the prefix

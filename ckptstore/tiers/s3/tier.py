@@ -10,6 +10,8 @@ Writes
 * ``put`` is a single PUT up to one part size, else a parallel multipart upload.
 * ``put_if_absent`` is a PUT with ``If-None-Match: *`` to an endpoint seen enforcing it
   (``conditional.py``).
+* ``replace_if_match`` is a PUT with ``If-Match: "<ETag>"`` (the ``token`` of ``stat``) to an
+  endpoint seen enforcing it (``conditional.py``).
 * ``open_writer`` streams, ``put_file`` uploads a file's parts in parallel, ``open_multipart``
   takes parts the caller cuts (``multipart.py``). Every multipart upload is aborted on any failure
   and its stored size verified with HEAD. A single PUT is verified by the server itself: it checks
@@ -81,6 +83,9 @@ class S3Tier(Tier):
         60 s) and 3 tries per request."""
         return {"connect_timeout": min(10.0, timeout_s / 4), "read_timeout": min(60.0, timeout_s / 2),
                 "max_attempts": 3}
+    #: the endpoint's enforcement of ``If-Match`` is probed before the first replace (``conditional.py``):
+    #: one that ignores it raises :class:`~ckptstore.errors.ConditionalWritesError`, never overwrites
+    supports_conditional_replace = True
 
     def __init__(
         self,
@@ -213,7 +218,8 @@ class S3Tier(Tier):
 
     def stat(self, key: str) -> ObjectInfo:
         h = self._conn.head(key)
-        return ObjectInfo(key, int(h["ContentLength"]), h["LastModified"].timestamp())
+        etag = str(h.get("ETag") or "").strip('"') or None
+        return ObjectInfo(key, int(h["ContentLength"]), h["LastModified"].timestamp(), etag=etag, token=etag)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         yield from listing.objects(self._conn, prefix, page_size=self.list_page_size)
@@ -275,6 +281,9 @@ class S3Tier(Tier):
 
     def put_if_absent(self, key: str, data) -> None:
         conditional.put_if_absent(self._conn, key, data, verify=self.conditional_writes == "verify")
+
+    def replace_if_match(self, key: str, data, token: str) -> None:
+        conditional.replace_if_match(self._conn, key, data, token, verify=self.conditional_writes == "verify")
 
     def check_conditional_writes(self) -> None:
         """Raise :class:`~ckptstore.errors.ConditionalWritesError` unless this endpoint enforces
