@@ -1,11 +1,17 @@
 """A torchft job for the tests of ``ckptstore.integrations.torchft``: a real lighthouse
-(``torchft_lighthouse``, torchft's own binary) and replica groups as separate processes (one rank
-each: gradients averaged with ``Manager.allreduce`` over torchft's ``ProcessGroupGloo`` on CPU), every group with a torchdata
-``StatefulDataLoader`` over its own shard (torchft's ``DistributedSampler``) and a
-:class:`~ckptstore.integrations.torchft.DurableTier`.
+(``torchft_lighthouse``, torchft's own binary) and replica groups as separate processes (gradients
+averaged across groups with ``Manager.allreduce`` over torchft's ``ProcessGroupGloo`` on CPU), every
+rank with a torchdata ``StatefulDataLoader`` over its own shard (torchft's ``DistributedSampler``)
+and a :class:`~ckptstore.integrations.torchft.DurableTier`.
 
-``python tests/torchft_groups.py CONFIG GROUP LAUNCH`` runs one group (``CONFIG``: a JSON file, see
-:func:`config`); it appends one JSON line per step to ``OUT/g<GROUP>.jsonl`` (the step, its loss as
+A group has ``ranks`` ranks (config): with more than one, its ranks are one ``torch.distributed``
+job of their own (gloo; the default process group is the group's ranks, as under one torchrun per
+group) and with ``fsdp`` the model is FSDP2-sharded over them (HSDP: FSDP inside a group, torchft
+across groups; the cross-group allreduce runs on each rank's local shard of the gradients).
+
+``python tests/torchft_groups.py CONFIG GROUP LAUNCH [RANK]`` runs one rank of one group
+(``CONFIG``: a JSON file, see :func:`config`); it appends one JSON line per step to
+``OUT/g<GROUP>.jsonl`` (rank 0; ``OUT/g<GROUP>.r<RANK>.jsonl`` for the others: the step, its loss as
 ``float.hex``, the sample ids of its batch, whether its batch counted, the step's seconds) and a
 ``final`` line, and ends through :func:`ckptstore._groups.exit_process`. The test side
 (:class:`Job`) starts the lighthouse and the groups, kills and restarts them, and reads the lines.
@@ -14,7 +20,9 @@ Kill points (``kill``: ``{group: [step, where]}`` for the group's first launch, 
 ``{group: [[step, where, launch], ...]}``):
 ``"mid-step"`` — SIGKILL after the backward pass of that step, before ``optimizer.step()``;
 ``"mid-save"`` — SIGKILL inside the main save of that step, after its objects are written, right
-before its commit point (from the writer's ``commit_check``).
+before its commit point (from the writer's ``commit_check``, which runs on the group's rank 0).
+A fourth element ``rank`` kills only that rank of the group (default: every rank); :meth:`Job.wait`
+then ends the group's other ranks, as torchrun does, before it launches the group again.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ MAX_GROUPS = 3  # the sampler's shards: group g reads shard g whatever the numbe
 def config(**kw) -> dict:
     c = {"steps": 40, "interval": 5, "num_groups": 3, "pace_s": 0.0, "kill": {}, "remote": None,
          "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
-         "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60}
+         "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60, "ranks": 1, "fsdp": False,
+         "port": None}
     c.update(kw)
     return c
 
@@ -66,7 +75,11 @@ def _barrier(path: str, group: int, parties: int, timeout: float = 120.0) -> Non
         time.sleep(0.05)
 
 
-def run_group(cfg: dict, group: int, launch: str) -> None:
+def _out_name(group: int, rank: int) -> str:
+    return f"g{group}.jsonl" if rank == 0 else f"g{group}.r{rank}.jsonl"
+
+
+def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
     import datetime as dt
 
     import torch
@@ -80,10 +93,26 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
     from ckptstore.integrations.torchft import DurableTier
 
     torch.set_num_threads(1)
-    out = open(os.path.join(cfg["out"], f"g{group}.jsonl"), "a", buffering=1)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = int(cfg.get("ranks") or 1)
+    out = open(os.path.join(cfg["out"], _out_name(group, rank)), "a", buffering=1)
+    if ranks > 1:  # the group's own torch.distributed job: its TCPStore is torchft's too
+        port = int(os.environ["TFT_GROUP_PORT"])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+                                timeout=dt.timedelta(seconds=60))
+        store_port = port
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store_port = store.port
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if ranks > 1 and cfg.get("fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (ranks,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(inner, step_size=10, gamma=0.5)
 
@@ -97,14 +126,18 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
 
     t = dt.timedelta(seconds=20)
     manager = Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=1, load_state_dict=load_sd, state_dict=user_sd,
-                      replica_id=f"g{group}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+                      replica_id=f"g{group}", store_addr="127.0.0.1", store_port=store_port, rank=rank,
+                      world_size=ranks,
                       lighthouse_addr=cfg["lighthouse"], timeout=t, quorum_timeout=dt.timedelta(seconds=cfg.get("quorum_timeout_s", 60)),
-                      connect_timeout=dt.timedelta(seconds=10), hostname="127.0.0.1")
+                      connect_timeout=dt.timedelta(seconds=10), hostname="127.0.0.1",
+                      # FSDP2: a healing group loads the peer's state before the forward pass (torchft
+                      # applies it eagerly then), never into parameters FSDP has unsharded mid-step
+                      use_async_quorum=not (ranks > 1 and cfg.get("fsdp")))
     ddp = model  # gradients averaged below with manager.allreduce: torchft 0.2.0's DDP comm hook asserts
     # after an allreduce errored (a peer died mid-step), meta-pytorch/torchft #294
     optim = OptimizerWrapper(manager, inner)
-    sampler = DistributedSampler(Samples(), replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=0,
-                                 num_replicas=1, shuffle=True, seed=7, drop_last=True)
+    sampler = DistributedSampler(Samples(), replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=rank,
+                                 num_replicas=ranks, shuffle=True, seed=7, drop_last=True)
     loader = StatefulDataLoader(Samples(), batch_size=BATCH, sampler=sampler, num_workers=0)
     tier = DurableTier(cfg["root"], manager, {"model": ddp, "optim": optim, "sched": sched}, group=group,
                        num_groups=cfg["num_groups"], loader=loader, remote=cfg["remote"],
@@ -113,7 +146,7 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
     kills = cfg["kill"].get(str(group)) or []
     if kills and not isinstance(kills[0], list):
         kills = [kills + ["0"]]
-    kill = next((k[:2] for k in kills if k[2] == launch), None)
+    kill = next((k[:2] for k in kills if k[2] == launch and (len(k) < 4 or int(k[3]) == rank)), None)
     if kill and kill[1] == "mid-save":
         check = tier._main._writer.commit_check
 
@@ -151,9 +184,9 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
 
         tier._main._writer.commit_check = holding_check
     if cfg.get("barrier") and launch == "0":
-        _barrier(cfg["barrier"], group, cfg["num_groups"])
+        _barrier(cfg["barrier"], f"{group}.{rank}", cfg["num_groups"] * ranks)
     report = tier.resume()
-    out.write(json.dumps({"launch": launch, "resume": {"kind": report.kind, "step": report.step,
+    out.write(json.dumps({"launch": launch, "rank": rank, "resume": {"kind": report.kind, "step": report.step,
                                                          "version": report.version, "why": report.why,
                                                          "writer": report.writer, "skipped": report.skipped,
                                                          "loader": None if report.loader is None else vars(report.loader),
@@ -174,6 +207,8 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
                           "close_s": time.perf_counter() - t_end}) + "\n")
     out.close()
     manager.shutdown(wait=False)
+    if ranks > 1:
+        dist.barrier()  # the group's ranks end together: no rank's store goes while a peer still reads it
 
 
 def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> None:
@@ -184,7 +219,8 @@ def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> Non
         loss = crit(ddp(x), y)
         loss.backward()
         for p in ddp.parameters():  # average over the participating groups (zeros from a healing one)
-            manager.allreduce(p.grad).wait()
+            g = p.grad
+            manager.allreduce(getattr(g, "_local_tensor", g)).wait()  # FSDP2: this rank's shard
         if kill and kill[1] == "mid-step" and before + 1 == kill[0]:
             if cfg.get("settle"):  # the saves started so far are committed before the kill
                 tier.wait()
@@ -221,7 +257,7 @@ class Job:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cfg = config(root=str(root), out=str(self.dir), **cfg)
         self.lighthouse = None
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[tuple[int, int], subprocess.Popen] = {}
         self.launches: dict[int, int] = {}
 
     def start_lighthouse(self) -> None:
@@ -252,28 +288,46 @@ class Job:
             self.launch(g)
 
     def launch(self, g: int) -> None:
+        """Launch every rank of group ``g`` (a fresh rendezvous port per launch, as torchrun's)."""
         n = self.launches.get(g, -1) + 1
         self.launches[g] = n
-        log = open(self.dir / f"g{g}.{n}.log", "ab")
-        env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-        self.procs[g] = subprocess.Popen([sys.executable, os.path.join(HERE, "torchft_groups.py"),
-                                          str(self.dir / "config.json"), str(g), str(n)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        ranks = int(self.cfg.get("ranks") or 1)
+        env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+                   TFT_GROUP_PORT=str(free_port()))
+        for r in range(ranks):
+            log = open(self.dir / (f"g{g}.{n}.log" if r == 0 else f"g{g}.r{r}.{n}.log"), "ab")
+            self.procs[(g, r)] = subprocess.Popen([sys.executable, os.path.join(HERE, "torchft_groups.py"),
+                                                   str(self.dir / "config.json"), str(g), str(n), str(r)],
+                                                  stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def kill_group(self, g: int) -> None:
+        """SIGKILL every rank of group ``g`` still running (torchrun ends a group whose rank died)."""
+        for (gg, r), p in list(self.procs.items()):
+            if gg == g:
+                p.kill()
+                p.wait()
+                del self.procs[(gg, r)]
 
     def wait(self, timeout: float = 300, restart_killed: bool = False) -> dict[int, int]:
-        """Wait for every group; a group killed by SIGKILL is launched again when ``restart_killed``."""
+        """Wait for every group; a group with a rank killed by SIGKILL has its other ranks killed and is
+        launched again when ``restart_killed``. Returns ``{group: status}``: 0 when every rank exited
+        with 0, else the first other status of its ranks."""
         end = time.monotonic() + timeout
         codes: dict[int, int] = {}
         while self.procs:
-            for g, p in list(self.procs.items()):
+            for (g, r), p in list(self.procs.items()):
+                if (g, r) not in self.procs:
+                    continue
                 rc = p.poll()
                 if rc is None:
                     continue
-                del self.procs[g]
+                del self.procs[(g, r)]
                 if rc == -signal.SIGKILL and restart_killed:
+                    self.kill_group(g)
+                    codes.pop(g, None)
                     self.launch(g)
-                else:
-                    codes[g] = rc
+                elif rc != 0 or g not in codes:
+                    codes[g] = rc if codes.get(g, 0) == 0 else codes[g]
             if time.monotonic() > end:
                 for p in self.procs.values():
                     p.kill()
@@ -287,8 +341,8 @@ class Job:
             out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-n:]))
         return "\n".join(out)
 
-    def lines(self, g: int) -> list[dict]:
-        p = self.dir / f"g{g}.jsonl"
+    def lines(self, g: int, rank: int = 0) -> list[dict]:
+        p = self.dir / _out_name(g, rank)
         return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
 
     def close(self) -> None:
@@ -303,13 +357,14 @@ class Job:
             self.lh_log.close()
 
 
-def shard_order(group: int) -> list[list[int]]:
-    """The batches of group ``group``'s shard in the order its loader yields them (epoch 0)."""
+def shard_order(group: int, rank: int = 0, ranks: int = 1) -> list[list[int]]:
+    """The batches of rank ``rank`` (of ``ranks``) of group ``group`` in the order its loader yields
+    them (epoch 0)."""
     from torch.utils.data import DataLoader
     from torchft.data import DistributedSampler
 
-    sampler = DistributedSampler(Samples(), replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=0,
-                                 num_replicas=1, shuffle=True, seed=7, drop_last=True)
+    sampler = DistributedSampler(Samples(), replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=rank,
+                                 num_replicas=ranks, shuffle=True, seed=7, drop_last=True)
     return [[int(i) for i in ids] for ids, _x, _y in DataLoader(Samples(), batch_size=BATCH, sampler=sampler)]
 
 
@@ -319,7 +374,7 @@ if __name__ == "__main__":
     code = 0
     try:
         with open(sys.argv[1]) as f:
-            run_group(json.load(f), int(sys.argv[2]), sys.argv[3])
+            run_group(json.load(f), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 0)
     except BaseException:  # noqa: BLE001 - printed, exit 1
         import traceback
 

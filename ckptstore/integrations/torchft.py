@@ -19,7 +19,7 @@ adds the durable tier for when every group is lost or the job is stopped (``pip 
             break
     tier.close()
 
-What it does (README "torchft"; docs/FORMAT.md, "torchft"):
+What it does (docs/torchft.md; docs/FORMAT.md, "torchft"):
 
 * **One writer per step, fenced.** At a due step (``step % interval_steps == 0``) only the group
   that is rank 0 among the quorum's participants writes the main version ``step-N`` (model,
@@ -46,8 +46,17 @@ What it does (README "torchft"; docs/FORMAT.md, "torchft"):
   ``CKPTSTORE_TORCHFT_DURABLE=0`` turns the tier off (every method a no-op, :meth:`batches` the
   plain loader).
 
-One rank per replica group (torchft's DDP across groups); a group of several ranks is refused for now
-(the save decisions are per rank and would first have to be agreed across the group's ranks).
+* **Replica groups of several ranks (HSDP).** A group of K ranks (FSDP2 or TP inside the group,
+  torchft across groups) runs as its own ``torch.distributed`` job (one ``torchrun`` per group: its
+  default process group is the group's ranks). The main save of a due step is written by every rank
+  of the writing group, each its own shards, in parallel, through the normal DCP save on the
+  managers' gloo groups of the group's ranks; the skip, busy and positions-interval decisions are
+  one decision per group per step (a MIN-reduction of every rank's view after the step before, on a
+  gloo group of the group's own, never torchft's or FSDP's), so a group's save is never half
+  started; restore and the cold-start/join choice are taken by the group's rank 0 and broadcast.
+  Each rank's loader position is saved as today (``positions/rank<r>``). A cold start at another
+  shape (M groups of K ranks from N groups of J) reshards the main version (DCP's planner) and
+  reports per rank what its loader continues from (:class:`LoaderChoice`; docs/torchft.md).
 
 Importing this module needs torchft (:data:`TESTED_VERSIONS`; another release warns once); what
 depends on torchft's private surface is in ``ckptstore/integrations/_torchft_v0_2.py``.
@@ -154,6 +163,23 @@ def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
 
+def _check_group_world(group_world: int, rank: int) -> None:
+    """A replica group of several ranks runs as its own ``torch.distributed`` job (``torchrun`` per
+    group, as torchtitan and torchft's examples do): its default process group is the group's ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CkptStoreError(
+            f"DurableTier: this replica group has {group_world} ranks (torchft's Manager world_size), but "
+            "torch.distributed is not initialised: start each group as its own torchrun job (its ranks are the "
+            "default process group) and call torch.distributed.init_process_group before the DurableTier")
+    if dist.get_world_size() != group_world or dist.get_rank() != rank:
+        raise CkptStoreError(
+            f"DurableTier: torchft's Manager says rank {rank} of {group_world} in this replica group, "
+            f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()}: the default process "
+            "group must be exactly the group's ranks (one torchrun job per replica group)")
+
+
 def _set_rng(s: dict) -> None:
     torch.set_rng_state(s["torch"])
     random.setstate(s["python"])
@@ -203,12 +229,9 @@ class DurableTier:
             raise ValueError("interval_steps must be >= 1")
         if int(group) < 0 or (num_groups is not None and int(group) >= int(num_groups)):
             raise ValueError(f"group must be in 0 … num_groups-1, got group={group} num_groups={num_groups}")
-        _rank, group_world = _ft.group_rank_world(manager)
-        if group_world != 1:
-            raise CkptStoreError(
-                f"DurableTier runs with one rank per replica group (this group has {group_world}): its save decisions "
-                "(skip while busy, the positions interval) are taken per rank, and ranks of one group that decided "
-                "differently would wait for each other in the save's collectives")
+        self.rank, self.group_world = _ft.group_rank_world(manager)
+        self._agree_pg = None  # the group's own gloo group for its decisions (several ranks per group)
+        self._pending = None  # the agreement posted after the previous step: (work, tensor)
         self.root = os.fspath(root)
         self.manager = manager
         self.group = int(group)
@@ -240,6 +263,8 @@ class DurableTier:
         self._positions_t = float("-inf")  # when it started (monotonic)
         self.positions_every_s = float(positions_every_s)
         self._closed = False
+        if self.enabled and self.group_world > 1:
+            _check_group_world(self.group_world, self.rank)
         if not self.enabled:
             log.warning("ckptstore: the durable tier is off (%s)", "enabled=False" if enabled is False else f"{ENV_DISABLE}=0")
             self._main = self._positions = None
@@ -255,13 +280,22 @@ class DurableTier:
 
         self._main = CheckpointManager(
             self.root, None, interval_steps=self.interval_steps, retention=retention, prefix=_st.MAIN_PREFIX,
-            event_log=event_log, on_event=self._event("main"), on_save=self._saved("main"),
+            reshard=True, event_log=event_log, on_event=self._event("main"), on_save=self._saved("main"),
             commit_check=self._claim, **common, **writer_options)
         self._positions = CheckpointManager(
             self.root, None, interval_steps=1, retention=RetentionPolicy(rules=(KeepLast(self.positions_keep),)),
             prefix=_st.loader_prefix(self.group), event_log=False, on_event=self._event("positions"),
             on_save=self._saved("positions"), per_rank_keys=("positions",), progress_s=3600.0, **common,
             **{k: v for k, v in writer_options.items() if k in ("endpoint_url", "threads")})
+        if self.group_world > 1:
+            # the group's decisions (restore, skip, coalesce) are agreed on a gloo group of its own
+            # ranks, made after the two managers' (every rank creates them in the same order); never
+            # torchft's process group, never the one FSDP trains on
+            import datetime as _dt
+
+            from .._groups import new_gloo_group
+
+            self._agree_pg = new_gloo_group(_dt.timedelta(seconds=self.timeout_s))
 
     # -- set-up ------------------------------------------------------------------------------------
     def _remote_tier(self, url: str, endpoint_url: str | None):
@@ -332,6 +366,10 @@ class DurableTier:
         if not self.enabled or self._closed:
             self._last_step = step
             return committed
+        agreed = self._agreed()
+        if not self.enabled:  # the group lost a rank
+            self._last_step = step
+            return committed
         counted = committed and bool(self.manager.is_participating())
         if counted and self.loader is not None:
             self._batches += 1
@@ -342,16 +380,85 @@ class DurableTier:
             self._last_step = step
         if self.loader is not None and self._loader_blob is not None:
             self._history.append(_st.Position(step, self._batches, counted, self._loader_blob))
-            self._save_positions(step)
+            self._save_positions(step, agreed=agreed)
         if counted and step % self.interval_steps == 0 and self._is_writer():
-            meta = _st.manifest_user(_ft.quorum_id(self.manager), self.group, _ft.replica_prefix(self.manager),
-                                     self.manager.num_participants(), self.manager.state_dict())
-            self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
+            if agreed is not None and not agreed[0]:
+                self._skip_main(step)
+            else:
+                meta = _st.manifest_user(_ft.quorum_id(self.manager), self.group, _ft.replica_prefix(self.manager),
+                                         self.manager.num_participants(), self.manager.state_dict())
+                self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
+        self._post_agreement()
         return committed
 
-    def _save_positions(self, step: int, force: bool = False) -> None:
+    # -- one decision per group (docs/torchft.md, "Replica groups of several ranks") ------------------
+    def _post_agreement(self) -> None:
+        """Post this rank's view for the next step's decisions: ``[main idle, positions idle, positions
+        interval passed]``, reduced with MIN over the group's ranks (asynchronously, on the group's own
+        gloo group); :meth:`_agreed` takes the result at the next step. A rank's "idle" stays true
+        until a save starts, and saves start only on an agreed decision, so a decision taken from the
+        view of the step before holds for every rank at this one."""
+        if self._agree_pg is None or not self.enabled or self._closed:
+            return
+        import torch.distributed as dist
+
+        view = torch.tensor([int(not self._main._saves.busy()), int(not self._positions._saves.busy()),
+                             int(time.monotonic() - self._positions_t >= self.positions_every_s)], dtype=torch.int64)
+        try:
+            self._pending = (dist.all_reduce(view, op=dist.ReduceOp.MIN, group=self._agree_pg, async_op=True), view)
+        except Exception as e:  # noqa: BLE001 - the group lost a rank: torchft restarts it
+            self._group_lost(e)
+
+    def _agreed(self) -> tuple[bool, bool, bool] | None:
+        """The group's decision inputs for this step (see :meth:`_post_agreement`); None for a group of
+        one rank (it decides alone). Waits at most ``timeout_s`` for the reduction posted after the step
+        before (its peers posted theirs at the same point, so it is normally done)."""
+        if self._agree_pg is None:
+            return None
+        if self._pending is None:  # the first step (no resume() before it): every rank posts now
+            self._post_agreement()
+            if self._pending is None:
+                return (False, False, False)
+        work, view = self._pending
+        self._pending = None
+        try:
+            import datetime as _dt
+
+            work.wait(_dt.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001 - a rank of the group is gone
+            self._group_lost(e)
+            return (False, False, False)
+        return tuple(bool(x) for x in view.tolist())  # type: ignore[return-value]
+
+    def _group_lost(self, e: BaseException) -> None:
+        self.counts["agreement.failed"] += 1
+        log.error("ckptstore: replica group %d lost a rank (%s: %s): its saves stop in this process; torchft "
+                  "restarts the group", self.group, type(e).__name__, e)
+        self.enabled = False
+
+    def _bcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank of the group (identity for a group of one rank)."""
+        if self._agree_pg is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._agree_pg, 0), group=self._agree_pg)
+        return box[0]
+
+    def _skip_main(self, step: int) -> None:
+        self.counts["main.skipped"] += 1
+        self._main._events.emit("save", step=int(step), version=self._main.version_name(step),
+                                ranks=self.group_world, outcome="skipped",
+                                error="the previous save is still running on a rank of the group")
+
+    def _save_positions(self, step: int, force: bool = False, agreed: tuple | None = None) -> None:
         now = time.monotonic()
-        if not force and now - self._positions_t < self.positions_every_s:
+        if agreed is not None and not force:
+            if not (agreed[1] and agreed[2]):
+                self.counts["positions.coalesced"] += 1  # the next save carries this step's position
+                return
+        elif not force and now - self._positions_t < self.positions_every_s:
             self.counts["positions.coalesced"] += 1  # the next save carries this step's position
             return
 
@@ -402,7 +509,7 @@ class DurableTier:
         t0 = time.monotonic()
         if not self.enabled:
             return RestoreReport("disabled", step=int(self.manager.current_step()))
-        live, why = self._live()
+        live, why = self._bcast(self._live() if self.rank == 0 else None)  # one answer per group
         if live:
             r = self._join(why)
         else:
@@ -411,6 +518,7 @@ class DurableTier:
         self._last_step = int(self.manager.current_step())
         r.step = self._last_step
         self._rewind = False
+        self._post_agreement()
         self._emit("resume", outcome=r.kind, step=r.step, version=r.version, why=r.why, skipped=r.skipped,
                    loader=dataclasses.asdict(r.loader) if r.loader is not None else None, orphaned=r.orphaned,
                    seconds=r.seconds)
@@ -448,8 +556,10 @@ class DurableTier:
             except (TransientStorageError, CkptStoreError, OSError) as e:
                 log.warning("ckptstore: the remote tier was not consulted for the restore: %s", e)
         self._attempts: dict[str, set] = collections.defaultdict(set)
+        self._worlds: dict[str, int] = {}
         for r in recs:
             self._attempts[r.version].add(r.attempt)
+            self._worlds[r.version] = max(self._worlds.get(r.version, 0), int(r.world_size or 1))
         return sorted(self._attempts)
 
     def _supersede_positions(self, names: list[str], step: int) -> None:
@@ -462,46 +572,60 @@ class DurableTier:
             if gv is not None and gv[0] == self.group and gv[1] > step:
                 self._positions._supersede[n] = {a: why for a in self._attempts.get(n, ())}
 
-    def _read_positions(self, version: str, group: int) -> list[_st.Position]:
+    def _read_positions(self, version: str, rank: int | None = None) -> list[_st.Position]:
+        """The position history of rank ``rank`` (default: this rank) in positions save ``version``."""
         import torch.distributed.checkpoint as dcp
 
         from ..dcp.reader import StorageReader
 
-        rank = _ft.group_rank_world(self.manager)[0]
+        rank = self.rank if rank is None else int(rank)
         key = f"positions/rank{rank}"
         sd = {key: {"data": b""}}
         reader = StorageReader(self.root, remote=self.remote, key=self._key, version=version, allow_partial_load=True)
         dcp.load(sd, storage_reader=reader, no_dist=True)
         return _st.unpack_history(bytes(sd[key]["data"]))
 
-    def _positions_at(self, names: list[str], step: int) -> dict[int, _st.Position | None]:
-        """Every stored group's position at ``step`` (the greatest ≤ ``step``): per group, the oldest
-        positions save at or after ``step`` (its history reaches back), else the newest before it."""
+    def _positions_at(self, names: list[str], step: int) -> tuple[dict[tuple[int, int], _st.Position | None],
+                                                                   dict[int, int]]:
+        """Every stored rank's position at ``step`` (the greatest ≤ ``step``), ``{(group, rank): position}``,
+        and ``{group: ranks}`` of the positions save read: per group, the oldest positions save at or
+        after ``step`` (its history reaches back), else the newest before it; each of its ranks read."""
         by_group: dict[int, list[int]] = collections.defaultdict(list)
         for n in names:
             gv = _st.parse_loader_version(n)
             if gv is not None:
                 by_group[gv[0]].append(gv[1])
-        out: dict[int, _st.Position | None] = {}
+        out: dict[tuple[int, int], _st.Position | None] = {}
+        worlds: dict[int, int] = {}
         for g, steps in by_group.items():
             steps.sort()
             after = [s for s in steps if s >= step]
             before = [s for s in steps if s < step]
             tries = after[:1] + before[-1:]
-            pos = None
             for s in tries:
+                name = f"{_st.loader_prefix(g)}{s}"
+                ranks = max(1, self._worlds.get(name, 1))
+                got: dict[tuple[int, int], _st.Position | None] = {}
                 try:
-                    pos = _st.position_at(self._read_positions(f"{_st.loader_prefix(g)}{s}", g), step)
+                    for r in range(ranks):
+                        got[(g, r)] = _st.position_at(self._read_positions(name, r), step)
                 except Exception as e:  # noqa: BLE001 - the next candidate
-                    log.warning("ckptstore: positions %s%d unreadable: %s", _st.loader_prefix(g), s, e)
+                    log.warning("ckptstore: positions %s unreadable: %s", name, e)
                     continue
-                if pos is not None:
+                if any(p is not None for p in got.values()):
+                    out.update(got)
+                    worlds[g] = ranks
                     break
-            out[g] = pos
-        return out
+            else:
+                out.setdefault((g, 0), None)
+        return out, worlds
 
     def _cold_start(self, why: str) -> RestoreReport:
-        names = self._store_versions()
+        # the group's rank 0 lists the store, every rank of the group takes its listing (one choice)
+        listing = self._bcast((self._store_versions(), dict(self._attempts), dict(self._worlds)) if self.rank == 0
+                              else None)
+        names, attempts, self._worlds = listing
+        self._attempts = collections.defaultdict(set, attempts)
         main_steps = [s for s in (_st.main_step(n) for n in names) if s is not None]
         newest: dict[int, int] = {}
         for n in names:
@@ -524,7 +648,7 @@ class DurableTier:
         if chosen is None:
             self._supersede_positions(names, 0)
             r = RestoreReport("fresh", why=why, skipped=skipped)
-            r.loader = _st.LoaderChoice(self.group, "initial", reason="no main version is restored")
+            r.loader = _st.LoaderChoice(self.group, "initial", reason="no main version is restored", rank=self.rank)
             return r
         try:
             from ..manifest import catalogue
@@ -535,8 +659,9 @@ class DurableTier:
         r = RestoreReport("cold-start", version=version, why=why, writer=writer, skipped=skipped)
         self._supersede_positions(names, chosen)
         if self.loader is not None:
-            at = self._positions_at(names, chosen)
-            choice, pos, r.orphaned = _st.loader_plan(self.group, self.num_groups, at)
+            at, worlds = self._positions_at(names, chosen)
+            choice, pos, r.orphaned = _st.rank_loader_plan(self.group, self.rank, self.num_groups, self.group_world,
+                                                           at, worlds)
             r.loader = choice
             if pos is not None:
                 self._apply(pos, own=choice.how == "own")
@@ -552,16 +677,18 @@ class DurableTier:
         if names:
             newest = max(_st.parse_loader_version(n)[1] for n in names)
             try:
-                hist = self._read_positions(f"{_st.loader_prefix(self.group)}{newest}", self.group)
+                hist = self._read_positions(f"{_st.loader_prefix(self.group)}{newest}")
                 pos = max(hist, key=lambda p: p.step) if hist else None
             except Exception as e:  # noqa: BLE001 - reported; the loader stays as built
                 r.why += f"; its own position could not be read ({type(e).__name__}: {e})"
         if pos is not None:
             self._apply(pos, own=True)
             r.loader = _st.LoaderChoice(self.group, "peer", self.group, pos.step, pos.batches,
-                                        "joining: torchft heals the model; the loader continues from its own newest position")
+                                        "joining: torchft heals the model; the loader continues from its own newest "
+                                        "position", self.rank, self.rank)
         else:
-            r.loader = _st.LoaderChoice(self.group, "initial", reason="joining: no position of this group is stored")
+            r.loader = _st.LoaderChoice(self.group, "initial", reason="joining: no position of this rank is stored",
+                                        rank=self.rank)
         return r
 
     def _store_versions_local(self) -> list[str]:
@@ -630,6 +757,23 @@ class DurableTier:
             except CkptStoreError as e:
                 self.counts[f"{name}.not-uploaded"] += 1
                 log.warning("ckptstore: closing the %s saves: %s", name, e)
+        self._close_agreement()
+
+    def _close_agreement(self) -> None:
+        if self._agree_pg is None:
+            return
+        if self._pending is not None:
+            try:
+                import datetime as _dt
+
+                self._pending[0].wait(_dt.timedelta(seconds=self.timeout_s))
+            except Exception as e:  # noqa: BLE001 - a rank of the group is gone: nothing to agree on
+                log.debug("ckptstore: the last agreement of group %d: %s", self.group, e)
+            self._pending = None
+        from .._groups import destroy_group
+
+        destroy_group(self._agree_pg)
+        self._agree_pg = None
 
     def __enter__(self) -> "DurableTier":
         return self
