@@ -71,6 +71,26 @@ def test_loader_plan_three_to_two_groups_and_two_to_three():
     assert (choice.how, pos) == ("initial", None)
 
 
+def test_rank_loader_plan_at_another_shape_says_what_each_rank_continues():
+    """3 groups × 2 ranks stored, restarted as 2 groups × 3 ranks (docs/torchft.md, "Cold start at
+    another shape"): ranks 0 and 1 continue their own positions, resharded; rank 2 (new) takes the
+    slowest rank of its group; group 2's ranks are orphaned. The same shape: "own"."""
+    at = {(g, r): _pos(6, 10 + 2 * g + r) for g in range(3) for r in range(2)}
+    worlds = {0: 2, 1: 2, 2: 2}
+    for g in (0, 1):
+        for r in (0, 1):
+            c, p, orphaned = st.rank_loader_plan(g, r, 2, 3, at, worlds)
+            assert (c.how, c.source, c.source_rank, c.rank, p) == ("own-resharded", g, r, r, at[(g, r)])
+            assert orphaned == {2: 14 + 15}
+        c, p, _ = st.rank_loader_plan(g, 2, 2, 3, at, worlds)
+        assert (c.how, c.source, c.source_rank, c.batches) == ("slowest", g, 0, 10 + 2 * g), c
+    c, p, orphaned = st.rank_loader_plan(1, 1, 3, 2, at, worlds)
+    assert (c.how, p, orphaned) == ("own", at[(1, 1)], {})
+    # 1 rank per group from 2: rank 1 of every group is orphaned
+    c, p, orphaned = st.rank_loader_plan(0, 0, 3, 1, at, worlds)
+    assert c.how == "own-resharded" and orphaned == {"0.1": 11, "1.1": 13, "2.1": 15}
+
+
 def test_position_at_is_never_newer_than_the_step_and_histories_round_trip():
     hist = [_pos(8, 8), _pos(9, 9, False), _pos(11, 10)]
     assert st.position_at(hist, 10) == hist[1]
@@ -507,3 +527,38 @@ def test_hsdp_groups_of_two_ranks_save_every_shard_and_cold_restart_exactly(tmp_
             assert got == shard[:7], f"group {g} rank {r}: batches are not its shard's in order"
             final = job.lines(g, r)[-1]
             assert final.get("final") and "agreement.failed" not in final["stats"], final
+
+
+@pytest.mark.slow
+def test_hsdp_cold_start_of_two_groups_of_three_from_three_groups_of_two_reshards(tmp_path):
+    """3 groups × 2 FSDP2 ranks train 5 steps (main every 3) and are all killed mid-step at 6; the job
+    restarts as 2 groups × 3 ranks from the same store: step-3 is resharded onto 3 ranks per group
+    (DCP's planner), torchft's step continues at 3, each rank's report says what its loader continues
+    from (ranks 0-1 their own positions resharded, rank 2 the slowest rank of its group, group 2
+    orphaned), and the new shape commits step-6 with world size 3."""
+    root = tmp_path / "root"
+    a = tg.Job(tmp_path, root, name="three-by-two", steps=7, interval=3, num_groups=3, ranks=2, fsdp=True,
+               kill={str(g): [6, "mid-step"] for g in range(3)}, settle=True)
+    a.start_lighthouse()
+    try:
+        a.start()
+        codes = a.wait(300)
+    finally:
+        a.close()
+    assert codes == {0: -9, 1: -9, 2: -9}, (codes, a.tails())
+    b, took = _job(tmp_path, root, "two-by-three", steps=7, interval=3, num_groups=2, ranks=3, fsdp=True)
+    stored = {(g, r): len([x for x in a.lines(g, r) if x.get("counted") and x["step"] <= 3]) for g in range(3)
+              for r in range(2)}
+    for g in range(2):
+        for r in range(3):
+            rep = [x["resume"] for x in b.lines(g, r) if "resume" in x][0]
+            assert (rep["kind"], rep["version"], rep["step"]) == ("cold-start", "step-3", 3), rep
+            want = "own-resharded" if r < 2 else "slowest"
+            assert rep["loader"]["how"] == want and rep["loader"]["source"] == g, rep["loader"]
+            assert rep["loader"]["batches"] == stored[(g, min(r, 1) if r < 2 else 0)], (rep["loader"], stored)
+            assert rep["orphaned"] == {"2": stored[(2, 0)] + stored[(2, 1)]}, rep["orphaned"]
+            steps = sorted(x["step"] for x in b.lines(g, r) if x.get("committed"))
+            assert steps == [4, 5, 6, 7], (g, r, steps)
+    recs = {v.version: v for v in _versions(root)}
+    assert recs["step-3"].world_size == 2 and recs["step-6"].world_size == 3, {k: v.world_size for k, v in recs.items()}
+    REPORT.append(f"3x2 -> 2x3 cold start: step-3 resharded onto 3 ranks per group, run to step 7 in {took:.0f} s")
