@@ -562,3 +562,51 @@ def test_hsdp_cold_start_of_two_groups_of_three_from_three_groups_of_two_reshard
     recs = {v.version: v for v in _versions(root)}
     assert recs["step-3"].world_size == 2 and recs["step-6"].world_size == 3, {k: v.world_size for k, v in recs.items()}
     REPORT.append(f"3x2 -> 2x3 cold start: step-3 resharded onto 3 ranks per group, run to step 7 in {took:.0f} s")
+
+
+@pytest.mark.slow
+def test_hsdp_a_rank_killed_mid_step_and_mid_save_the_group_heals_and_the_tier_keeps_committing(tmp_path):
+    """3 groups × 2 FSDP2 ranks, 30 steps, main every 5: rank 1 of group 1 is killed mid-step at step
+    4, rank 0 of group 0 (the writer) inside its main save of step 10, right before the commit point.
+    Each time the group's other rank is ended (as torchrun does) and the group launched again; it joins
+    the live job (torchft heals both its ranks from a peer group's same ranks, to the live step), its loaders continue
+    from their own newest positions. step-10 is never committed; the later due steps are committed
+    (by whichever group is the quorum's participating rank 0), every one at world size 2; every rank
+    of every group sees its shard in order, a restarted rank repeating only the batches whose
+    position save had not committed, never skipping one."""
+    root = tmp_path / "root"
+    job, took = _job(tmp_path, root, "hsdp-heal", steps=30, interval=5, ranks=2, fsdp=True, pace_s=2.0,
+                     restart_killed=True, timeout=900,
+                     kill={"1": [[4, "mid-step", "0", 1]], "0": [[10, "mid-save", "0", 0]]})
+    assert job.launches == {0: 1, 1: 1, 2: 0}, job.launches
+    for g in (0, 1):
+        for r in range(2):
+            rep = [x["resume"] for x in job.lines(g, r) if "resume" in x][1]
+            assert rep["kind"] == "join", rep
+            healed = [x for x in job.lines(g, r) if x.get("launch") == "1" and x.get("committed")]
+            died = max(x["step"] for x in job.lines(g, r) if x.get("launch") == "0" and x.get("committed"))
+            # torchft healed it to the live step (use_async_quorum=False heals before the forward pass,
+            # so its first step already counts)
+            assert healed and healed[0]["step"] > died, (g, r, healed[:1], died)
+    recs = {v.version: v for v in _versions(root)}
+    writers = {s: _manifest_user(root, f"step-{s}")["group"] for s in range(5, 31, 5) if f"step-{s}" in recs}
+    assert 10 not in writers, "a group killed before the commit point committed"
+    assert {15, 20, 25, 30} & set(writers), f"the tier stopped committing after the faults: {writers}"
+    assert all(recs[f"step-{s}"].world_size == 2 for s in writers)
+    repeats = {}
+    for g in range(3):
+        for r in range(2):
+            shard = tg.shard_order(g, r, 2)
+            by_launch = [[x["ids"] for x in job.lines(g, r) if x.get("counted") and x["launch"] == n]
+                         for n in sorted({x["launch"] for x in job.lines(g, r) if "launch" in x})]
+            end = len(by_launch[0])
+            assert by_launch[0] == shard[:end], (g, r)
+            for i in range(1, len(by_launch)):
+                if not by_launch[i]:
+                    continue
+                b = shard.index(by_launch[i][0])
+                assert by_launch[i] == shard[b:b + len(by_launch[i])] and b <= end, f"group {g} rank {r} skipped"
+                repeats[f"g{g}r{r}"] = end - b
+                end = b + len(by_launch[i])
+    REPORT.append(f"HSDP heal run 3x2 ({took:.0f} s): main versions by group {writers}; step-10 never committed; "
+                  f"batches repeated per restarted rank {repeats}")

@@ -316,7 +316,7 @@ class Job:
         codes: dict[int, int] = {}
         while self.procs:
             for (g, r), p in list(self.procs.items()):
-                if (g, r) not in self.procs:
+                if self.procs.get((g, r)) is not p:  # ended with its group, or that group relaunched
                     continue
                 rc = p.poll()
                 if rc is None:
