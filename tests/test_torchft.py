@@ -610,3 +610,31 @@ def test_hsdp_a_rank_killed_mid_step_and_mid_save_the_group_heals_and_the_tier_k
                 end = b + len(by_launch[i])
     REPORT.append(f"HSDP heal run 3x2 ({took:.0f} s): main versions by group {writers}; step-10 never committed; "
                   f"batches repeated per restarted rank {repeats}")
+
+
+# -- the durable-tier transport (torchft CheckpointTransport) -------------------------------------------
+@pytest.mark.slow
+def test_a_group_heals_from_the_durable_tier_when_no_peer_can_serve_and_the_run_equals_an_uninterrupted_one(tmp_path):
+    """2 groups, 10 steps, main every 5, both with ``DurableTransport`` (torchft's HTTP transport to
+    peers first). Group 1 is killed before the allreduce of step 6, so step 6 commits nowhere and group
+    0 waits at step 5 (group 1's saves so far committed before the kill); group 1's relaunch joins the live job, and its peer transfer fails (the test
+    makes the peer unreachable): the transport loads step-5 from ckptstore with group 1's own loader
+    position at step 5. torchft heals before the forward pass (``use_async_quorum=False``), so the math
+    is that of an uninterrupted run: every per-step loss of both groups equals the reference's bit for
+    bit, and every batch is its shard's, none twice, none skipped."""
+    kw = dict(steps=10, interval=5, num_groups=2, transport="peer", sync_quorum=True)
+    ref, _ = _job(tmp_path, tmp_path / "ref-root", "ref", **kw)
+    job, took = _job(tmp_path, tmp_path / "root", "durable-heal", restart_killed=True, timeout=400,
+                     kill={"1": [[6, "before-allreduce", "0"]]}, peer_fails=[1, 1], settle=True, **kw)
+    assert job.launches == {0: 0, 1: 1}
+    final = job.lines(1)[-1]
+    assert final["transport"].get("durable") == 1 and final["stats"].get("heal.position") == 1, final
+    assert [r for r in _resumes(job, 1)][1]["kind"] == "join"
+    shards = {g: tg.shard_order(g) for g in range(2)}
+    for g in range(2):
+        want = {s: (r["loss"], r["ids"]) for s, r in _timeline(ref, g).items()}
+        got = {s: (r["loss"], r["ids"]) for s, r in _timeline(job, g).items()}
+        assert sorted(got) == list(range(1, 11)) and got == want, f"group {g}: the healed run differs"
+    _check_exact_samples(job, range(2), shards)
+    REPORT.append(f"durable heal ({took:.0f} s): group 1 healed from step-5 of ckptstore (peer unreachable), "
+                  "20 per-step losses equal the uninterrupted run's")

@@ -19,6 +19,8 @@ across groups; the cross-group allreduce runs on each rank's local shard of the 
 Kill points (``kill``: ``{group: [step, where]}`` for the group's first launch, or
 ``{group: [[step, where, launch], ...]}``):
 ``"mid-step"`` — SIGKILL after the backward pass of that step, before ``optimizer.step()``;
+``"before-allreduce"`` — SIGKILL after the backward pass of that step, before the cross-group
+allreduce (the peers' allreduce fails: that step commits nowhere);
 ``"mid-save"`` — SIGKILL inside the main save of that step, after its objects are written, right
 before its commit point (from the writer's ``commit_check``, which runs on the group's rank 0).
 A fourth element ``rank`` kills only that rank of the group (default: every rank); :meth:`Job.wait`
@@ -45,7 +47,7 @@ def config(**kw) -> dict:
     c = {"steps": 40, "interval": 5, "num_groups": 3, "pace_s": 0.0, "kill": {}, "remote": None,
          "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
          "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60, "ranks": 1, "fsdp": False,
-         "port": None}
+         "port": None, "transport": None, "peer_fails": None, "sync_quorum": False}
     c.update(kw)
     return c
 
@@ -90,7 +92,7 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
 
-    from ckptstore.integrations.torchft import DurableTier
+    from ckptstore.integrations.torchft import DurableTier, DurableTransport
 
     torch.set_num_threads(1)
     ranks = int(cfg.get("ranks") or 1)
@@ -125,14 +127,27 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
         return {"model": model.state_dict(), "optim": inner.state_dict(), "sched": sched.state_dict()}
 
     t = dt.timedelta(seconds=20)
+    transport = None
+    if cfg.get("transport"):  # heal through ckptstore's DurableTransport (the tier registers the state)
+        from torchft.checkpointing import HTTPTransport
+
+        peer = HTTPTransport(timeout=t, num_chunks=0)
+        if cfg.get("peer_fails") == [group, int(launch)]:  # no live peer can serve this launch
+            def no_peer(*_a, **_k):
+                raise ConnectionError("the peer died before it could send (test)")
+
+            peer.recv_checkpoint = no_peer
+        transport = DurableTransport(peer, prefer=cfg["transport"])
+        load_sd = user_sd = None
     manager = Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=1, load_state_dict=load_sd, state_dict=user_sd,
+                      checkpoint_transport=transport,
                       replica_id=f"g{group}", store_addr="127.0.0.1", store_port=store_port, rank=rank,
                       world_size=ranks,
                       lighthouse_addr=cfg["lighthouse"], timeout=t, quorum_timeout=dt.timedelta(seconds=cfg.get("quorum_timeout_s", 60)),
                       connect_timeout=dt.timedelta(seconds=10), hostname="127.0.0.1",
                       # FSDP2: a healing group loads the peer's state before the forward pass (torchft
                       # applies it eagerly then), never into parameters FSDP has unsharded mid-step
-                      use_async_quorum=not (ranks > 1 and cfg.get("fsdp")))
+                      use_async_quorum=not ((ranks > 1 and cfg.get("fsdp")) or cfg.get("sync_quorum")))
     ddp = model  # gradients averaged below with manager.allreduce: torchft 0.2.0's DDP comm hook asserts
     # after an allreduce errored (a peer died mid-step), meta-pytorch/torchft #294
     optim = OptimizerWrapper(manager, inner)
@@ -142,7 +157,7 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
     tier = DurableTier(cfg["root"], manager, {"model": ddp, "optim": optim, "sched": sched}, group=group,
                        num_groups=cfg["num_groups"], loader=loader, remote=cfg["remote"],
                        endpoint_url=cfg["endpoint_url"], interval_steps=cfg["interval"], enabled=cfg["enabled"],
-                       lighthouse=cfg["lighthouse"], timeout_s=cfg["timeout_s"])
+                       lighthouse=cfg["lighthouse"], timeout_s=cfg["timeout_s"], transport=transport)
     kills = cfg["kill"].get(str(group)) or []
     if kills and not isinstance(kills[0], list):
         kills = [kills + ["0"]]
@@ -204,6 +219,7 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
             time.sleep(0.05)
     tier.close()
     out.write(json.dumps({"launch": launch, "final": True, "stats": tier.stats(),
+                          "transport": dict(transport.stats) if transport is not None else None,
                           "close_s": time.perf_counter() - t_end}) + "\n")
     out.close()
     manager.shutdown(wait=False)
@@ -218,6 +234,10 @@ def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> Non
         optim.zero_grad()
         loss = crit(ddp(x), y)
         loss.backward()
+        if kill and kill[1] == "before-allreduce" and before + 1 == kill[0]:
+            if cfg.get("settle"):  # the saves started so far are committed before the kill
+                tier.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
         for p in ddp.parameters():  # average over the participating groups (zeros from a healing one)
             g = p.grad
             manager.allreduce(getattr(g, "_local_tensor", g)).wait()  # FSDP2: this rank's shard

@@ -82,13 +82,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "pip install 'ckptstore[torchft]'") from e
 
 import torch
+from torchft.checkpointing import CheckpointTransport as _CheckpointTransport
 
 from ..errors import CkptStoreError, JobBrokenError, TransientStorageError
 from . import _torchft_store as _st
 from . import _torchft_v0_2 as _ft
 from ._torchft_v0_2 import TESTED_VERSIONS
 
-__all__ = ["DurableTier", "RestoreReport", "LoaderChoice", "TESTED_VERSIONS", "ENV_DISABLE"]
+__all__ = ["DurableTier", "DurableTransport", "RestoreReport", "LoaderChoice", "TESTED_VERSIONS", "ENV_DISABLE"]
 
 log = logging.getLogger("ckptstore.integrations.torchft")
 
@@ -125,6 +126,112 @@ class RestoreReport:
     loader: Any = None
     orphaned: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+
+
+_HEAL_KEY = "ckptstore"
+
+
+def _clone_tree(obj: Any) -> Any:
+    """``obj`` with every tensor cloned (dicts keep their type and a ``back`` spelling map)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        out = type(obj)({k: _clone_tree(v) for k, v in obj.items()}) if type(obj) is not dict else {
+            k: _clone_tree(v) for k, v in obj.items()}
+        if hasattr(obj, "back"):
+            out.back = obj.back
+        return out
+    if isinstance(obj, list):
+        return [_clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tree(v) for v in obj)
+    return obj
+
+
+def _own_spelling(sd: dict) -> dict:
+    """``sd`` (a state dict of :class:`ckptstore._manager.state.StateDicts`) with module and optimizer
+    keys in the modules' own spelling, as plain dicts: what torchft's transport pickles and the
+    receiving rank's ``StateDicts.apply`` takes as is."""
+    from .._state_keys import _Respelled
+
+    return {k: dict(_Respelled.back_of(v)) if isinstance(v, _Respelled) else v for k, v in sd.items()}
+
+
+class DurableTransport(_CheckpointTransport):
+    """A torchft ``CheckpointTransport`` that heals from live peers (``inner``, torchft's
+    ``HTTPTransport`` by default) and, when no live peer can serve the step, from ckptstore.
+
+    Give it to the group's ``torchft.Manager(checkpoint_transport=...)`` and to the
+    :class:`DurableTier` (``transport=``). Sending is ``inner``'s. Receiving step N: with
+    ``prefer="peer"`` (default) the peer first, and when that fails (the peer died or its transfer
+    timed out) the durable main version ``step-N`` — local tier, replicas, then the remote tier — with
+    this rank's loader position at N; with ``prefer="durable"`` the durable version first (a peer
+    need not send what the store holds), the peer when the store has not that step. Only the exact
+    step: torchft sets a healed group's step to the quorum's (``max_step``), so an older version
+    would silently put the group behind its peers; when ``step-N`` is not committed the peer's error
+    is raised (torchft reports it, the step does not commit, the next quorum heals again).
+    ``stats``: ``{"peer": n, "durable": n, "failed": n}``."""
+
+    def __init__(self, inner: Any = None, *, prefer: str = "peer", timeout_s: float = 60.0) -> None:
+        if prefer not in ("peer", "durable"):
+            raise ValueError("prefer must be 'peer' or 'durable'")
+        if inner is None:
+            import datetime as _dt
+
+            from torchft.checkpointing import HTTPTransport
+
+            inner = HTTPTransport(timeout=_dt.timedelta(seconds=timeout_s), num_chunks=0)
+        self.inner = inner
+        self.prefer = prefer
+        self.stats = collections.Counter()
+        self._tier: DurableTier | None = None
+
+    def _attach(self, tier: "DurableTier") -> None:
+        self._tier = tier
+
+    def metadata(self) -> str:
+        return self.inner.metadata()
+
+    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+        self.inner.send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def disallow_checkpoint(self) -> None:
+        self.inner.disallow_checkpoint()
+
+    def _durable(self, step: int) -> dict | None:
+        tier = self._tier
+        if tier is None or not tier.enabled or tier._closed:
+            return None
+        try:
+            return tier._durable_heal(step)
+        except Exception as e:  # noqa: BLE001 - reported; the peer's outcome stands
+            log.warning("ckptstore: step-%d could not be loaded from the durable tier for healing: %s: %s", step,
+                        type(e).__name__, e)
+            return None
+
+    def recv_checkpoint(self, src_rank, metadata, step, timeout):
+        if self.prefer == "durable":
+            sd = self._durable(step)
+            if sd is not None:
+                self.stats["durable"] += 1
+                return sd
+        try:
+            sd = self.inner.recv_checkpoint(src_rank, metadata, step, timeout)
+            self.stats["peer"] += 1
+            return sd
+        except Exception as e:
+            if self.prefer == "peer":
+                got = self._durable(step)
+                if got is not None:
+                    log.warning("ckptstore: healing from the peer failed (%s: %s); healed from step-%d of the durable "
+                                "tier", type(e).__name__, e, step)
+                    self.stats["durable"] += 1
+                    return got
+            self.stats["failed"] += 1
+            raise
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.inner.shutdown(wait=wait)
 
 
 class _FtState:
@@ -215,6 +322,11 @@ class DurableTier:
         timeout_s: ckptstore's timeouts (seconds): its gloo groups, the S3 client's connect/read
             timeouts, the lighthouse probe. Default: half of the smaller of torchft's ``timeout`` and
             ``quorum_timeout``; a value not below both raises ``ValueError``.
+        transport: the :class:`DurableTransport` given to this group's ``torchft.Manager``
+            (``checkpoint_transport=``): a healing group falls back to the durable tier when no live
+            peer can serve the step. The tier then registers the state torchft heals (its ``state``,
+            under the key ``"ckptstore"``, with the loader position); the Manager must have no other
+            state dict functions (``load_state_dict=None, state_dict=None``), else ``ValueError``.
         durability, key, on_event, event_log, **writer_options: as :class:`ckptstore.CheckpointManager`.
     """
 
@@ -223,7 +335,7 @@ class DurableTier:
                  interval_steps: int = 100, retention: Any = None, positions_keep: int | None = None,
                  positions_every_s: float = 0.2,
                  enabled: bool | None = None, lighthouse: str | None = None, live_within_s: float = 1.0,
-                 timeout_s: float | None = None, durability: str = "local",
+                 timeout_s: float | None = None, durability: str = "local", transport: "DurableTransport | None" = None,
                  on_event: Callable[[dict], None] | None = None, event_log: Any = True, **writer_options: Any) -> None:
         if interval_steps < 1:
             raise ValueError("interval_steps must be >= 1")
@@ -296,6 +408,15 @@ class DurableTier:
             from .._groups import new_gloo_group
 
             self._agree_pg = new_gloo_group(_dt.timedelta(seconds=self.timeout_s))
+        self._transport = transport
+        if transport is not None:
+            others = set(getattr(manager, "_user_state_dicts", {})) - {_HEAL_KEY}
+            if others:
+                raise ValueError(f"DurableTier(transport=...): the torchft Manager already has state dict functions "
+                                 f"{sorted(others)}; create it with load_state_dict=None, state_dict=None: the tier "
+                                 "registers the state it heals (a durable step can only fill the tier's own state)")
+            manager.register_state_dict_fn(_HEAL_KEY, self._heal_load, self._heal_state)
+            transport._attach(self)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _remote_tier(self, url: str, endpoint_url: str | None):
@@ -332,6 +453,83 @@ class DurableTier:
         if why:
             self.counts["main.fenced-check"] += 1
             return f"replica group {self.group} no longer owns {version}: {why}"
+        return None
+
+    # -- the state torchft heals (with a DurableTransport) ----------------------------------------------
+    def _user_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self._state.items() if k != "torchft"}
+
+    def _heal_state(self) -> dict:
+        """What a peer sends a healing group (torchft's state dict function): the tier's state under the
+        same keys as its main versions (so a durable step fills the same dict)."""
+        return _own_spelling(self._main._states.build(self._user_state()))
+
+    def _heal_load(self, sd: dict) -> None:
+        """torchft applies a healed state (on the training thread): the state; and, when it came from
+        the durable tier, this rank's loader position at that step (``"_position"``)."""
+        pos = sd.pop("_position", None) if isinstance(sd, dict) else None
+        self._main._states.apply(self._user_state(), sd)
+        if pos is not None and self.loader is not None:
+            before = self._loader_blob
+            self._apply(_st.Position(*pos), own=True)
+            # the loader goes to the healed position; when it is not where the loader was, the next
+            # batch is drawn from it (the batch of a step whose heal is applied after it was drawn
+            # cannot be taken back: use_async_quorum=False heals before the forward pass, not before
+            # the batch is drawn)
+            self._rewind = self._rewind or pos[3] != before
+            self.counts["heal.position"] += 1
+
+    def _durable_heal(self, step: int) -> dict | None:
+        """The state of main version ``step-<step>`` for this rank, read from the store (the local
+        tier, replicas, then the remote tier: the reader's order) into copies of the live state
+        (never the live tensors: this runs on torchft's recovery thread), with this rank's loader
+        position at that step; None when that exact step is not committed (torchft sets the healing
+        group's step to the quorum's, so no other step will do)."""
+        import torch.distributed.checkpoint as dcp
+
+        from .._state_keys import _SpellingLoadPlanner
+        from ..dcp.reader import StorageReader
+
+        name = f"{_st.MAIN_PREFIX}{int(step)}"
+        if name not in self._committed_main():
+            return None
+        sd = _clone_tree(self._main._states.build(self._user_state()))
+        sd["torchft"] = {"step": 0, "batches_committed": 0}
+        reader = StorageReader(self.root, remote=self.remote, key=self._key, version=name)
+        dcp.load(sd, storage_reader=reader, no_dist=True, planner=_SpellingLoadPlanner(sd))
+        ft = {"step": int(sd["torchft"]["step"]), "batches_committed": int(sd["torchft"]["batches_committed"])}
+        del sd["torchft"]
+        sd = _own_spelling(sd)
+        if self.loader is not None:
+            pos = self._own_position_at(step)
+            if pos is not None:
+                sd["_position"] = (pos.step, pos.batches, pos.participated, pos.blob)
+        self.counts["heal.durable"] += 1
+        return {"user": {_HEAL_KEY: sd}, "torchft": ft}
+
+    def _committed_main(self) -> set[str]:
+        names = set(self._store_versions_local())
+        if self.remote is not None:
+            from ..store import Store
+
+            try:
+                names |= {r.version for r in Store(None, remote=self.remote, key=self._key).versions()}
+            except (TransientStorageError, CkptStoreError, OSError) as e:
+                log.warning("ckptstore: the remote tier was not consulted for a durable heal: %s", e)
+        return names
+
+    def _own_position_at(self, step: int) -> _st.Position | None:
+        names = [n for n in self._committed_main() if (_st.parse_loader_version(n) or (None,))[0] == self.group]
+        by_step = sorted(_st.parse_loader_version(n)[1] for n in names)
+        tries = [s for s in by_step if s >= step][:1] + [s for s in by_step if s < step][-1:]
+        for s in tries:
+            try:
+                pos = _st.position_at(self._read_positions(f"{_st.loader_prefix(self.group)}{s}"), step)
+            except Exception as e:  # noqa: BLE001 - the next candidate
+                log.warning("ckptstore: positions %s%d unreadable: %s", _st.loader_prefix(self.group), s, e)
+                continue
+            if pos is not None:
+                return pos
         return None
 
     # -- the loop ------------------------------------------------------------------------------------
