@@ -54,10 +54,13 @@ def config(**kw) -> dict:
 
 # -- one group ------------------------------------------------------------------------------------
 class Samples:
-    """Sample ``i``: ``(i, x, y)`` with ``x`` drawn from a generator seeded with ``i``."""
+    """Sample ``i``: ``(i, x, y)`` with ``x`` drawn from a generator seeded with ``i``; ``n`` samples."""
+
+    def __init__(self, n: int = SAMPLES) -> None:
+        self.n = int(n)
 
     def __len__(self) -> int:
-        return SAMPLES
+        return self.n
 
     def __getitem__(self, i: int):
         import torch
@@ -151,9 +154,10 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
     ddp = model  # gradients averaged below with manager.allreduce: torchft 0.2.0's DDP comm hook asserts
     # after an allreduce errored (a peer died mid-step), meta-pytorch/torchft #294
     optim = OptimizerWrapper(manager, inner)
-    sampler = DistributedSampler(Samples(), replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=rank,
+    data = Samples(cfg.get("samples") or SAMPLES)
+    sampler = DistributedSampler(data, replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=rank,
                                  num_replicas=ranks, shuffle=True, seed=7, drop_last=True)
-    loader = StatefulDataLoader(Samples(), batch_size=BATCH, sampler=sampler, num_workers=0)
+    loader = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, num_workers=0)
     tier = DurableTier(cfg["root"], manager, {"model": ddp, "optim": optim, "sched": sched}, group=group,
                        num_groups=cfg["num_groups"], loader=loader, remote=cfg["remote"],
                        endpoint_url=cfg["endpoint_url"], interval_steps=cfg["interval"], enabled=cfg["enabled"],

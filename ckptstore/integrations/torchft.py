@@ -58,6 +58,10 @@ What it does (docs/torchft.md; docs/FORMAT.md, "torchft"):
   shape (M groups of K ranks from N groups of J) reshards the main version (DCP's planner) and
   reports per rank what its loader continues from (:class:`LoaderChoice`; docs/torchft.md).
 
+* **Healing from the durable tier.** :class:`DurableTransport` is a torchft ``CheckpointTransport``:
+  a healing group heals from a live peer (torchft's HTTP transport) and, when no peer can serve the
+  quorum's step N, loads ``step-N`` from ckptstore with its loader position (docs/torchft.md).
+
 Importing this module needs torchft (:data:`TESTED_VERSIONS`; another release warns once); what
 depends on torchft's private surface is in ``ckptstore/integrations/_torchft_v0_2.py``.
 """
@@ -377,6 +381,18 @@ class DurableTier:
         self._closed = False
         if self.enabled and self.group_world > 1:
             _check_group_world(self.group_world, self.rank)
+        self._transport = transport
+        if transport is not None:  # also with the tier off: torchft's peer healing needs the state
+            others = set(getattr(manager, "_user_state_dicts", {})) - {_HEAL_KEY}
+            if others:
+                raise ValueError(f"DurableTier(transport=...): the torchft Manager already has state dict functions "
+                                 f"{sorted(others)}; create it with load_state_dict=None, state_dict=None: the tier "
+                                 "registers the state it heals (a durable step can only fill the tier's own state)")
+            from .._manager.state import StateDicts
+
+            self._heal_states = StateDicts(0, (), False)
+            manager.register_state_dict_fn(_HEAL_KEY, self._heal_load, self._heal_state)
+            transport._attach(self)
         if not self.enabled:
             log.warning("ckptstore: the durable tier is off (%s)", "enabled=False" if enabled is False else f"{ENV_DISABLE}=0")
             self._main = self._positions = None
@@ -408,15 +424,6 @@ class DurableTier:
             from .._groups import new_gloo_group
 
             self._agree_pg = new_gloo_group(_dt.timedelta(seconds=self.timeout_s))
-        self._transport = transport
-        if transport is not None:
-            others = set(getattr(manager, "_user_state_dicts", {})) - {_HEAL_KEY}
-            if others:
-                raise ValueError(f"DurableTier(transport=...): the torchft Manager already has state dict functions "
-                                 f"{sorted(others)}; create it with load_state_dict=None, state_dict=None: the tier "
-                                 "registers the state it heals (a durable step can only fill the tier's own state)")
-            manager.register_state_dict_fn(_HEAL_KEY, self._heal_load, self._heal_state)
-            transport._attach(self)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _remote_tier(self, url: str, endpoint_url: str | None):
@@ -462,13 +469,13 @@ class DurableTier:
     def _heal_state(self) -> dict:
         """What a peer sends a healing group (torchft's state dict function): the tier's state under the
         same keys as its main versions (so a durable step fills the same dict)."""
-        return _own_spelling(self._main._states.build(self._user_state()))
+        return _own_spelling(self._heal_states.build(self._user_state()))
 
     def _heal_load(self, sd: dict) -> None:
         """torchft applies a healed state (on the training thread): the state; and, when it came from
         the durable tier, this rank's loader position at that step (``"_position"``)."""
         pos = sd.pop("_position", None) if isinstance(sd, dict) else None
-        self._main._states.apply(self._user_state(), sd)
+        self._heal_states.apply(self._user_state(), sd)
         if pos is not None and self.loader is not None:
             before = self._loader_blob
             self._apply(_st.Position(*pos), own=True)
@@ -493,7 +500,7 @@ class DurableTier:
         name = f"{_st.MAIN_PREFIX}{int(step)}"
         if name not in self._committed_main():
             return None
-        sd = _clone_tree(self._main._states.build(self._user_state()))
+        sd = _clone_tree(self._heal_states.build(self._user_state()))
         sd["torchft"] = {"step": 0, "batches_committed": 0}
         reader = StorageReader(self.root, remote=self.remote, key=self._key, version=name)
         dcp.load(sd, storage_reader=reader, no_dist=True, planner=_SpellingLoadPlanner(sd))
