@@ -60,6 +60,7 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
         whole = faults and faults["whole_at"]
         term = faults and faults["sigterm_at"]
         lost = None
+        finished: set[int] = set()
         while job.procs:
             now = time.monotonic()
             for (g, r), p in list(job.procs.items()):
@@ -69,12 +70,23 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
                 if rc is None:
                     continue
                 del job.procs[(g, r)]
-                if rc in (-signal.SIGKILL, -signal.SIGTERM, 143):
+                if rc == 0:
+                    finished.add(g)
+                    continue
+                if finished:  # the job reached its last step: a group failing now is not relaunched
+                    log.append({"t": round(now - t0, 1), "fault": f"group {g} rank {r} exit {rc} after the end",
+                                "step": _max_step(job), "injected": False})
+                    job.kill_group(g)
+                    continue
+                if rc != 0 and faults is None:
+                    raise RuntimeError(f"{name}: group {g} rank {r} exited {rc}:\n{job.tails()}")
+                if rc != 0:  # killed, or failed after a fault (a torchft timeout): torchrun restarts the group
+                    if rc not in (-signal.SIGKILL, -signal.SIGTERM, 143):
+                        log.append({"t": round(now - t0, 1), "fault": f"group {g} rank {r} failed (exit {rc})",
+                                    "step": _max_step(job), "injected": False})
                     job.kill_group(g)
                     job.launch(g)
                     born[g] = time.monotonic()
-                elif rc != 0:
-                    raise RuntimeError(f"{name}: group {g} rank {r} exited {rc}:\n{job.tails()}")
             if whole and now - t0 >= whole:
                 whole = None
                 reached = _max_step(job)
@@ -86,7 +98,7 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
                 log.append({"t": round(now - t0, 1), "fault": "whole-job SIGKILL", "step": reached})
                 time.sleep(2.0)  # the lighthouse's heartbeats of the dead groups go stale: a cold start
                 job.start(barrier=False)
-                lost = {"reached": reached}
+                lost = {"reached": reached, "launch": {g: job.launches[g] for g in range(3)}}
                 for g in range(3):
                     born[g] = time.monotonic()
                 next_fault = time.monotonic() + faults["every"]
@@ -111,11 +123,13 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
         took = time.monotonic() - t0
     finally:
         job.close()
-    out = {"seconds": round(took, 1), "faults": log}
+    out = {"seconds": round(took, 1), "faults": log,
+           "injected": sum(1 for e in log if e.get("injected", True)),
+           "failed_after_a_fault": sum(1 for e in log if not e.get("injected", True))}
     if lost is not None:
-        res = [x["resume"] for g in range(3) for x in job.lines(g) if "resume" in x]
-        after = [r for r in res if r["kind"] in ("cold-start", "fresh", "disabled")][-3:]
-        restored = min(r["step"] for r in after) if after else 0
+        # the step the relaunched job started from: its cold starts (0 with the tier off or nothing stored)
+        res = [x["resume"] for g in range(3) for x in job.lines(g) if "resume" in x and int(x["launch"]) >= lost["launch"][g]]
+        restored = max((r["step"] for r in res if r["kind"] == "cold-start"), default=0)
         out["whole_job_loss"] = {"step_reached": lost["reached"], "step_restored": restored,
                                  "steps_lost": lost["reached"] - restored}
     dts = [x["dt"] for g in range(3) for r in range(2) for x in job.lines(g, r) if "dt" in x and x["step"] > 2]
@@ -137,16 +151,25 @@ def main() -> int:
     ap.add_argument("--sigterm-at", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=34)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--reuse", action="store_true", help="reuse the runs an earlier invocation left in --out")
     a = ap.parse_args()
     tmp = Path(a.out or tempfile.mkdtemp(prefix="torchft-seed-"))
     tmp.mkdir(parents=True, exist_ok=True)
     res: dict = {"shape": "3 groups x 2 ranks (FSDP2), gloo, CPU", "steps": a.steps, "interval": a.interval,
                  "fault_every_s": a.fault_every}
-    ff = run(tmp, "fault-free", steps=a.steps, interval=a.interval, enabled=True, faults=None, seed=a.seed)
-    ff_off = run(tmp, "fault-free-off", steps=a.steps, interval=a.interval, enabled=False, faults=None, seed=a.seed)
+    def once(name: str, **kw) -> dict:
+        cached = tmp / f"{name}.json"
+        if a.reuse and cached.exists():  # a run of an earlier invocation with the same --out
+            return json.loads(cached.read_text())
+        got = run(tmp, name, steps=a.steps, interval=a.interval, seed=a.seed, **kw)
+        cached.write_text(json.dumps(got))
+        return got
+
+    ff = once("fault-free", enabled=True, faults=None)
+    ff_off = once("fault-free-off", enabled=False, faults=None)
     sched = {"every": a.fault_every, "whole_at": a.whole_at * ff["seconds"], "sigterm_at": a.sigterm_at * ff["seconds"]}
-    on = run(tmp, "faults", steps=a.steps, interval=a.interval, enabled=True, faults=sched, seed=a.seed)
-    off = run(tmp, "faults-off", steps=a.steps, interval=a.interval, enabled=False, faults=sched, seed=a.seed)
+    on = once("faults", enabled=True, faults=sched)
+    off = once("faults-off", enabled=False, faults=sched)
     res.update({"fault_free": ff, "fault_free_off": ff_off, "faults": on, "faults_off": off})
     res["goodput"] = {"faults_vs_fault_free": round(ff["seconds"] / on["seconds"], 3),
                       "faults_off_vs_fault_free": round(ff_off["seconds"] / off["seconds"], 3),
