@@ -71,6 +71,26 @@ def test_loader_plan_three_to_two_groups_and_two_to_three():
     assert (choice.how, pos) == ("initial", None)
 
 
+def test_rank_loader_plan_at_another_shape_says_what_each_rank_continues():
+    """3 groups × 2 ranks stored, restarted as 2 groups × 3 ranks (docs/torchft.md, "Cold start at
+    another shape"): ranks 0 and 1 continue their own positions, resharded; rank 2 (new) takes the
+    slowest rank of its group; group 2's ranks are orphaned. The same shape: "own"."""
+    at = {(g, r): _pos(6, 10 + 2 * g + r) for g in range(3) for r in range(2)}
+    worlds = {0: 2, 1: 2, 2: 2}
+    for g in (0, 1):
+        for r in (0, 1):
+            c, p, orphaned = st.rank_loader_plan(g, r, 2, 3, at, worlds)
+            assert (c.how, c.source, c.source_rank, c.rank, p) == ("own-resharded", g, r, r, at[(g, r)])
+            assert orphaned == {2: 14 + 15}
+        c, p, _ = st.rank_loader_plan(g, 2, 2, 3, at, worlds)
+        assert (c.how, c.source, c.source_rank, c.batches) == ("slowest", g, 0, 10 + 2 * g), c
+    c, p, orphaned = st.rank_loader_plan(1, 1, 3, 2, at, worlds)
+    assert (c.how, p, orphaned) == ("own", at[(1, 1)], {})
+    # 1 rank per group from 2: rank 1 of every group is orphaned
+    c, p, orphaned = st.rank_loader_plan(0, 0, 3, 1, at, worlds)
+    assert c.how == "own-resharded" and orphaned == {"0.1": 11, "1.1": 13, "2.1": 15}
+
+
 def test_position_at_is_never_newer_than_the_step_and_histories_round_trip():
     hist = [_pos(8, 8), _pos(9, 9, False), _pos(11, 10)]
     assert st.position_at(hist, 10) == hist[1]
@@ -438,7 +458,7 @@ def test_a_group_that_leaves_the_quorum_mid_save_never_commits(tmp_path):
         job.start(barrier=False)
         end = time.monotonic() + 240
         while not any("hold" in r for r in job.lines(0)):
-            assert time.monotonic() < end and job.procs[0].poll() is None, job.tails()
+            assert time.monotonic() < end and job.procs[(0, 0)].poll() is None, job.tails()
             time.sleep(0.1)
         job.lighthouse.kill()  # the group can no longer reach its quorum
         codes = job.wait(240)
@@ -451,3 +471,170 @@ def test_a_group_that_leaves_the_quorum_mid_save_never_commits(tmp_path):
     # the refused attempt deleted its objects (docs/FORMAT.md, Delete rule 14): nothing left for gc
     assert not any(k.startswith("versions/step-5/") for k in _garbage(root)), _garbage(root)
     REPORT.append(f"left the quorum mid-save: step-5 refused ({claim[0][:90]}...)")
+
+
+# -- replica groups of several ranks (HSDP: FSDP2 inside a group, torchft across groups) -----------
+def _rank_timeline(job, g, r) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for rec in job.lines(g, r):
+        if rec.get("committed"):
+            out[rec["step"]] = rec
+    return out
+
+
+def test_hsdp_groups_of_two_ranks_save_every_shard_and_cold_restart_exactly(tmp_path):
+    """2 replica groups × 2 ranks (FSDP2 over each group's ranks, gloo, CPU), 7 steps, a main version
+    every 3: the main versions are written by both ranks of one group (a version of world size 2,
+    objects from each rank), each rank's positions are saved; every rank is killed mid-step at 6
+    (after the saves started so far committed) and the whole job restarts from ckptstore: it
+    restores step-3, every rank continues its own position, the steps trained again have the same
+    loss and batch on every rank, and no rank's batch is seen twice or skipped. On main this fails:
+    ``DurableTier`` refused a group of several ranks."""
+    root = tmp_path / "root"
+    job = tg.Job(tmp_path, root, name="hsdp", steps=7, interval=3, num_groups=2, ranks=2, fsdp=True,
+                 kill={str(g): [6, "mid-step"] for g in range(2)}, settle=True)
+    job.start_lighthouse()
+    try:
+        job.start()
+        codes = job.wait(240)
+        assert codes == {0: -9, 1: -9}, (codes, job.tails())
+        job.start()
+        codes = job.wait(240)
+        assert codes == {0: 0, 1: 0}, (codes, job.tails())
+    finally:
+        job.close()
+    recs = {v.version: v for v in _versions(root)}
+    assert {"step-3", "step-6"} <= set(recs), sorted(recs)
+    assert recs["step-3"].world_size == 2  # both ranks of the writing group saved their shards
+    from ckptstore.manifest import catalogue
+    from ckptstore.tiers.local import LocalTier
+
+    m = catalogue.read_manifest(LocalTier(str(root)), "step-3").manifest
+    assert m.user["torchft"]["group"] == 0
+    for g in range(2):
+        for r in range(2):
+            shard = tg.shard_order(g, r, 2)
+            r0, r1 = [x["resume"] for x in job.lines(g, r) if "resume" in x]
+            assert (r0["kind"], r1["kind"], r1["version"]) == ("fresh", "cold-start", "step-3"), (g, r, r1)
+            assert r1["loader"]["how"] == "own" and r1["loader"]["rank"] == r and r1["loader"]["batches"] == 3, r1
+            first = {x["step"]: x for x in job.lines(g, r) if x.get("committed") and x["launch"] == "0"}
+            again = {x["step"]: x for x in job.lines(g, r) if x.get("committed") and x["launch"] == "1"}
+            assert sorted(first) == [1, 2, 3, 4, 5] and sorted(again) == [4, 5, 6, 7], (g, r, sorted(again))
+            for s in (4, 5):  # trained twice: the same loss, the same batch
+                assert (again[s]["loss"], again[s]["ids"]) == (first[s]["loss"], first[s]["ids"]), (g, r, s)
+            tl = _rank_timeline(job, g, r)
+            got = [tl[s]["ids"] for s in sorted(tl) if tl[s]["counted"]]
+            assert got == shard[:7], f"group {g} rank {r}: batches are not its shard's in order"
+            final = job.lines(g, r)[-1]
+            assert final.get("final") and "agreement.failed" not in final["stats"], final
+
+
+@pytest.mark.slow
+def test_hsdp_cold_start_of_two_groups_of_three_from_three_groups_of_two_reshards(tmp_path):
+    """3 groups × 2 FSDP2 ranks train 5 steps (main every 3) and are all killed mid-step at 6; the job
+    restarts as 2 groups × 3 ranks from the same store: step-3 is resharded onto 3 ranks per group
+    (DCP's planner), torchft's step continues at 3, each rank's report says what its loader continues
+    from (ranks 0-1 their own positions resharded, rank 2 the slowest rank of its group, group 2
+    orphaned), and the new shape commits step-6 with world size 3."""
+    root = tmp_path / "root"
+    a = tg.Job(tmp_path, root, name="three-by-two", steps=7, interval=3, num_groups=3, ranks=2, fsdp=True,
+               kill={str(g): [6, "mid-step"] for g in range(3)}, settle=True)
+    a.start_lighthouse()
+    try:
+        a.start()
+        codes = a.wait(300)
+    finally:
+        a.close()
+    assert codes == {0: -9, 1: -9, 2: -9}, (codes, a.tails())
+    b, took = _job(tmp_path, root, "two-by-three", steps=7, interval=3, num_groups=2, ranks=3, fsdp=True)
+    stored = {(g, r): len([x for x in a.lines(g, r) if x.get("counted") and x["step"] <= 3]) for g in range(3)
+              for r in range(2)}
+    for g in range(2):
+        for r in range(3):
+            rep = [x["resume"] for x in b.lines(g, r) if "resume" in x][0]
+            assert (rep["kind"], rep["version"], rep["step"]) == ("cold-start", "step-3", 3), rep
+            want = "own-resharded" if r < 2 else "slowest"
+            assert rep["loader"]["how"] == want and rep["loader"]["source"] == g, rep["loader"]
+            assert rep["loader"]["batches"] == stored[(g, min(r, 1) if r < 2 else 0)], (rep["loader"], stored)
+            assert rep["orphaned"] == {"2": stored[(2, 0)] + stored[(2, 1)]}, rep["orphaned"]
+            steps = sorted(x["step"] for x in b.lines(g, r) if x.get("committed"))
+            assert steps == [4, 5, 6, 7], (g, r, steps)
+    recs = {v.version: v for v in _versions(root)}
+    assert recs["step-3"].world_size == 2 and recs["step-6"].world_size == 3, {k: v.world_size for k, v in recs.items()}
+    REPORT.append(f"3x2 -> 2x3 cold start: step-3 resharded onto 3 ranks per group, run to step 7 in {took:.0f} s")
+
+
+@pytest.mark.slow
+def test_hsdp_a_rank_killed_mid_step_and_mid_save_the_group_heals_and_the_tier_keeps_committing(tmp_path):
+    """3 groups × 2 FSDP2 ranks, 30 steps, main every 5: rank 1 of group 1 is killed mid-step at step
+    4, rank 0 of group 0 (the writer) inside its main save of step 10, right before the commit point.
+    Each time the group's other rank is ended (as torchrun does) and the group launched again; it joins
+    the live job (torchft heals both its ranks from a peer group's same ranks, to the live step), its loaders continue
+    from their own newest positions. step-10 is never committed; the later due steps are committed
+    (by whichever group is the quorum's participating rank 0), every one at world size 2; every rank
+    of every group sees its shard in order, a restarted rank repeating only the batches whose
+    position save had not committed, never skipping one."""
+    root = tmp_path / "root"
+    job, took = _job(tmp_path, root, "hsdp-heal", steps=30, interval=5, ranks=2, fsdp=True, pace_s=2.0,
+                     restart_killed=True, timeout=900,
+                     kill={"1": [[4, "mid-step", "0", 1]], "0": [[10, "mid-save", "0", 0]]})
+    assert job.launches == {0: 1, 1: 1, 2: 0}, job.launches
+    for g in (0, 1):
+        for r in range(2):
+            rep = [x["resume"] for x in job.lines(g, r) if "resume" in x][1]
+            assert rep["kind"] == "join", rep
+            healed = [x for x in job.lines(g, r) if x.get("launch") == "1" and x.get("committed")]
+            died = max(x["step"] for x in job.lines(g, r) if x.get("launch") == "0" and x.get("committed"))
+            # torchft healed it to the live step (use_async_quorum=False heals before the forward pass,
+            # so its first step already counts)
+            assert healed and healed[0]["step"] > died, (g, r, healed[:1], died)
+    recs = {v.version: v for v in _versions(root)}
+    writers = {s: _manifest_user(root, f"step-{s}")["group"] for s in range(5, 31, 5) if f"step-{s}" in recs}
+    assert 10 not in writers, "a group killed before the commit point committed"
+    assert {15, 20, 25, 30} & set(writers), f"the tier stopped committing after the faults: {writers}"
+    assert all(recs[f"step-{s}"].world_size == 2 for s in writers)
+    repeats = {}
+    for g in range(3):
+        for r in range(2):
+            shard = tg.shard_order(g, r, 2)
+            by_launch = [[x["ids"] for x in job.lines(g, r) if x.get("counted") and x["launch"] == n]
+                         for n in sorted({x["launch"] for x in job.lines(g, r) if "launch" in x})]
+            end = len(by_launch[0])
+            assert by_launch[0] == shard[:end], (g, r)
+            for i in range(1, len(by_launch)):
+                if not by_launch[i]:
+                    continue
+                b = shard.index(by_launch[i][0])
+                assert by_launch[i] == shard[b:b + len(by_launch[i])] and b <= end, f"group {g} rank {r} skipped"
+                repeats[f"g{g}r{r}"] = end - b
+                end = b + len(by_launch[i])
+    REPORT.append(f"HSDP heal run 3x2 ({took:.0f} s): main versions by group {writers}; step-10 never committed; "
+                  f"batches repeated per restarted rank {repeats}")
+
+
+# -- the durable-tier transport (torchft CheckpointTransport) -------------------------------------------
+@pytest.mark.slow
+def test_a_group_heals_from_the_durable_tier_when_no_peer_can_serve_and_the_run_equals_an_uninterrupted_one(tmp_path):
+    """2 groups, 10 steps, main every 5, both with ``DurableTransport`` (torchft's HTTP transport to
+    peers first). Group 1 is killed before the allreduce of step 6, so step 6 commits nowhere and group
+    0 waits at step 5 (group 1's saves so far committed before the kill); group 1's relaunch joins the live job, and its peer transfer fails (the test
+    makes the peer unreachable): the transport loads step-5 from ckptstore with group 1's own loader
+    position at step 5. torchft heals before the forward pass (``use_async_quorum=False``), so the math
+    is that of an uninterrupted run: every per-step loss of both groups equals the reference's bit for
+    bit, and every batch is its shard's, none twice, none skipped."""
+    kw = dict(steps=10, interval=5, num_groups=2, transport="peer", sync_quorum=True)
+    ref, _ = _job(tmp_path, tmp_path / "ref-root", "ref", **kw)
+    job, took = _job(tmp_path, tmp_path / "root", "durable-heal", restart_killed=True, timeout=400,
+                     kill={"1": [[6, "before-allreduce", "0"]]}, peer_fails=[1, 1], settle=True, **kw)
+    assert job.launches == {0: 0, 1: 1}
+    final = job.lines(1)[-1]
+    assert final["transport"].get("durable") == 1 and final["stats"].get("heal.position") == 1, final
+    assert [r for r in _resumes(job, 1)][1]["kind"] == "join"
+    shards = {g: tg.shard_order(g) for g in range(2)}
+    for g in range(2):
+        want = {s: (r["loss"], r["ids"]) for s, r in _timeline(ref, g).items()}
+        got = {s: (r["loss"], r["ids"]) for s, r in _timeline(job, g).items()}
+        assert sorted(got) == list(range(1, 11)) and got == want, f"group {g}: the healed run differs"
+    _check_exact_samples(job, range(2), shards)
+    REPORT.append(f"durable heal ({took:.0f} s): group 1 healed from step-5 of ckptstore (peer unreachable), "
+                  "20 per-step losses equal the uninterrupted run's")

@@ -13,6 +13,8 @@ changes, made here before torchtitan is imported (nothing of them touches checkp
   with the division done apart (its own ``force_sum_reduction_for_comms``); with more than one rank
   run with ``--parallelism.spmd-backend partial_dtensor`` (torch 2.13's ``fully_shard`` has no
   ``dp_mesh_dims`` path for torchtitan's default ``spmd_types`` backend on plain parameters);
+* torchtitan's fault-tolerance trainer ignores ``--override.imports`` (its ``__init__`` replaces
+  ``Trainer.__init__`` without the ``apply_overrides`` call): they are applied before it builds;
 * FlexAttention has no backward on CPU: its compiled kernel is replaced by the same attention
   computed densely (the block mask evaluated with ``create_mask``, then
   ``scaled_dot_product_attention``), so the debug model's masks are kept.
@@ -75,10 +77,30 @@ def _sum_reductions() -> None:
     coll._get_gradient_divide_factors = factors
 
 
+def _ft_overrides() -> None:
+    """torchtitan 0.3.0's ``FaultTolerantTrainer`` (``--module torchft.llama3``) replaces ``Trainer.__init__``
+    without its ``apply_overrides`` call, so ``--override.imports`` is ignored in fault-tolerance mode:
+    apply them first, as ``Trainer.__init__`` does."""
+    try:
+        from torchtitan.config.override import apply_overrides
+        from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
+    except ImportError:  # torchft not installed: no fault-tolerance mode
+        return
+    init = FaultTolerantTrainer.__init__
+
+    def __init__(self, config, *args, **kwargs):
+        if config.override.imports:
+            apply_overrides(config.override, config)
+        init(self, config, *args, **kwargs)
+
+    FaultTolerantTrainer.__init__ = __init__
+
+
 def main() -> int:
     from torchtitan.models.common.attention import FlexAttention
 
     _sum_reductions()
+    _ft_overrides()
     FlexAttention._compiled_flex_attn = staticmethod(_dense_flex)
     sys.argv[0] = "torchtitan.train"
     from torchtitan.train import main as titan_main

@@ -1,11 +1,17 @@
 """A torchft job for the tests of ``ckptstore.integrations.torchft``: a real lighthouse
-(``torchft_lighthouse``, torchft's own binary) and replica groups as separate processes (one rank
-each: gradients averaged with ``Manager.allreduce`` over torchft's ``ProcessGroupGloo`` on CPU), every group with a torchdata
-``StatefulDataLoader`` over its own shard (torchft's ``DistributedSampler``) and a
-:class:`~ckptstore.integrations.torchft.DurableTier`.
+(``torchft_lighthouse``, torchft's own binary) and replica groups as separate processes (gradients
+averaged across groups with ``Manager.allreduce`` over torchft's ``ProcessGroupGloo`` on CPU), every
+rank with a torchdata ``StatefulDataLoader`` over its own shard (torchft's ``DistributedSampler``)
+and a :class:`~ckptstore.integrations.torchft.DurableTier`.
 
-``python tests/torchft_groups.py CONFIG GROUP LAUNCH`` runs one group (``CONFIG``: a JSON file, see
-:func:`config`); it appends one JSON line per step to ``OUT/g<GROUP>.jsonl`` (the step, its loss as
+A group has ``ranks`` ranks (config): with more than one, its ranks are one ``torch.distributed``
+job of their own (gloo; the default process group is the group's ranks, as under one torchrun per
+group) and with ``fsdp`` the model is FSDP2-sharded over them (HSDP: FSDP inside a group, torchft
+across groups; the cross-group allreduce runs on each rank's local shard of the gradients).
+
+``python tests/torchft_groups.py CONFIG GROUP LAUNCH [RANK]`` runs one rank of one group
+(``CONFIG``: a JSON file, see :func:`config`); it appends one JSON line per step to
+``OUT/g<GROUP>.jsonl`` (rank 0; ``OUT/g<GROUP>.r<RANK>.jsonl`` for the others: the step, its loss as
 ``float.hex``, the sample ids of its batch, whether its batch counted, the step's seconds) and a
 ``final`` line, and ends through :func:`ckptstore._groups.exit_process`. The test side
 (:class:`Job`) starts the lighthouse and the groups, kills and restarts them, and reads the lines.
@@ -13,8 +19,12 @@ each: gradients averaged with ``Manager.allreduce`` over torchft's ``ProcessGrou
 Kill points (``kill``: ``{group: [step, where]}`` for the group's first launch, or
 ``{group: [[step, where, launch], ...]}``):
 ``"mid-step"`` — SIGKILL after the backward pass of that step, before ``optimizer.step()``;
+``"before-allreduce"`` — SIGKILL after the backward pass of that step, before the cross-group
+allreduce (the peers' allreduce fails: that step commits nowhere);
 ``"mid-save"`` — SIGKILL inside the main save of that step, after its objects are written, right
-before its commit point (from the writer's ``commit_check``).
+before its commit point (from the writer's ``commit_check``, which runs on the group's rank 0).
+A fourth element ``rank`` kills only that rank of the group (default: every rank); :meth:`Job.wait`
+then ends the group's other ranks, as torchrun does, before it launches the group again.
 """
 
 from __future__ import annotations
@@ -36,17 +46,21 @@ MAX_GROUPS = 3  # the sampler's shards: group g reads shard g whatever the numbe
 def config(**kw) -> dict:
     c = {"steps": 40, "interval": 5, "num_groups": 3, "pace_s": 0.0, "kill": {}, "remote": None,
          "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
-         "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60}
+         "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60, "ranks": 1, "fsdp": False,
+         "port": None, "transport": None, "peer_fails": None, "sync_quorum": False}
     c.update(kw)
     return c
 
 
 # -- one group ------------------------------------------------------------------------------------
 class Samples:
-    """Sample ``i``: ``(i, x, y)`` with ``x`` drawn from a generator seeded with ``i``."""
+    """Sample ``i``: ``(i, x, y)`` with ``x`` drawn from a generator seeded with ``i``; ``n`` samples."""
+
+    def __init__(self, n: int = SAMPLES) -> None:
+        self.n = int(n)
 
     def __len__(self) -> int:
-        return SAMPLES
+        return self.n
 
     def __getitem__(self, i: int):
         import torch
@@ -66,7 +80,11 @@ def _barrier(path: str, group: int, parties: int, timeout: float = 120.0) -> Non
         time.sleep(0.05)
 
 
-def run_group(cfg: dict, group: int, launch: str) -> None:
+def _out_name(group: int, rank: int) -> str:
+    return f"g{group}.jsonl" if rank == 0 else f"g{group}.r{rank}.jsonl"
+
+
+def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
     import datetime as dt
 
     import torch
@@ -77,13 +95,29 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
 
-    from ckptstore.integrations.torchft import DurableTier
+    from ckptstore.integrations.torchft import DurableTier, DurableTransport
 
     torch.set_num_threads(1)
-    out = open(os.path.join(cfg["out"], f"g{group}.jsonl"), "a", buffering=1)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = int(cfg.get("ranks") or 1)
+    out = open(os.path.join(cfg["out"], _out_name(group, rank)), "a", buffering=1)
+    if ranks > 1:  # the group's own torch.distributed job: its TCPStore is torchft's too
+        port = int(os.environ["TFT_GROUP_PORT"])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+                                timeout=dt.timedelta(seconds=60))
+        store_port = port
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store_port = store.port
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if ranks > 1 and cfg.get("fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (ranks,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(inner, step_size=10, gamma=0.5)
 
@@ -96,24 +130,42 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
         return {"model": model.state_dict(), "optim": inner.state_dict(), "sched": sched.state_dict()}
 
     t = dt.timedelta(seconds=20)
+    transport = None
+    if cfg.get("transport"):  # heal through ckptstore's DurableTransport (the tier registers the state)
+        from torchft.checkpointing import HTTPTransport
+
+        peer = HTTPTransport(timeout=t, num_chunks=0)
+        if cfg.get("peer_fails") == [group, int(launch)]:  # no live peer can serve this launch
+            def no_peer(*_a, **_k):
+                raise ConnectionError("the peer died before it could send (test)")
+
+            peer.recv_checkpoint = no_peer
+        transport = DurableTransport(peer, prefer=cfg["transport"])
+        load_sd = user_sd = None
     manager = Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=1, load_state_dict=load_sd, state_dict=user_sd,
-                      replica_id=f"g{group}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+                      checkpoint_transport=transport,
+                      replica_id=f"g{group}", store_addr="127.0.0.1", store_port=store_port, rank=rank,
+                      world_size=ranks,
                       lighthouse_addr=cfg["lighthouse"], timeout=t, quorum_timeout=dt.timedelta(seconds=cfg.get("quorum_timeout_s", 60)),
-                      connect_timeout=dt.timedelta(seconds=10), hostname="127.0.0.1")
+                      connect_timeout=dt.timedelta(seconds=10), hostname="127.0.0.1",
+                      # FSDP2: a healing group loads the peer's state before the forward pass (torchft
+                      # applies it eagerly then), never into parameters FSDP has unsharded mid-step
+                      use_async_quorum=not ((ranks > 1 and cfg.get("fsdp")) or cfg.get("sync_quorum")))
     ddp = model  # gradients averaged below with manager.allreduce: torchft 0.2.0's DDP comm hook asserts
     # after an allreduce errored (a peer died mid-step), meta-pytorch/torchft #294
     optim = OptimizerWrapper(manager, inner)
-    sampler = DistributedSampler(Samples(), replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=0,
-                                 num_replicas=1, shuffle=True, seed=7, drop_last=True)
-    loader = StatefulDataLoader(Samples(), batch_size=BATCH, sampler=sampler, num_workers=0)
+    data = Samples(cfg.get("samples") or SAMPLES)
+    sampler = DistributedSampler(data, replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=rank,
+                                 num_replicas=ranks, shuffle=True, seed=7, drop_last=True)
+    loader = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, num_workers=0)
     tier = DurableTier(cfg["root"], manager, {"model": ddp, "optim": optim, "sched": sched}, group=group,
                        num_groups=cfg["num_groups"], loader=loader, remote=cfg["remote"],
                        endpoint_url=cfg["endpoint_url"], interval_steps=cfg["interval"], enabled=cfg["enabled"],
-                       lighthouse=cfg["lighthouse"], timeout_s=cfg["timeout_s"])
+                       lighthouse=cfg["lighthouse"], timeout_s=cfg["timeout_s"], transport=transport)
     kills = cfg["kill"].get(str(group)) or []
     if kills and not isinstance(kills[0], list):
         kills = [kills + ["0"]]
-    kill = next((k[:2] for k in kills if k[2] == launch), None)
+    kill = next((k[:2] for k in kills if k[2] == launch and (len(k) < 4 or int(k[3]) == rank)), None)
     if kill and kill[1] == "mid-save":
         check = tier._main._writer.commit_check
 
@@ -151,9 +203,9 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
 
         tier._main._writer.commit_check = holding_check
     if cfg.get("barrier") and launch == "0":
-        _barrier(cfg["barrier"], group, cfg["num_groups"])
+        _barrier(cfg["barrier"], f"{group}.{rank}", cfg["num_groups"] * ranks)
     report = tier.resume()
-    out.write(json.dumps({"launch": launch, "resume": {"kind": report.kind, "step": report.step,
+    out.write(json.dumps({"launch": launch, "rank": rank, "resume": {"kind": report.kind, "step": report.step,
                                                          "version": report.version, "why": report.why,
                                                          "writer": report.writer, "skipped": report.skipped,
                                                          "loader": None if report.loader is None else vars(report.loader),
@@ -171,9 +223,12 @@ def run_group(cfg: dict, group: int, launch: str) -> None:
             time.sleep(0.05)
     tier.close()
     out.write(json.dumps({"launch": launch, "final": True, "stats": tier.stats(),
+                          "transport": dict(transport.stats) if transport is not None else None,
                           "close_s": time.perf_counter() - t_end}) + "\n")
     out.close()
     manager.shutdown(wait=False)
+    if ranks > 1:
+        dist.barrier()  # the group's ranks end together: no rank's store goes while a peer still reads it
 
 
 def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> None:
@@ -183,8 +238,13 @@ def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> Non
         optim.zero_grad()
         loss = crit(ddp(x), y)
         loss.backward()
+        if kill and kill[1] == "before-allreduce" and before + 1 == kill[0]:
+            if cfg.get("settle"):  # the saves started so far are committed before the kill
+                tier.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
         for p in ddp.parameters():  # average over the participating groups (zeros from a healing one)
-            manager.allreduce(p.grad).wait()
+            g = p.grad
+            manager.allreduce(getattr(g, "_local_tensor", g)).wait()  # FSDP2: this rank's shard
         if kill and kill[1] == "mid-step" and before + 1 == kill[0]:
             if cfg.get("settle"):  # the saves started so far are committed before the kill
                 tier.wait()
@@ -221,7 +281,7 @@ class Job:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cfg = config(root=str(root), out=str(self.dir), **cfg)
         self.lighthouse = None
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[tuple[int, int], subprocess.Popen] = {}
         self.launches: dict[int, int] = {}
 
     def start_lighthouse(self) -> None:
@@ -252,28 +312,46 @@ class Job:
             self.launch(g)
 
     def launch(self, g: int) -> None:
+        """Launch every rank of group ``g`` (a fresh rendezvous port per launch, as torchrun's)."""
         n = self.launches.get(g, -1) + 1
         self.launches[g] = n
-        log = open(self.dir / f"g{g}.{n}.log", "ab")
-        env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-        self.procs[g] = subprocess.Popen([sys.executable, os.path.join(HERE, "torchft_groups.py"),
-                                          str(self.dir / "config.json"), str(g), str(n)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        ranks = int(self.cfg.get("ranks") or 1)
+        env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+                   TFT_GROUP_PORT=str(free_port()))
+        for r in range(ranks):
+            log = open(self.dir / (f"g{g}.{n}.log" if r == 0 else f"g{g}.r{r}.{n}.log"), "ab")
+            self.procs[(g, r)] = subprocess.Popen([sys.executable, os.path.join(HERE, "torchft_groups.py"),
+                                                   str(self.dir / "config.json"), str(g), str(n), str(r)],
+                                                  stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def kill_group(self, g: int) -> None:
+        """SIGKILL every rank of group ``g`` still running (torchrun ends a group whose rank died)."""
+        for (gg, r), p in list(self.procs.items()):
+            if gg == g:
+                p.kill()
+                p.wait()
+                del self.procs[(gg, r)]
 
     def wait(self, timeout: float = 300, restart_killed: bool = False) -> dict[int, int]:
-        """Wait for every group; a group killed by SIGKILL is launched again when ``restart_killed``."""
+        """Wait for every group; a group with a rank killed by SIGKILL has its other ranks killed and is
+        launched again when ``restart_killed``. Returns ``{group: status}``: 0 when every rank exited
+        with 0, else the first other status of its ranks."""
         end = time.monotonic() + timeout
         codes: dict[int, int] = {}
         while self.procs:
-            for g, p in list(self.procs.items()):
+            for (g, r), p in list(self.procs.items()):
+                if self.procs.get((g, r)) is not p:  # ended with its group, or that group relaunched
+                    continue
                 rc = p.poll()
                 if rc is None:
                     continue
-                del self.procs[g]
+                del self.procs[(g, r)]
                 if rc == -signal.SIGKILL and restart_killed:
+                    self.kill_group(g)
+                    codes.pop(g, None)
                     self.launch(g)
-                else:
-                    codes[g] = rc
+                elif rc != 0 or g not in codes:
+                    codes[g] = rc if codes.get(g, 0) == 0 else codes[g]
             if time.monotonic() > end:
                 for p in self.procs.values():
                     p.kill()
@@ -287,8 +365,8 @@ class Job:
             out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-n:]))
         return "\n".join(out)
 
-    def lines(self, g: int) -> list[dict]:
-        p = self.dir / f"g{g}.jsonl"
+    def lines(self, g: int, rank: int = 0) -> list[dict]:
+        p = self.dir / _out_name(g, rank)
         return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
 
     def close(self) -> None:
@@ -303,13 +381,14 @@ class Job:
             self.lh_log.close()
 
 
-def shard_order(group: int) -> list[list[int]]:
-    """The batches of group ``group``'s shard in the order its loader yields them (epoch 0)."""
+def shard_order(group: int, rank: int = 0, ranks: int = 1) -> list[list[int]]:
+    """The batches of rank ``rank`` (of ``ranks``) of group ``group`` in the order its loader yields
+    them (epoch 0)."""
     from torch.utils.data import DataLoader
     from torchft.data import DistributedSampler
 
-    sampler = DistributedSampler(Samples(), replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=0,
-                                 num_replicas=1, shuffle=True, seed=7, drop_last=True)
+    sampler = DistributedSampler(Samples(), replica_rank=group, num_replica_groups=MAX_GROUPS, group_rank=rank,
+                                 num_replicas=ranks, shuffle=True, seed=7, drop_last=True)
     return [[int(i) for i in ids] for ids, _x, _y in DataLoader(Samples(), batch_size=BATCH, sampler=sampler)]
 
 
@@ -319,7 +398,7 @@ if __name__ == "__main__":
     code = 0
     try:
         with open(sys.argv[1]) as f:
-            run_group(json.load(f), int(sys.argv[2]), sys.argv[3])
+            run_group(json.load(f), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 0)
     except BaseException:  # noqa: BLE001 - printed, exit 1
         import traceback
 

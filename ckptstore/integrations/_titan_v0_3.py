@@ -43,6 +43,12 @@ What the subclass changes (each a torchtitan behaviour that ckptstore does inste
   ``step-6`` after resuming from ``step-4``) *supersedes* it (docs/FORMAT.md, "Superseding")
   instead of raising ``VersionExistsError``; ``exclude_from_loading`` and the model-only load of
   ``step-0`` are honoured (the other keys of the version stay unread);
+* **torchtitan's fault-tolerance mode** (``manager_class(TorchFTCheckpointManager)``, torchtitan's
+  ``experiments.torchft``): its ``_save`` keeps deciding that only the replica at
+  ``ft_manager.participating_rank() == 0`` writes the main checkpoint (through the store) and that
+  every replica saves its data loader every step into ``FOLDER/ft-replicat-<id>/step-N`` with
+  torchtitan's own DCP writer on its own gloo group (``dcp_save``/``dcp_load``/``_find_load_step``
+  of a folder outside the store are torchtitan's); ``_wait_for_saving`` waits for that save too;
 * **close** waits for every save and upload (``UploadError`` names what was not uploaded), then
   destroys the group; HF exports (``last_save_in_hf``) are written by torchtitan's own HF writer to
   ``FOLDER/hf/step-N``, outside the store.
@@ -112,6 +118,10 @@ class _StoreCheckpointing:
         status 143) at the next step boundary, within the grace period, whatever the interval."""
         if self._should_save(curr_step, last_step):
             return super()._save(curr_step, last_step)  # -> dcp_save -> the store's save(step, force=True)
+        if getattr(self, "enable_ft_dataloader_checkpoints", False):
+            # torchtitan's fault-tolerance mode (TorchFTCheckpointManager): its per-replica data loader
+            # checkpoint at every step, in its own folder, by its own DCP writer (not a store version)
+            self._ft_save(curr_step)
         self._ckpt.save(curr_step, self._full_state)  # saves nothing unless a preemption signal came
         return False
 
@@ -123,6 +133,8 @@ class _StoreCheckpointing:
         if to_hf:  # an HF export: torchtitan's own writer, into a folder outside the store
             path = checkpoint_id if not _store.is_version(checkpoint_id) else os.path.join(self.folder, "hf", checkpoint_id)
             return super().dcp_save(state_dict, path, async_mode, enable_garbage_collection, to_hf=True)
+        if not _store.is_version(checkpoint_id):  # a folder outside the store (the per-replica FT loader)
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection)
         self._ckpt.save(_store.step_of(checkpoint_id), _store.adapt(state_dict), force=True)
         mode = getattr(async_mode, "value", async_mode)
         if mode == "disabled":
@@ -137,6 +149,9 @@ class _StoreCheckpointing:
         return _done()
 
     def _wait_for_saving(self) -> None:
+        fut = self.save_future  # torchtitan's own async save (the per-replica FT loader), if any
+        if fut is not None and hasattr(fut, "result"):
+            fut.result()
         self._ckpt.wait()
         self.save_future = None
 

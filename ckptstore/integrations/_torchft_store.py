@@ -100,12 +100,16 @@ def choose_main(main_steps: Iterable[int], newest_position: dict[int, int], wind
 
 @dataclasses.dataclass(frozen=True)
 class LoaderChoice:
-    """What a group's loader continues from: ``how`` is ``"own"`` (its own position at or before the
-    restored step), ``"slowest"`` (a group index new to the store: the position of the group that had
-    delivered the fewest batches, so no sample of the new group's shard is seen twice), ``"initial"``
-    (nothing stored: the loader as the program built it) or ``"peer"`` (joining a live job: torchft
-    heals the model, the loader is the group's own newest position). ``source``: the group whose
-    position it is; ``step``/``batches``: that position's."""
+    """What one rank's loader continues from: ``how`` is ``"own"`` (the position of the same group and
+    rank at or before the restored step, saved by a group of the same number of ranks),
+    ``"own-resharded"`` (the same group and rank, saved by a group of another number of ranks: the
+    loader's state is applied as is, so it continues at that batch count of the shard the new shape
+    gives it), ``"slowest"`` (no position of this group and rank is stored: the position of the rank
+    that had delivered the fewest batches — of this group when it has any, else of any group — so no
+    sample of the new shard is seen twice), ``"initial"`` (nothing stored: the loader as the program
+    built it) or ``"peer"`` (joining a live job: torchft heals the model, the loader is the rank's own
+    newest position). ``source``/``source_rank``: the group and rank whose position it is;
+    ``step``/``batches``: that position's; ``rank``: this rank in its group."""
 
     group: int
     how: str
@@ -113,26 +117,59 @@ class LoaderChoice:
     step: int | None = None
     batches: int | None = None
     reason: str = ""
+    rank: int = 0
+    source_rank: int | None = None
 
 
 def loader_plan(group: int, num_groups: int | None, at_step: dict[int, Position | None]) -> tuple[
         LoaderChoice, Position | None, dict[int, int]]:
-    """The loader policy when a job restarts with ``num_groups`` groups (documented in docs/howto/torchft.md): group ``group`` continues its own position at the restored step; a group index with
-    no position takes the slowest stored group's; groups of the old run with an index ≥
-    ``num_groups`` are *orphaned* (returned ``{group: batches}``: their shards' remaining samples are
-    seen by no group until a group with that index runs again). ``at_step``: each stored group's
-    position at the restored step."""
-    orphaned = {g: p.batches for g, p in at_step.items() if p is not None and num_groups is not None and g >= num_groups}
-    own = at_step.get(group)
+    """:func:`rank_loader_plan` for groups of one rank: ``at_step`` is ``{group: position}``."""
+    return rank_loader_plan(group, 0, num_groups, 1, {(g, 0): p for g, p in at_step.items()}, {})
+
+
+def rank_loader_plan(group: int, rank: int, num_groups: int | None, group_world: int,
+                     at_step: dict[tuple[int, int], Position | None], stored_world: dict[int, int]) -> tuple[
+        LoaderChoice, Position | None, dict]:
+    """The loader policy when a job restarts with ``num_groups`` groups of ``group_world`` ranks
+    (docs/torchft.md, "Cold start at another shape"). ``at_step``: ``{(group, rank): position}`` of
+    every stored rank at the restored step; ``stored_world``: ``{group: ranks}`` of the group's stored
+    positions (missing: ``group_world``).
+
+    Rank ``rank`` of group ``group`` continues its own position (``"own"``; ``"own-resharded"`` when
+    the group was saved by another number of ranks); a (group, rank) with no position takes the slowest
+    stored rank's of its group, else of any group (``"slowest"``); nothing stored: ``"initial"``.
+    Returns ``(choice, position or None, orphaned)``: ``orphaned`` is ``{group: batches}`` for
+    stored groups with an index ≥ ``num_groups`` (the batches of all their ranks) and
+    ``{"G.R": batches}`` for stored ranks ≥ ``group_world`` of groups that still run: their shards'
+    remaining samples are seen by no rank until the job runs at that shape again."""
+    orphaned: dict = {}
+    for (g, r), p in sorted(at_step.items()):
+        if p is None:
+            continue
+        if num_groups is not None and g >= num_groups:
+            orphaned[g] = orphaned.get(g, 0) + p.batches
+        elif r >= group_world:
+            orphaned[f"{g}.{r}"] = p.batches
+    own = at_step.get((group, rank))
     if own is not None:
-        return LoaderChoice(group, "own", group, own.step, own.batches, "its own position"), own, orphaned
-    others = [(p.batches, g, p) for g, p in at_step.items() if p is not None]
+        saved = stored_world.get(group, group_world)
+        if saved == group_world:
+            return (LoaderChoice(group, "own", group, own.step, own.batches, "its own position", rank, rank),
+                    own, orphaned)
+        return (LoaderChoice(group, "own-resharded", group, own.step, own.batches,
+                             f"group {group} was saved by {saved} ranks and runs {group_world}: rank {rank} continues "
+                             f"rank {rank}'s batch count ({own.batches}) on the shard the new shape gives it", rank, rank),
+                own, orphaned)
+    mine = [(p.batches, g, r, p) for (g, r), p in at_step.items() if p is not None and g == group]
+    others = mine or [(p.batches, g, r, p) for (g, r), p in at_step.items() if p is not None]
     if others:
-        batches, src, p = min(others)
+        batches, src, src_rank, p = min(others, key=lambda x: (x[0], x[1], x[2]))
+        who = f"group {src}" if group_world == 1 and src_rank == 0 and not mine else f"group {src} rank {src_rank}"
         return (LoaderChoice(group, "slowest", src, p.step, batches,
-                             f"no position of group {group} is stored: it starts from the slowest group's ({src}, "
-                             f"{batches} batches)"), p, orphaned)
-    return LoaderChoice(group, "initial", None, None, 0, "no position is stored"), None, orphaned
+                             f"no position of group {group} rank {rank} is stored: it starts from the slowest "
+                             f"{'rank of its group' if mine else 'stored rank'}'s ({who}, {batches} batches)",
+                             rank, src_rank), p, orphaned)
+    return LoaderChoice(group, "initial", None, None, 0, "no position is stored", rank), None, orphaned
 
 
 def job_is_live(members: dict[str, int], heartbeats: dict[str, float], fresh_s: float) -> tuple[bool, str]:

@@ -19,7 +19,7 @@ adds the durable tier for when every group is lost or the job is stopped (``pip 
             break
     tier.close()
 
-What it does (docs/howto/torchft.md; docs/FORMAT.md, "torchft"):
+What it does (docs/torchft.md; docs/FORMAT.md, "torchft"):
 
 * **One writer per step, fenced.** At a due step (``step % interval_steps == 0``) only the group
   that is rank 0 among the quorum's participants writes the main version ``step-N`` (model,
@@ -46,8 +46,21 @@ What it does (docs/howto/torchft.md; docs/FORMAT.md, "torchft"):
   ``CKPTSTORE_TORCHFT_DURABLE=0`` turns the tier off (every method a no-op, :meth:`batches` the
   plain loader).
 
-One rank per replica group (torchft's DDP across groups); a group of several ranks is refused for now
-(the save decisions are per rank and would first have to be agreed across the group's ranks).
+* **Replica groups of several ranks (HSDP).** A group of K ranks (FSDP2 or TP inside the group,
+  torchft across groups) runs as its own ``torch.distributed`` job (one ``torchrun`` per group: its
+  default process group is the group's ranks). The main save of a due step is written by every rank
+  of the writing group, each its own shards, in parallel, through the normal DCP save on the
+  managers' gloo groups of the group's ranks; the skip, busy and positions-interval decisions are
+  one decision per group per step (a MIN-reduction of every rank's view after the step before, on a
+  gloo group of the group's own, never torchft's or FSDP's), so a group's save is never half
+  started; restore and the cold-start/join choice are taken by the group's rank 0 and broadcast.
+  Each rank's loader position is saved as today (``positions/rank<r>``). A cold start at another
+  shape (M groups of K ranks from N groups of J) reshards the main version (DCP's planner) and
+  reports per rank what its loader continues from (:class:`LoaderChoice`; docs/torchft.md).
+
+* **Healing from the durable tier.** :class:`DurableTransport` is a torchft ``CheckpointTransport``:
+  a healing group heals from a live peer (torchft's HTTP transport) and, when no peer can serve the
+  quorum's step N, loads ``step-N`` from ckptstore with its loader position (docs/torchft.md).
 
 Importing this module needs torchft (:data:`TESTED_VERSIONS`; another release warns once); what
 depends on torchft's private surface is in ``ckptstore/integrations/_torchft_v0_2.py``.
@@ -73,13 +86,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "pip install 'ckptstore[torchft]'") from e
 
 import torch
+from torchft.checkpointing import CheckpointTransport as _CheckpointTransport
 
 from ..errors import CkptStoreError, JobBrokenError, TransientStorageError, typed
 from . import _torchft_store as _st
 from . import _torchft_v0_2 as _ft
 from ._torchft_v0_2 import TESTED_VERSIONS
 
-__all__ = ["DurableTier", "RestoreReport", "LoaderChoice", "TESTED_VERSIONS", "ENV_DISABLE"]
+__all__ = ["DurableTier", "DurableTransport", "RestoreReport", "LoaderChoice", "TESTED_VERSIONS", "ENV_DISABLE"]
 
 log = logging.getLogger("ckptstore.integrations.torchft")
 
@@ -118,6 +132,112 @@ class RestoreReport:
     seconds: float = 0.0
 
 
+_HEAL_KEY = "ckptstore"
+
+
+def _clone_tree(obj: Any) -> Any:
+    """``obj`` with every tensor cloned (dicts keep their type and a ``back`` spelling map)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        out = type(obj)({k: _clone_tree(v) for k, v in obj.items()}) if type(obj) is not dict else {
+            k: _clone_tree(v) for k, v in obj.items()}
+        if hasattr(obj, "back"):
+            out.back = obj.back
+        return out
+    if isinstance(obj, list):
+        return [_clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tree(v) for v in obj)
+    return obj
+
+
+def _own_spelling(sd: dict) -> dict:
+    """``sd`` (a state dict of :class:`ckptstore._manager.state.StateDicts`) with module and optimizer
+    keys in the modules' own spelling, as plain dicts: what torchft's transport pickles and the
+    receiving rank's ``StateDicts.apply`` takes as is."""
+    from .._state_keys import _Respelled
+
+    return {k: dict(_Respelled.back_of(v)) if isinstance(v, _Respelled) else v for k, v in sd.items()}
+
+
+class DurableTransport(_CheckpointTransport):
+    """A torchft ``CheckpointTransport`` that heals from live peers (``inner``, torchft's
+    ``HTTPTransport`` by default) and, when no live peer can serve the step, from ckptstore.
+
+    Give it to the group's ``torchft.Manager(checkpoint_transport=...)`` and to the
+    :class:`DurableTier` (``transport=``). Sending is ``inner``'s. Receiving step N: with
+    ``prefer="peer"`` (default) the peer first, and when that fails (the peer died or its transfer
+    timed out) the durable main version ``step-N`` — local tier, replicas, then the remote tier — with
+    this rank's loader position at N; with ``prefer="durable"`` the durable version first (a peer
+    need not send what the store holds), the peer when the store has not that step. Only the exact
+    step: torchft sets a healed group's step to the quorum's (``max_step``), so an older version
+    would silently put the group behind its peers; when ``step-N`` is not committed the peer's error
+    is raised (torchft reports it, the step does not commit, the next quorum heals again).
+    ``stats``: ``{"peer": n, "durable": n, "failed": n}``."""
+
+    def __init__(self, inner: Any = None, *, prefer: str = "peer", timeout_s: float = 60.0) -> None:
+        if prefer not in ("peer", "durable"):
+            raise ValueError("prefer must be 'peer' or 'durable'")
+        if inner is None:
+            import datetime as _dt
+
+            from torchft.checkpointing import HTTPTransport
+
+            inner = HTTPTransport(timeout=_dt.timedelta(seconds=timeout_s), num_chunks=0)
+        self.inner = inner
+        self.prefer = prefer
+        self.stats = collections.Counter()
+        self._tier: DurableTier | None = None
+
+    def _attach(self, tier: "DurableTier") -> None:
+        self._tier = tier
+
+    def metadata(self) -> str:
+        return self.inner.metadata()
+
+    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+        self.inner.send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def disallow_checkpoint(self) -> None:
+        self.inner.disallow_checkpoint()
+
+    def _durable(self, step: int) -> dict | None:
+        tier = self._tier
+        if tier is None or not tier.enabled or tier._closed:
+            return None
+        try:
+            return tier._durable_heal(step)
+        except Exception as e:  # noqa: BLE001 - reported; the peer's outcome stands
+            log.warning("ckptstore: step-%d could not be loaded from the durable tier for healing: %s: %s", step,
+                        type(e).__name__, e)
+            return None
+
+    def recv_checkpoint(self, src_rank, metadata, step, timeout):
+        if self.prefer == "durable":
+            sd = self._durable(step)
+            if sd is not None:
+                self.stats["durable"] += 1
+                return sd
+        try:
+            sd = self.inner.recv_checkpoint(src_rank, metadata, step, timeout)
+            self.stats["peer"] += 1
+            return sd
+        except Exception as e:
+            if self.prefer == "peer":
+                got = self._durable(step)
+                if got is not None:
+                    log.warning("ckptstore: healing from the peer failed (%s: %s); healed from step-%d of the durable "
+                                "tier", type(e).__name__, e, step)
+                    self.stats["durable"] += 1
+                    return got
+            self.stats["failed"] += 1
+            raise
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.inner.shutdown(wait=wait)
+
+
 class _FtState:
     """torchft's ``Manager.state_dict()`` (``step``, ``batches_committed``) as a stateful value."""
 
@@ -152,6 +272,23 @@ def _enabled(enabled: bool | None) -> bool:
 
 def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _check_group_world(group_world: int, rank: int) -> None:
+    """A replica group of several ranks runs as its own ``torch.distributed`` job (``torchrun`` per
+    group, as torchtitan and torchft's examples do): its default process group is the group's ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CkptStoreError(
+            f"DurableTier: this replica group has {group_world} ranks (torchft's Manager world_size), but "
+            "torch.distributed is not initialised: start each group as its own torchrun job (its ranks are the "
+            "default process group) and call torch.distributed.init_process_group before the DurableTier")
+    if dist.get_world_size() != group_world or dist.get_rank() != rank:
+        raise CkptStoreError(
+            f"DurableTier: torchft's Manager says rank {rank} of {group_world} in this replica group, "
+            f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()}: the default process "
+            "group must be exactly the group's ranks (one torchrun job per replica group)")
 
 
 def _set_rng(s: dict) -> None:
@@ -189,11 +326,12 @@ class DurableTier:
         timeout_s: ckptstore's timeouts (seconds): its gloo groups, the S3 client's connect/read
             timeouts, the lighthouse probe. Default: half of the smaller of torchft's ``timeout`` and
             ``quorum_timeout``; a value not below both raises ``ValueError``.
-        durability: as :class:`ckptstore.CheckpointManager`.
-        key: as :class:`ckptstore.CheckpointManager`.
-        on_event: as :class:`ckptstore.CheckpointManager`.
-        event_log: as :class:`ckptstore.CheckpointManager`.
-        **writer_options: as :class:`ckptstore.CheckpointManager`.
+        transport: the :class:`DurableTransport` given to this group's ``torchft.Manager``
+            (``checkpoint_transport=``): a healing group falls back to the durable tier when no live
+            peer can serve the step. The tier then registers the state torchft heals (its ``state``,
+            under the key ``"ckptstore"``, with the loader position); the Manager must have no other
+            state dict functions (``load_state_dict=None, state_dict=None``), else ``ValueError``.
+        durability, key, on_event, event_log, **writer_options: as :class:`ckptstore.CheckpointManager`.
     """
 
     def __init__(self, root: str | os.PathLike, manager: Any, state: dict[str, Any], *, group: int,
@@ -201,18 +339,15 @@ class DurableTier:
                  interval_steps: int = 100, retention: Any = None, positions_keep: int | None = None,
                  positions_every_s: float = 0.2,
                  enabled: bool | None = None, lighthouse: str | None = None, live_within_s: float = 1.0,
-                 timeout_s: float | None = None, durability: str = "local",
+                 timeout_s: float | None = None, durability: str = "local", transport: "DurableTransport | None" = None,
                  on_event: Callable[[dict], None] | None = None, event_log: Any = True, **writer_options: Any) -> None:
         if interval_steps < 1:
             raise ValueError("interval_steps must be >= 1")
         if int(group) < 0 or (num_groups is not None and int(group) >= int(num_groups)):
             raise ValueError(f"group must be in 0 … num_groups-1, got group={group} num_groups={num_groups}")
-        _rank, group_world = _ft.group_rank_world(manager)
-        if group_world != 1:
-            raise CkptStoreError(
-                f"DurableTier runs with one rank per replica group (this group has {group_world}): its save decisions "
-                "(skip while busy, the positions interval) are taken per rank, and ranks of one group that decided "
-                "differently would wait for each other in the save's collectives")
+        self.rank, self.group_world = _ft.group_rank_world(manager)
+        self._agree_pg = None  # the group's own gloo group for its decisions (several ranks per group)
+        self._pending = None  # the agreement posted after the previous step: (work, tensor)
         self.root = os.fspath(root)
         self.manager = manager
         self.group = int(group)
@@ -244,12 +379,26 @@ class DurableTier:
         self._positions_t = float("-inf")  # when it started (monotonic)
         self.positions_every_s = float(positions_every_s)
         self._closed = False
+        if self.enabled and self.group_world > 1:
+            _check_group_world(self.group_world, self.rank)
+        self._transport = transport
+        if transport is not None:  # also with the tier off: torchft's peer healing needs the state
+            others = set(getattr(manager, "_user_state_dicts", {})) - {_HEAL_KEY}
+            if others:
+                raise ValueError(f"DurableTier(transport=...): the torchft Manager already has state dict functions "
+                                 f"{sorted(others)}; create it with load_state_dict=None, state_dict=None: the tier "
+                                 "registers the state it heals (a durable step can only fill the tier's own state)")
+            from .._manager.state import StateDicts
+
+            self._heal_states = StateDicts(0, (), False)
+            manager.register_state_dict_fn(_HEAL_KEY, self._heal_load, self._heal_state)
+            transport._attach(self)
         if not self.enabled:
             log.warning("ckptstore: the durable tier is off (%s)", "enabled=False" if enabled is False else f"{ENV_DISABLE}=0")
             self._main = self._positions = None
             return
         if remote is not None and isinstance(remote, str):
-            remote = self._remote_tier(remote, writer_options.get("endpoint_url"))
+            remote = self._remote_tier(remote, writer_options.get("remote_options") or writer_options.get("endpoint_url"))
         self.remote = remote
         self._key = key
         common = dict(remote=remote, key=key, durability=durability, on_busy="skip", raise_errors=False,
@@ -259,13 +408,22 @@ class DurableTier:
 
         self._main = CheckpointManager(
             self.root, None, interval_steps=self.interval_steps, retention=retention, prefix=_st.MAIN_PREFIX,
-            event_log=event_log, on_event=self._event("main"), on_save=self._saved("main"),
+            reshard=True, event_log=event_log, on_event=self._event("main"), on_save=self._saved("main"),
             commit_check=self._claim, **common, **writer_options)
         self._positions = CheckpointManager(
             self.root, None, interval_steps=1, retention=RetentionPolicy(rules=(KeepLast(self.positions_keep),)),
             prefix=_st.loader_prefix(self.group), event_log=False, on_event=self._event("positions"),
             on_save=self._saved("positions"), per_rank_keys=("positions",), progress_s=3600.0, **common,
-            **{k: v for k, v in writer_options.items() if k in ("endpoint_url", "threads")})
+            **{k: v for k, v in writer_options.items() if k in ("remote_options", "endpoint_url", "threads")})
+        if self.group_world > 1:
+            # the group's decisions (restore, skip, coalesce) are agreed on a gloo group of its own
+            # ranks, made after the two managers' (every rank creates them in the same order); never
+            # torchft's process group, never the one FSDP trains on
+            import datetime as _dt
+
+            from .._groups import new_gloo_group
+
+            self._agree_pg = new_gloo_group(_dt.timedelta(seconds=self.timeout_s))
 
     # -- set-up ------------------------------------------------------------------------------------
     def _remote_tier(self, url: str, options):
@@ -305,6 +463,83 @@ class DurableTier:
             return f"replica group {self.group} no longer owns {version}: {why}"
         return None
 
+    # -- the state torchft heals (with a DurableTransport) ----------------------------------------------
+    def _user_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self._state.items() if k != "torchft"}
+
+    def _heal_state(self) -> dict:
+        """What a peer sends a healing group (torchft's state dict function): the tier's state under the
+        same keys as its main versions (so a durable step fills the same dict)."""
+        return _own_spelling(self._heal_states.build(self._user_state()))
+
+    def _heal_load(self, sd: dict) -> None:
+        """torchft applies a healed state (on the training thread): the state; and, when it came from
+        the durable tier, this rank's loader position at that step (``"_position"``)."""
+        pos = sd.pop("_position", None) if isinstance(sd, dict) else None
+        self._heal_states.apply(self._user_state(), sd)
+        if pos is not None and self.loader is not None:
+            before = self._loader_blob
+            self._apply(_st.Position(*pos), own=True)
+            # the loader goes to the healed position; when it is not where the loader was, the next
+            # batch is drawn from it (the batch of a step whose heal is applied after it was drawn
+            # cannot be taken back: use_async_quorum=False heals before the forward pass, not before
+            # the batch is drawn)
+            self._rewind = self._rewind or pos[3] != before
+            self.counts["heal.position"] += 1
+
+    def _durable_heal(self, step: int) -> dict | None:
+        """The state of main version ``step-<step>`` for this rank, read from the store (the local
+        tier, replicas, then the remote tier: the reader's order) into copies of the live state
+        (never the live tensors: this runs on torchft's recovery thread), with this rank's loader
+        position at that step; None when that exact step is not committed (torchft sets the healing
+        group's step to the quorum's, so no other step will do)."""
+        import torch.distributed.checkpoint as dcp
+
+        from .._state_keys import _SpellingLoadPlanner
+        from ..dcp.reader import StorageReader
+
+        name = f"{_st.MAIN_PREFIX}{int(step)}"
+        if name not in self._committed_main():
+            return None
+        sd = _clone_tree(self._heal_states.build(self._user_state()))
+        sd["torchft"] = {"step": 0, "batches_committed": 0}
+        reader = StorageReader(self.root, remote=self.remote, key=self._key, version=name)
+        dcp.load(sd, storage_reader=reader, no_dist=True, planner=_SpellingLoadPlanner(sd))
+        ft = {"step": int(sd["torchft"]["step"]), "batches_committed": int(sd["torchft"]["batches_committed"])}
+        del sd["torchft"]
+        sd = _own_spelling(sd)
+        if self.loader is not None:
+            pos = self._own_position_at(step)
+            if pos is not None:
+                sd["_position"] = (pos.step, pos.batches, pos.participated, pos.blob)
+        self.counts["heal.durable"] += 1
+        return {"user": {_HEAL_KEY: sd}, "torchft": ft}
+
+    def _committed_main(self) -> set[str]:
+        names = set(self._store_versions_local())
+        if self.remote is not None:
+            from ..store import Store
+
+            try:
+                names |= {r.version for r in Store(None, remote=self.remote, key=self._key).versions()}
+            except (TransientStorageError, CkptStoreError, OSError) as e:
+                log.warning("ckptstore: the remote tier was not consulted for a durable heal: %s", e)
+        return names
+
+    def _own_position_at(self, step: int) -> _st.Position | None:
+        names = [n for n in self._committed_main() if (_st.parse_loader_version(n) or (None,))[0] == self.group]
+        by_step = sorted(_st.parse_loader_version(n)[1] for n in names)
+        tries = [s for s in by_step if s >= step][:1] + [s for s in by_step if s < step][-1:]
+        for s in tries:
+            try:
+                pos = _st.position_at(self._read_positions(f"{_st.loader_prefix(self.group)}{s}"), step)
+            except Exception as e:  # noqa: BLE001 - the next candidate
+                log.warning("ckptstore: positions %s%d unreadable: %s", _st.loader_prefix(self.group), s, e)
+                continue
+            if pos is not None:
+                return pos
+        return None
+
     # -- the loop ------------------------------------------------------------------------------------
     def batches(self) -> Iterator[Any]:
         """The loader's batches, iterated anew after :meth:`resume` and after a step in which this
@@ -337,6 +572,10 @@ class DurableTier:
         if not self.enabled or self._closed:
             self._last_step = step
             return committed
+        agreed = self._agreed()
+        if not self.enabled:  # the group lost a rank
+            self._last_step = step
+            return committed
         counted = committed and bool(self.manager.is_participating())
         if counted and self.loader is not None:
             self._batches += 1
@@ -347,16 +586,85 @@ class DurableTier:
             self._last_step = step
         if self.loader is not None and self._loader_blob is not None:
             self._history.append(_st.Position(step, self._batches, counted, self._loader_blob))
-            self._save_positions(step)
+            self._save_positions(step, agreed=agreed)
         if counted and step % self.interval_steps == 0 and self._is_writer():
-            meta = _st.manifest_user(_ft.quorum_id(self.manager), self.group, _ft.replica_prefix(self.manager),
-                                     self.manager.num_participants(), self.manager.state_dict())
-            self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
+            if agreed is not None and not agreed[0]:
+                self._skip_main(step)
+            else:
+                meta = _st.manifest_user(_ft.quorum_id(self.manager), self.group, _ft.replica_prefix(self.manager),
+                                         self.manager.num_participants(), self.manager.state_dict())
+                self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
+        self._post_agreement()
         return committed
 
-    def _save_positions(self, step: int, force: bool = False) -> None:
+    # -- one decision per group (docs/torchft.md, "Replica groups of several ranks") ------------------
+    def _post_agreement(self) -> None:
+        """Post this rank's view for the next step's decisions: ``[main idle, positions idle, positions
+        interval passed]``, reduced with MIN over the group's ranks (asynchronously, on the group's own
+        gloo group); :meth:`_agreed` takes the result at the next step. A rank's "idle" stays true
+        until a save starts, and saves start only on an agreed decision, so a decision taken from the
+        view of the step before holds for every rank at this one."""
+        if self._agree_pg is None or not self.enabled or self._closed:
+            return
+        import torch.distributed as dist
+
+        view = torch.tensor([int(not self._main._saves.busy()), int(not self._positions._saves.busy()),
+                             int(time.monotonic() - self._positions_t >= self.positions_every_s)], dtype=torch.int64)
+        try:
+            self._pending = (dist.all_reduce(view, op=dist.ReduceOp.MIN, group=self._agree_pg, async_op=True), view)
+        except Exception as e:  # noqa: BLE001 - the group lost a rank: torchft restarts it
+            self._group_lost(e)
+
+    def _agreed(self) -> tuple[bool, bool, bool] | None:
+        """The group's decision inputs for this step (see :meth:`_post_agreement`); None for a group of
+        one rank (it decides alone). Waits at most ``timeout_s`` for the reduction posted after the step
+        before (its peers posted theirs at the same point, so it is normally done)."""
+        if self._agree_pg is None:
+            return None
+        if self._pending is None:  # the first step (no resume() before it): every rank posts now
+            self._post_agreement()
+            if self._pending is None:
+                return (False, False, False)
+        work, view = self._pending
+        self._pending = None
+        try:
+            import datetime as _dt
+
+            work.wait(_dt.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001 - a rank of the group is gone
+            self._group_lost(e)
+            return (False, False, False)
+        return tuple(bool(x) for x in view.tolist())  # type: ignore[return-value]
+
+    def _group_lost(self, e: BaseException) -> None:
+        self.counts["agreement.failed"] += 1
+        log.error("ckptstore: replica group %d lost a rank (%s: %s): its saves stop in this process; torchft "
+                  "restarts the group", self.group, type(e).__name__, e)
+        self.enabled = False
+
+    def _bcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank of the group (identity for a group of one rank)."""
+        if self._agree_pg is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._agree_pg, 0), group=self._agree_pg)
+        return box[0]
+
+    def _skip_main(self, step: int) -> None:
+        self.counts["main.skipped"] += 1
+        self._main._events.emit("save", step=int(step), version=self._main.version_name(step),
+                                ranks=self.group_world, outcome="skipped",
+                                error="the previous save is still running on a rank of the group")
+
+    def _save_positions(self, step: int, force: bool = False, agreed: tuple | None = None) -> None:
         now = time.monotonic()
-        if not force and now - self._positions_t < self.positions_every_s:
+        if agreed is not None and not force:
+            if not (agreed[1] and agreed[2]):
+                self.counts["positions.coalesced"] += 1  # the next save carries this step's position
+                return
+        elif not force and now - self._positions_t < self.positions_every_s:
             self.counts["positions.coalesced"] += 1  # the next save carries this step's position
             return
 
@@ -407,7 +715,7 @@ class DurableTier:
         t0 = time.monotonic()
         if not self.enabled:
             return RestoreReport("disabled", step=int(self.manager.current_step()))
-        live, why = self._live()
+        live, why = self._bcast(self._live() if self.rank == 0 else None)  # one answer per group
         if live:
             r = self._join(why)
         else:
@@ -416,6 +724,7 @@ class DurableTier:
         self._last_step = int(self.manager.current_step())
         r.step = self._last_step
         self._rewind = False
+        self._post_agreement()
         self._emit("resume", outcome=r.kind, step=r.step, version=r.version, why=r.why, skipped=r.skipped,
                    loader=dataclasses.asdict(r.loader) if r.loader is not None else None, orphaned=r.orphaned,
                    seconds=r.seconds)
@@ -453,8 +762,10 @@ class DurableTier:
             except (TransientStorageError, CkptStoreError, OSError) as e:
                 log.warning("ckptstore: the remote tier was not consulted for the restore: %s", e)
         self._attempts: dict[str, set] = collections.defaultdict(set)
+        self._worlds: dict[str, int] = {}
         for r in recs:
             self._attempts[r.version].add(r.attempt)
+            self._worlds[r.version] = max(self._worlds.get(r.version, 0), int(r.world_size or 1))
         return sorted(self._attempts)
 
     def _supersede_positions(self, names: list[str], step: int) -> None:
@@ -467,12 +778,13 @@ class DurableTier:
             if gv is not None and gv[0] == self.group and gv[1] > step:
                 self._positions._supersede[n] = {a: why for a in self._attempts.get(n, ())}
 
-    def _read_positions(self, version: str, group: int) -> list[_st.Position]:
+    def _read_positions(self, version: str, rank: int | None = None) -> list[_st.Position]:
+        """The position history of rank ``rank`` (default: this rank) in positions save ``version``."""
         import torch.distributed.checkpoint as dcp
 
         from ..dcp.reader import StorageReader
 
-        rank = _ft.group_rank_world(self.manager)[0]
+        rank = self.rank if rank is None else int(rank)
         key = f"positions/rank{rank}"
         sd = {key: {"data": b""}}
         reader = StorageReader(self.root, remote=self.remote, key=self._key, version=version, allow_partial_load=True)
@@ -480,34 +792,47 @@ class DurableTier:
             dcp.load(sd, storage_reader=reader, no_dist=True)
         return _st.unpack_history(bytes(sd[key]["data"]))
 
-    def _positions_at(self, names: list[str], step: int) -> dict[int, _st.Position | None]:
-        """Every stored group's position at ``step`` (the greatest ≤ ``step``): per group, the oldest
-        positions save at or after ``step`` (its history reaches back), else the newest before it."""
+    def _positions_at(self, names: list[str], step: int) -> tuple[dict[tuple[int, int], _st.Position | None],
+                                                                   dict[int, int]]:
+        """Every stored rank's position at ``step`` (the greatest ≤ ``step``), ``{(group, rank): position}``,
+        and ``{group: ranks}`` of the positions save read: per group, the oldest positions save at or
+        after ``step`` (its history reaches back), else the newest before it; each of its ranks read."""
         by_group: dict[int, list[int]] = collections.defaultdict(list)
         for n in names:
             gv = _st.parse_loader_version(n)
             if gv is not None:
                 by_group[gv[0]].append(gv[1])
-        out: dict[int, _st.Position | None] = {}
+        out: dict[tuple[int, int], _st.Position | None] = {}
+        worlds: dict[int, int] = {}
         for g, steps in by_group.items():
             steps.sort()
             after = [s for s in steps if s >= step]
             before = [s for s in steps if s < step]
             tries = after[:1] + before[-1:]
-            pos = None
             for s in tries:
+                name = f"{_st.loader_prefix(g)}{s}"
+                ranks = max(1, self._worlds.get(name, 1))
+                got: dict[tuple[int, int], _st.Position | None] = {}
                 try:
-                    pos = _st.position_at(self._read_positions(f"{_st.loader_prefix(g)}{s}", g), step)
+                    for r in range(ranks):
+                        got[(g, r)] = _st.position_at(self._read_positions(name, r), step)
                 except Exception as e:  # noqa: BLE001 - the next candidate
-                    log.warning("ckptstore: positions %s%d unreadable: %s", _st.loader_prefix(g), s, e)
+                    log.warning("ckptstore: positions %s unreadable: %s", name, e)
                     continue
-                if pos is not None:
+                if any(p is not None for p in got.values()):
+                    out.update(got)
+                    worlds[g] = ranks
                     break
-            out[g] = pos
-        return out
+            else:
+                out.setdefault((g, 0), None)
+        return out, worlds
 
     def _cold_start(self, why: str) -> RestoreReport:
-        names = self._store_versions()
+        # the group's rank 0 lists the store, every rank of the group takes its listing (one choice)
+        listing = self._bcast((self._store_versions(), dict(self._attempts), dict(self._worlds)) if self.rank == 0
+                              else None)
+        names, attempts, self._worlds = listing
+        self._attempts = collections.defaultdict(set, attempts)
         main_steps = [s for s in (_st.main_step(n) for n in names) if s is not None]
         newest: dict[int, int] = {}
         for n in names:
@@ -530,7 +855,7 @@ class DurableTier:
         if chosen is None:
             self._supersede_positions(names, 0)
             r = RestoreReport("fresh", why=why, skipped=skipped)
-            r.loader = _st.LoaderChoice(self.group, "initial", reason="no main version is restored")
+            r.loader = _st.LoaderChoice(self.group, "initial", reason="no main version is restored", rank=self.rank)
             return r
         try:
             from ..manifest import catalogue
@@ -541,8 +866,9 @@ class DurableTier:
         r = RestoreReport("cold-start", version=version, why=why, writer=writer, skipped=skipped)
         self._supersede_positions(names, chosen)
         if self.loader is not None:
-            at = self._positions_at(names, chosen)
-            choice, pos, r.orphaned = _st.loader_plan(self.group, self.num_groups, at)
+            at, worlds = self._positions_at(names, chosen)
+            choice, pos, r.orphaned = _st.rank_loader_plan(self.group, self.rank, self.num_groups, self.group_world,
+                                                           at, worlds)
             r.loader = choice
             if pos is not None:
                 self._apply(pos, own=choice.how == "own")
@@ -558,16 +884,18 @@ class DurableTier:
         if names:
             newest = max(_st.parse_loader_version(n)[1] for n in names)
             try:
-                hist = self._read_positions(f"{_st.loader_prefix(self.group)}{newest}", self.group)
+                hist = self._read_positions(f"{_st.loader_prefix(self.group)}{newest}")
                 pos = max(hist, key=lambda p: p.step) if hist else None
             except Exception as e:  # noqa: BLE001 - reported; the loader stays as built
                 r.why += f"; its own position could not be read ({type(e).__name__}: {e})"
         if pos is not None:
             self._apply(pos, own=True)
             r.loader = _st.LoaderChoice(self.group, "peer", self.group, pos.step, pos.batches,
-                                        "joining: torchft heals the model; the loader continues from its own newest position")
+                                        "joining: torchft heals the model; the loader continues from its own newest "
+                                        "position", self.rank, self.rank)
         else:
-            r.loader = _st.LoaderChoice(self.group, "initial", reason="joining: no position of this group is stored")
+            r.loader = _st.LoaderChoice(self.group, "initial", reason="joining: no position of this rank is stored",
+                                        rank=self.rank)
         return r
 
     def _store_versions_local(self) -> list[str]:
@@ -636,6 +964,23 @@ class DurableTier:
             except CkptStoreError as e:
                 self.counts[f"{name}.not-uploaded"] += 1
                 log.warning("ckptstore: closing the %s saves: %s", name, e)
+        self._close_agreement()
+
+    def _close_agreement(self) -> None:
+        if self._agree_pg is None:
+            return
+        if self._pending is not None:
+            try:
+                import datetime as _dt
+
+                self._pending[0].wait(_dt.timedelta(seconds=self.timeout_s))
+            except Exception as e:  # noqa: BLE001 - a rank of the group is gone: nothing to agree on
+                log.debug("ckptstore: the last agreement of group %d: %s", self.group, e)
+            self._pending = None
+        from .._groups import destroy_group
+
+        destroy_group(self._agree_pg)
+        self._agree_pg = None
 
     def __enter__(self) -> "DurableTier":
         return self

@@ -20,6 +20,15 @@ as the override's JSON kwargs: ``remote`` (``s3://bucket/prefix``), ``key_file``
     from ckptstore.integrations.torchtitan import CheckpointManager
     config.checkpoint = derive(config.checkpoint, CheckpointManager.Config, remote="s3://b/run")
 
+torchtitan's fault-tolerance mode (``--module torchft.llama3 --fault_tolerance.enable``, torchft
+across replica groups) has its own checkpointer, ``TorchFTCheckpointManager``; its ckptstore subclass
+is :data:`FTCheckpointManager` and its override ``ckptstore.integrations.torchtitan.ft_checkpointing``
+(docs/torchft.md, "Under torchtitan", has the command)::
+
+    torchrun --nproc-per-node=8 -m torchtitan.train --module torchft.llama3 --config llama3_torchft_debugmodel \
+        --fault_tolerance.enable --fault_tolerance.replica_id 0 --fault_tolerance.group_size 2 \
+        --checkpoint.enable --override.imports 'ckptstore.integrations.torchtitan.ft_checkpointing'
+
 Importing this module needs torchtitan (:data:`TESTED_VERSIONS`; another release warns once).
 """
 
@@ -41,7 +50,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ._titan_v0_3 import TESTED_VERSIONS, manager_class
 
-__all__ = ["CheckpointManager", "checkpointing", "TESTED_VERSIONS"]
+__all__ = ["CheckpointManager", "FTCheckpointManager", "checkpointing", "ft_checkpointing", "TESTED_VERSIONS"]
 
 _version = getattr(_torchtitan, "__version__", "unknown")
 if _version.split("+")[0] not in TESTED_VERSIONS:
@@ -64,3 +73,25 @@ def checkpointing(cfg, **options):
     """The ``--override.imports`` factory: torchtitan's checkpoint config → :class:`CheckpointManager.Config`
     with every field kept and ``options`` (``remote``, ``key_file``, ``durability``, ``remote_options``)."""
     return _derive(cfg, CheckpointManager.Config, **options)
+
+
+# -- torchtitan's fault-tolerance mode (torchtitan.experiments.torchft) -------------------------------
+try:
+    from torchtitan.experiments.torchft.checkpoint import TorchFTCheckpointManager as _TitanFTCheckpointManager
+except ImportError:  # pragma: no cover - torchft not installed: torchtitan's FT mode cannot run either
+    _TitanFTCheckpointManager = None
+    FTCheckpointManager = None
+    ft_checkpointing = None
+else:
+    #: torchtitan's fault-tolerant checkpointer (``TorchFTCheckpointManager``) saving through ckptstore
+    FTCheckpointManager = manager_class(_TitanFTCheckpointManager)
+    FTCheckpointManager.__module__ = __name__
+    FTCheckpointManager.__qualname__ = FTCheckpointManager.__name__ = "FTCheckpointManager"
+
+    @_override(target=_TitanFTCheckpointManager.Config,
+               description="checkpoints through ckptstore under torchtitan's fault tolerance (torchft)")
+    def ft_checkpointing(cfg, **options):
+        """The ``--override.imports`` factory of torchtitan's fault-tolerance mode: its
+        ``TorchFTCheckpointManager.Config`` → :class:`FTCheckpointManager.Config` with every field kept
+        and ``options`` (``remote``, ``key_file``, ``durability``, ``endpoint_url``)."""
+        return _derive(cfg, FTCheckpointManager.Config, **options)

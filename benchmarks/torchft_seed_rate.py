@@ -1,0 +1,187 @@
+"""The seed-rate benchmark of ckptstore under torchft (docs/DEMO.md, "torchft: the seed rate"): the
+shape of torchft's headline experiment (replica groups of several ranks, FSDP inside each, a failure
+every 15 seconds), scaled to one CPU machine: a real torchft lighthouse, 3 replica groups × 2 ranks
+(FSDP2, gloo), the job of ``tests/torchft_groups.py``.
+
+Four runs of the same STEPS steps:
+
+* ``fault-free`` with the durable tier on, and ``fault-free-off`` with it off (the kill switch);
+* ``faults``: every FAULT_EVERY seconds (± a quarter) one rank of a random running group is
+  SIGKILLed (the harness ends the group's other rank and relaunches the group: torchft heals it);
+  one whole-job loss at WHOLE_AT × the fault-free time (every rank SIGKILLed, the job relaunched: a
+  cold start from ckptstore); one SIGTERM to a rank near the end (SIGTERM_AT × the fault-free time);
+* ``faults-off``: the same schedule with the tier off (torchft alone: after the whole-job loss the job
+  starts again from step 0).
+
+Reported: goodput = fault-free seconds / run seconds (the same steps), against the fault-free run and
+``faults`` against ``faults-off``; the steps lost at the whole-job loss (the step reached minus the
+step restored); the faults injected; step-time p50/p99 of the fault-free runs, tier on vs off.
+
+    python benchmarks/torchft_seed_rate.py [--steps 800] [--fault-every 15] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import torchft_groups as tg  # noqa: E402
+
+
+def _max_step(job: tg.Job) -> int:
+    return max((x["step"] for g in range(3) for x in job.lines(g) if x.get("committed")), default=0)
+
+
+def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, faults: dict | None, seed: int) -> dict:
+    job = tg.Job(tmp, tmp / f"{name}-root", name=name, steps=steps, interval=interval, num_groups=3, ranks=2,
+                 fsdp=True, enabled=enabled, heartbeat_timeout_ms=3000,
+                 samples=(steps + 10) * tg.BATCH * tg.MAX_GROUPS * 2)  # one epoch covers the run
+    job.start_lighthouse()
+    rng = random.Random(seed)
+    log: list[dict] = []
+    born: dict[int, float] = {}
+    try:
+        t0 = time.monotonic()
+        job.start()
+        for g in range(3):
+            born[g] = t0
+        next_fault = t0 + (faults["every"] if faults else float("inf"))
+        whole = faults and faults["whole_at"]
+        term = faults and faults["sigterm_at"]
+        lost = None
+        finished: set[int] = set()
+        while job.procs:
+            now = time.monotonic()
+            for (g, r), p in list(job.procs.items()):
+                if job.procs.get((g, r)) is not p:
+                    continue
+                rc = p.poll()
+                if rc is None:
+                    continue
+                del job.procs[(g, r)]
+                if rc == 0:
+                    finished.add(g)
+                    continue
+                if finished:  # the job reached its last step: a group failing now is not relaunched
+                    log.append({"t": round(now - t0, 1), "fault": f"group {g} rank {r} exit {rc} after the end",
+                                "step": _max_step(job), "injected": False})
+                    job.kill_group(g)
+                    continue
+                if rc != 0 and faults is None:
+                    raise RuntimeError(f"{name}: group {g} rank {r} exited {rc}:\n{job.tails()}")
+                if rc != 0:  # killed, or failed after a fault (a torchft timeout): torchrun restarts the group
+                    if rc not in (-signal.SIGKILL, -signal.SIGTERM, 143):
+                        log.append({"t": round(now - t0, 1), "fault": f"group {g} rank {r} failed (exit {rc})",
+                                    "step": _max_step(job), "injected": False})
+                    job.kill_group(g)
+                    job.launch(g)
+                    born[g] = time.monotonic()
+            if whole and now - t0 >= whole:
+                whole = None
+                reached = _max_step(job)
+                for p in job.procs.values():
+                    p.kill()
+                for p in job.procs.values():
+                    p.wait()
+                job.procs.clear()
+                log.append({"t": round(now - t0, 1), "fault": "whole-job SIGKILL", "step": reached})
+                time.sleep(2.0)  # the lighthouse's heartbeats of the dead groups go stale: a cold start
+                job.start(barrier=False)
+                lost = {"reached": reached, "launch": {g: job.launches[g] for g in range(3)}}
+                for g in range(3):
+                    born[g] = time.monotonic()
+                next_fault = time.monotonic() + faults["every"]
+                continue
+            if term and now - t0 >= term:
+                live = [k for k in job.procs if now - born[k[0]] > 5]
+                if live:
+                    term = None
+                    g, r = rng.choice(sorted(live))
+                    job.procs[(g, r)].send_signal(signal.SIGTERM)
+                    log.append({"t": round(now - t0, 1), "fault": f"SIGTERM group {g} rank {r}", "step": _max_step(job)})
+            if now >= next_fault:
+                live = sorted({g for (g, _r) in job.procs if now - born[g] > 5})
+                if live:
+                    g = rng.choice(live)
+                    r = rng.randrange(2)
+                    if (g, r) in job.procs:
+                        job.procs[(g, r)].kill()
+                        log.append({"t": round(now - t0, 1), "fault": f"SIGKILL group {g} rank {r}", "step": _max_step(job)})
+                next_fault = now + faults["every"] * rng.uniform(0.75, 1.25)
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        job.close()
+    out = {"seconds": round(took, 1), "faults": log,
+           "injected": sum(1 for e in log if e.get("injected", True)),
+           "failed_after_a_fault": sum(1 for e in log if not e.get("injected", True))}
+    if lost is not None:
+        # the step the relaunched job started from: its cold starts (0 with the tier off or nothing stored)
+        res = [x["resume"] for g in range(3) for x in job.lines(g) if "resume" in x and int(x["launch"]) >= lost["launch"][g]]
+        restored = max((r["step"] for r in res if r["kind"] == "cold-start"), default=0)
+        out["whole_job_loss"] = {"step_reached": lost["reached"], "step_restored": restored,
+                                 "steps_lost": lost["reached"] - restored}
+    dts = [x["dt"] for g in range(3) for r in range(2) for x in job.lines(g, r) if "dt" in x and x["step"] > 2]
+    if dts:
+        q = statistics.quantiles(dts, n=100)
+        out["step_ms"] = {"p50": round(statistics.median(dts) * 1e3, 2), "p99": round(q[98] * 1e3, 2), "n": len(dts)}
+    finals = [x for g in range(3) for x in job.lines(g) if x.get("final")]
+    if finals:
+        out["tier_stats_last"] = finals[-1]["stats"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--interval", type=int, default=50)
+    ap.add_argument("--fault-every", type=float, default=15.0)
+    ap.add_argument("--whole-at", type=float, default=0.6, help="whole-job loss at this fraction of the fault-free time")
+    ap.add_argument("--sigterm-at", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=34)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--reuse", action="store_true", help="reuse the runs an earlier invocation left in --out")
+    a = ap.parse_args()
+    tmp = Path(a.out or tempfile.mkdtemp(prefix="torchft-seed-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    res: dict = {"shape": "3 groups x 2 ranks (FSDP2), gloo, CPU", "steps": a.steps, "interval": a.interval,
+                 "fault_every_s": a.fault_every}
+    def once(name: str, **kw) -> dict:
+        cached = tmp / f"{name}.json"
+        if a.reuse and cached.exists():  # a run of an earlier invocation with the same --out
+            return json.loads(cached.read_text())
+        got = run(tmp, name, steps=a.steps, interval=a.interval, seed=a.seed, **kw)
+        cached.write_text(json.dumps(got))
+        return got
+
+    ff = once("fault-free", enabled=True, faults=None)
+    ff_off = once("fault-free-off", enabled=False, faults=None)
+    sched = {"every": a.fault_every, "whole_at": a.whole_at * ff["seconds"], "sigterm_at": a.sigterm_at * ff["seconds"]}
+    on = once("faults", enabled=True, faults=sched)
+    off = once("faults-off", enabled=False, faults=sched)
+    res.update({"fault_free": ff, "fault_free_off": ff_off, "faults": on, "faults_off": off})
+    res["goodput"] = {"faults_vs_fault_free": round(ff["seconds"] / on["seconds"], 3),
+                      "faults_off_vs_fault_free": round(ff_off["seconds"] / off["seconds"], 3),
+                      "faults_vs_faults_off": round(off["seconds"] / on["seconds"], 3)}
+    if "step_ms" in ff and "step_ms" in ff_off:
+        res["tier_step_cost"] = {"p50_ratio": round(ff["step_ms"]["p50"] / ff_off["step_ms"]["p50"], 3),
+                                 "p99_ratio": round(ff["step_ms"]["p99"] / ff_off["step_ms"]["p99"], 3)}
+    text = json.dumps(res, indent=1)
+    (tmp / "summary.json").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
