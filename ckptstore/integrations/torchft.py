@@ -331,7 +331,11 @@ class DurableTier:
             peer can serve the step. The tier then registers the state torchft heals (its ``state``,
             under the key ``"ckptstore"``, with the loader position); the Manager must have no other
             state dict functions (``load_state_dict=None, state_dict=None``), else ``ValueError``.
-        durability, key, on_event, event_log, **writer_options: as :class:`ckptstore.CheckpointManager`.
+        durability: as :class:`ckptstore.CheckpointManager`.
+        key: as :class:`ckptstore.CheckpointManager`.
+        on_event: as :class:`ckptstore.CheckpointManager`.
+        event_log: as :class:`ckptstore.CheckpointManager`.
+        **writer_options: as :class:`ckptstore.CheckpointManager`.
     """
 
     def __init__(self, root: str | os.PathLike, manager: Any, state: dict[str, Any], *, group: int,
