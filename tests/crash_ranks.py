@@ -289,7 +289,7 @@ def garbage(tier) -> list[str]:
     from ckptstore.manifest import catalogue, layout
 
     entries = catalogue.scan(tier)
-    ref = set()
+    ref = {layout.CATALOGUE_HEAD, layout.REMOTE_HEAD_COPY}  # the keyed catalogue head (docs/FORMAT.md): layout, not garbage
     for v, e in entries.items():
         d = layout.version_dir(v) + "/"
         ref |= {d + layout.MANIFEST, d + layout.PINNED, d + layout.DAMAGED}

@@ -30,13 +30,16 @@ from conftest import REMOTES
 
 ALL = REMOTES
 NEW = [r for r in REMOTES if r != "s3"]  # S3's own versions of these cases: tests/test_s3_dcp.py, test_gc.py, test_scrub.py
+# the default suite runs the long restore/manager/race cases on GCS (and S3), Azure's in the slow set (suite < 15 min)
+NEW_DEFAULT = [pytest.param(r, marks=pytest.mark.slow) if r == "az" else r for r in NEW]
+ALL_DEFAULT = [pytest.param(r, marks=pytest.mark.slow) if r == "az" else r for r in ALL]
 
 
 def _tiers(url):
     return [(r.version, sorted(r.tiers)) for r in ckptstore.Store("", remote=url).versions()]
 
 
-@pytest.mark.parametrize("remote_url", NEW, indirect=True)
+@pytest.mark.parametrize("remote_url", NEW_DEFAULT, indirect=True)
 def test_remote_only_restore_after_local_loss(tmp_path, remote_url):
     """2 ranks save with durability="remote" (streamed part uploads, remote commit), the local
     root is removed, 1 rank restores bit-exact from the remote tier alone; the CLI lists it there."""
@@ -118,7 +121,7 @@ _RACER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("remote_url", ALL, indirect=True)
+@pytest.mark.parametrize("remote_url", ALL_DEFAULT, indirect=True)
 def test_two_writers_racing_to_commit_one_version(tmp_path, remote_url):
     """Two jobs (own local roots, one remote prefix) save version v1 at once: the remote commit
     (put-if-absent, docs/FORMAT.md "Conditional writes") lets exactly one through; the other is told
@@ -140,7 +143,7 @@ def test_two_writers_racing_to_commit_one_version(tmp_path, remote_url):
     assert torch.equal(got["w"], torch.full((50_000,), float(len(winner))))
 
 
-@pytest.mark.parametrize("remote_url", NEW, indirect=True)
+@pytest.mark.parametrize("remote_url", NEW_DEFAULT, indirect=True)
 def test_manager_local_first_then_remote_only(tmp_path, remote_url):
     """CheckpointManager with a remote tier and its options: a restore reads the local root (no
     remote GET of data), and with the root gone the newest version comes from the remote tier alone;
