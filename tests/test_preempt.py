@@ -143,6 +143,7 @@ def _resume_and_compare(tmp_path, cfg: dict, root: str, step: int, first: list[d
         assert _losses(out, step + 1, steps) == ref[r][step:]
 
 
+@pytest.mark.slow  # long (15-45 s); the default suite keeps a shorter case of the same kind (suite < 15 min)
 def test_sigterm_to_torchrun_agent_mid_training_saves_the_step_reached_and_resume_is_bit_exact(tmp_path):
     grace = 10.0
     root = str(tmp_path / "store")

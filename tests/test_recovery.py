@@ -282,6 +282,7 @@ def test_without_steps_the_commit_sequence_orders_versions(tmp_path):
 
 
 # -- kind 3: the remote tier is unreachable at restart ---------------------------------------------------
+@pytest.mark.slow  # long (15-45 s); the default suite keeps a shorter case of the same kind (suite < 15 min)
 @pytest.mark.s3
 def test_s3_outage_at_restart_restores_locally_then_uploads_when_back(tmp_path, s3_url, seaweed):
     """Node-local roots + S3, 3 saves; the same nodes restart while the endpoint is down: the job

@@ -30,9 +30,8 @@ from conftest import REMOTES
 
 ALL = REMOTES
 NEW = [r for r in REMOTES if r != "s3"]  # S3's own versions of these cases: tests/test_s3_dcp.py, test_gc.py, test_scrub.py
-# the default suite runs the long restore/manager/race cases on GCS (and S3), Azure's in the slow set (suite < 15 min)
+# the default suite runs the long restore/manager cases on GCS (and S3), Azure's in the slow set (suite < 15 min)
 NEW_DEFAULT = [pytest.param(r, marks=pytest.mark.slow) if r == "az" else r for r in NEW]
-ALL_DEFAULT = [pytest.param(r, marks=pytest.mark.slow) if r == "az" else r for r in ALL]
 
 
 def _tiers(url):
@@ -121,7 +120,8 @@ _RACER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("remote_url", ALL_DEFAULT, indirect=True)
+@pytest.mark.slow  # default suite: tests/test_races.py (S3) and the conformance suite's put-if-absent race (every tier)
+@pytest.mark.parametrize("remote_url", ALL, indirect=True)
 def test_two_writers_racing_to_commit_one_version(tmp_path, remote_url):
     """Two jobs (own local roots, one remote prefix) save version v1 at once: the remote commit
     (put-if-absent, docs/FORMAT.md "Conditional writes") lets exactly one through; the other is told

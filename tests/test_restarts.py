@@ -75,6 +75,7 @@ def run_restarts(tmp_path: Path, restarts: int, timeout: float) -> None:
     assert [r.step for r in ckptstore.Store(str(root)).versions()] == list(range(1, restarts + 2))
 
 
+@pytest.mark.slow  # long (15-45 s); the default suite keeps a shorter case of the same kind (suite < 15 min)
 def test_manager_group_survives_an_in_place_restart(tmp_path):
     run_restarts(tmp_path, 1, timeout=180)
 

@@ -161,6 +161,7 @@ def test_one_rank_upload_denied(tmp_path, s3_url, seaweed):
 
 
 # Case 5: a rank dies after the other's objects reached S3; the job saves the version again
+@pytest.mark.slow  # long (15-45 s); the default suite keeps a shorter case of the same kind (suite < 15 min)
 def test_retry_after_rank_death_names_only_new_attempt(tmp_path, s3_url):
     root = str(tmp_path)
     codes = run_ranks_raw(

@@ -86,14 +86,15 @@ def test_two_processes_supersede_one_name_local(tmp_path):
 
 
 @pytest.mark.s3
-def test_two_nodes_supersede_one_name_s3(tmp_path, s3_url):
+@pytest.mark.parametrize("rounds", [5, pytest.param(ROUNDS, marks=pytest.mark.slow)])
+def test_two_nodes_supersede_one_name_s3(tmp_path, s3_url, rounds):
     """Two nodes (own roots, one bucket prefix) supersede the remote attempt A0 of ``r<i>`` at once:
     on main both remote commits overwrite; now exactly one ``If-Match`` PUT wins, the loser's
     uploads and its local copy are retracted, and every node loads the winner's version."""
     seed_root = str(tmp_path / "first")
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     olds = []
-    for i in range(ROUNDS):
+    for i in range(rounds):  # 20 rounds in the slow set (about 30 s), 5 in the default suite
         crash_ranks.local_save(seed_root, f"r{i}", 7, world=1, remote=s3_url, durability="remote")
         olds.append(catalogue.read_manifest(ckptstore.Store(seed_root, remote=s3_url).tier("remote"),
                                             f"r{i}").manifest.attempt)

@@ -17,6 +17,7 @@ from ckptstore.testing.dist import run_ranks
 FAST = dict(start_method="forkserver", preload=["roots_ranks"])
 
 
+@pytest.mark.slow  # long (15-45 s); the default suite keeps a shorter case of the same kind (suite < 15 min)
 @pytest.mark.s3
 def test_a_rank_whose_uploads_are_refused_does_not_fill_the_local_roots(tmp_path, s3_url, seaweed):
     """12 saves while S3 refuses rank 1: before, every version waited ``upload_timeout`` for rank 1's
