@@ -43,8 +43,10 @@ def _max_step(job: tg.Job) -> int:
     return max((x["step"] for g in range(3) for x in job.lines(g) if x.get("committed")), default=0)
 
 
-def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, faults: dict | None, seed: int) -> dict:
+def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, faults: dict | None, seed: int,
+        positions_every_s: float | None = None) -> dict:
     job = tg.Job(tmp, tmp / f"{name}-root", name=name, steps=steps, interval=interval, num_groups=3, ranks=2,
+                 positions_every_s=positions_every_s,
                  fsdp=True, enabled=enabled, heartbeat_timeout_ms=3000,
                  samples=(steps + 10) * tg.BATCH * tg.MAX_GROUPS * 2)  # one epoch covers the run
     job.start_lighthouse()

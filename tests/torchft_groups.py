@@ -47,7 +47,8 @@ def config(**kw) -> dict:
     c = {"steps": 40, "interval": 5, "num_groups": 3, "pace_s": 0.0, "kill": {}, "remote": None,
          "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
          "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60, "ranks": 1, "fsdp": False,
-         "port": None, "transport": None, "peer_fails": None, "sync_quorum": False}
+         "port": None, "transport": None, "peer_fails": None, "sync_quorum": False,
+         "positions_every_s": None}
     c.update(kw)
     return c
 
@@ -161,7 +162,8 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
     tier = DurableTier(cfg["root"], manager, {"model": ddp, "optim": optim, "sched": sched}, group=group,
                        num_groups=cfg["num_groups"], loader=loader, remote=cfg["remote"],
                        endpoint_url=cfg["endpoint_url"], interval_steps=cfg["interval"], enabled=cfg["enabled"],
-                       lighthouse=cfg["lighthouse"], timeout_s=cfg["timeout_s"], transport=transport)
+                       lighthouse=cfg["lighthouse"], timeout_s=cfg["timeout_s"], transport=transport,
+                       **({} if cfg["positions_every_s"] is None else {"positions_every_s": cfg["positions_every_s"]}))
     kills = cfg["kill"].get(str(group)) or []
     if kills and not isinstance(kills[0], list):
         kills = [kills + ["0"]]

@@ -100,6 +100,9 @@ log = logging.getLogger("ckptstore.integrations.torchft")
 #: the kill switch: ``CKPTSTORE_TORCHFT_DURABLE=0`` (or ``off``/``false``/``no``) turns the tier off
 ENV_DISABLE = "CKPTSTORE_TORCHFT_DURABLE"
 LoaderChoice = _st.LoaderChoice
+#: the most steps between two decisions of a group of several ranks (a positions save, or seeing
+#: that the previous one finished, waits at most this many steps beyond the positions interval)
+_MAX_DECISION_GAP = 64
 
 try:
     _version = _dist_version("torchft")
@@ -352,6 +355,9 @@ class DurableTier:
         self.rank, self.group_world = _ft.group_rank_world(manager)
         self._agree_pg = None  # the group's own gloo group for its decisions (several ranks per group)
         self._pending = None  # the agreement posted after the previous step: (work, tensor)
+        self._next_decision: int | None = None  # the step of the next agreed decision (None: not agreed yet)
+        self._step_t: float | None = None  # when the last step_done ran (monotonic)
+        self._step_s: float | None = None  # this rank's step time, seconds (EMA)
         self.root = os.fspath(root)
         self.manager = manager
         self.group = int(group)
@@ -576,7 +582,12 @@ class DurableTier:
         if not self.enabled or self._closed:
             self._last_step = step
             return committed
-        agreed = self._agreed()
+        now = time.monotonic()
+        if self._step_t is not None:  # this rank's step time (EMA): how many steps a positions interval spans
+            dt = now - self._step_t
+            self._step_s = dt if self._step_s is None else 0.8 * self._step_s + 0.2 * dt
+        self._step_t = now
+        agreed = self._agreed(step)
         if not self.enabled:  # the group lost a rank
             self._last_step = step
             return committed
@@ -598,35 +609,52 @@ class DurableTier:
                 meta = _st.manifest_user(_ft.quorum_id(self.manager), self.group, _ft.replica_prefix(self.manager),
                                          self.manager.num_participants(), self.manager.state_dict())
                 self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
-        self._post_agreement()
+        self._post_agreement(step)
         return committed
 
     # -- one decision per group (docs/torchft.md, "Replica groups of several ranks") ------------------
-    def _post_agreement(self) -> None:
-        """Post this rank's view for the next step's decisions: ``[main idle, positions idle, positions
-        interval passed]``, reduced with MIN over the group's ranks (asynchronously, on the group's own
-        gloo group); :meth:`_agreed` takes the result at the next step. A rank's "idle" stays true
-        until a save starts, and saves start only on an agreed decision, so a decision taken from the
-        view of the step before holds for every rank at this one."""
-        if self._agree_pg is None or not self.enabled or self._closed:
+    def _post_agreement(self, step: int | None = None) -> None:
+        """Post this rank's view for the next decision: ``[main idle, positions idle, positions
+        interval passed, steps until the positions interval passes]``, reduced with MIN over the
+        group's ranks (asynchronously, on the group's own gloo group); :meth:`_agreed` takes the result
+        at the next decision step. A rank's "idle" stays true until a save starts, and saves start only
+        on an agreed decision, so a decision taken from the view of the step before holds for every
+        rank at this one.
+
+        Posted only before a *decision step* (docs/torchft.md, "Replica groups of several ranks"): the
+        step the last agreement named — the positions interval ahead, in steps, as the slowest rank's
+        step time estimates it (the MIN of the ranks' estimates), and never past the next due main
+        step. Every rank of a group sees the same steps and the same agreed values, so every rank
+        posts at the same steps; between them a step costs no collective. ``step``: the step just
+        finished (None: post now, as :meth:`resume` does)."""
+        if self._agree_pg is None or not self.enabled or self._closed or self._pending is not None:
             return
+        if step is not None and self._next_decision is not None and step + 1 < self._next_decision:
+            return  # no decision at the next step: no collective after this one
         import torch.distributed as dist
 
+        ahead = 1
+        if self._step_s:  # the steps this rank expects in one positions interval (at least 1)
+            ahead = max(1, min(_MAX_DECISION_GAP, int(self.positions_every_s / self._step_s)))
         view = torch.tensor([int(not self._main._saves.busy()), int(not self._positions._saves.busy()),
-                             int(time.monotonic() - self._positions_t >= self.positions_every_s)], dtype=torch.int64)
+                             int(time.monotonic() - self._positions_t >= self.positions_every_s), ahead],
+                            dtype=torch.int64)
         try:
             self._pending = (dist.all_reduce(view, op=dist.ReduceOp.MIN, group=self._agree_pg, async_op=True), view)
         except Exception as e:  # noqa: BLE001 - the group lost a rank: torchft restarts it
             self._group_lost(e)
 
-    def _agreed(self) -> tuple[bool, bool, bool] | None:
-        """The group's decision inputs for this step (see :meth:`_post_agreement`); None for a group of
-        one rank (it decides alone). Waits at most ``timeout_s`` for the reduction posted after the step
+    def _agreed(self, step: int) -> tuple[bool, bool, bool] | None:
+        """The group's decision inputs for ``step`` (see :meth:`_post_agreement`); None for a group of
+        one rank (it decides alone); ``(False, False, False)`` at a step that is not a decision step
+        (no save starts there). Waits at most ``timeout_s`` for the reduction posted after the step
         before (its peers posted theirs at the same point, so it is normally done)."""
         if self._agree_pg is None:
             return None
-        if self._pending is None:  # the first step (no resume() before it): every rank posts now
-            self._post_agreement()
+        if self._pending is None:
+            if self._next_decision is not None:
+                return (False, False, False)  # not a decision step
+            self._post_agreement()  # the first step (no resume() before it): every rank posts now
             if self._pending is None:
                 return (False, False, False)
         work, view = self._pending
@@ -638,7 +666,11 @@ class DurableTier:
         except Exception as e:  # noqa: BLE001 - a rank of the group is gone
             self._group_lost(e)
             return (False, False, False)
-        return tuple(bool(x) for x in view.tolist())  # type: ignore[return-value]
+        main_idle, pos_idle, pos_due, ahead = view.tolist()
+        # the next decision: the agreed steps ahead, and never past the next due main step
+        due = (step // self.interval_steps + 1) * self.interval_steps
+        self._next_decision = min(step + max(1, int(ahead)), due)
+        return (bool(main_idle), bool(pos_idle), bool(pos_due))
 
     def _group_lost(self, e: BaseException) -> None:
         self.counts["agreement.failed"] += 1
