@@ -395,8 +395,9 @@ class CheckpointManager:
         self._last_call = (step, now)
 
     def wait(self) -> None:
-        """Block until every queued save has committed (locally; see ``durability``); raise the
-        error of a failed one (:class:`JobBrokenError`, at once, once the job lost ranks)."""
+        """Block until every queued save has committed (locally; see ``durability``) and, on
+        node-local roots, its manifest copy is in this rank's root (docs/FORMAT.md, "Placement"); raise
+        the error of a failed one (:class:`JobBrokenError`, at once, once the job lost ranks)."""
         self._saves.wait()
 
     def _in_flight(self) -> bool:

@@ -234,3 +234,31 @@ def manager_saves_while_a_root_is_full(rank, world, roots, nbytes, filler, k, re
     committed = sorted(catalogue.scan(LocalTier(roots[rank])))
     mgr.close()
     return left, committed
+
+
+def manager_wait_then_list(rank, world, roots, delay_s):
+    """``CheckpointManager`` on node-local roots whose second node writes slowly: rank 1's manifest
+    copy takes ``delay_s`` seconds more (its ``copy_into`` sleeps first, as a busy disk would). Returns
+    the versions this rank's root lists right after ``save(); wait()``."""
+    import time
+
+    from ckptstore.dcp import _roots
+    from ckptstore.manifest import catalogue
+    from ckptstore.tiers import LocalTier
+
+    if rank == 1:
+        real = _roots.copy_into
+
+        def slow(*a, **k):
+            time.sleep(delay_s)
+            return real(*a, **k)
+
+        _roots.copy_into = slow
+    state = {"w": torch.arange(4096, dtype=torch.float32) + rank}
+    mgr = ckptstore.CheckpointManager(roots[rank], state, per_rank_keys=("w",), save_rng=False,
+                                      save_on_signal=None)
+    mgr.save(1, force=True)
+    mgr.wait()
+    listed = sorted(catalogue.scan(LocalTier(roots[rank])))
+    mgr.close()
+    return listed

@@ -207,3 +207,13 @@ def test_drop_on_one_node_while_an_incremental_save_references_what_it_removes(t
     assert ckptstore.Store(b).manifest("v2").manifest.refs  # v2 references v1's frames, also on b
     res = run_ranks(roots_ranks.load, 2, [a, b], "v2", None, "v1", **FAST)  # (v2 holds v1's state)
     assert all(o["ok"] for o in res), res
+
+
+def test_manager_wait_returns_once_this_nodes_root_lists_the_save(tmp_path):
+    """``CheckpointManager.wait()`` means committed on this rank's node too: on node-local roots the
+    manifest reaches the second node's root in a background copy (``dcp.save`` may return before it),
+    and a node whose disk is slow (its copy 2 s late) still lists the version right after ``wait()``
+    returns — an operator's ``ckptstore list`` there, or the user's own check, sees it."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    out = run_ranks(roots_ranks.manager_wait_then_list, 2, roots, 2.0, **FAST)
+    assert out == [["step-1"], ["step-1"]], out

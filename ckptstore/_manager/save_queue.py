@@ -270,8 +270,10 @@ class SaveQueue:
             self.raise_errors()
         if self.executor == "process":
             self.wait_process()
-        elif self._worker is not None:
-            self._queue.join()
+        else:
+            if self._worker is not None:
+                self._queue.join()
+            self._writer.wait_copies()  # committed "locally" includes this rank's root (node-local roots)
         self.raise_errors()
 
     def in_flight(self) -> bool:

@@ -597,6 +597,13 @@ class StorageWriter(_DCPStorageWriter):
         without replicas; handed out once."""
         return self._replicas.replica_future(version)
 
+    def wait_copies(self, timeout: float | None = None) -> None:
+        """Block (at most ``timeout`` seconds, default ``upload_timeout``) until the manifest copies of
+        committed saves are in this rank's root, when this rank leads a root group other than the
+        coordinator's (docs/FORMAT.md, "Placement": ``dcp.save`` may return before them). Never raises:
+        a copy that failed is repaired by the next load."""
+        _roots.wait_for_copies(self._tier, self.upload_timeout if timeout is None else timeout)
+
     def wait_uploads(self, timeout: float | None = None) -> None:
         """Block until this writer's pending uploads and remote commits finish.
 
