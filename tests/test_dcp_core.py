@@ -20,6 +20,8 @@ from ckptstore.testing.dist import run_ranks, run_ranks_raw
 import dcp_ranks
 from helpers import bits_equal, failures, load, load_error, save
 
+FAST = dict(start_method="forkserver", preload=["dcp_ranks"])  # one torch import per job, not per rank
+
 
 # ---------------------------------------------------------------------------------------------
 # Case 1: 2-rank DTensor save, load on 1, 2, 3 ranks
@@ -27,12 +29,12 @@ from helpers import bits_equal, failures, load, load_error, save
 @pytest.mark.parametrize("key", [pytest.param(None, marks=pytest.mark.slow), os.urandom(32)], ids=["plain", "encrypted"])
 def test_dtensor_save_2_load_1_2_3(tmp_path, key):
     root = str(tmp_path)
-    run_ranks(dcp_ranks.save_sharded, 2, root, "v1", 11, key)
+    run_ranks(dcp_ranks.save_sharded, 2, root, "v1", 11, key, **FAST)
     recs = ckptstore.Store(root).versions()
     assert [r.version for r in recs] == ["v1"] and recs[0].world_size == 2 and recs[0].step == 11
     assert recs[0].encrypted == (key is not None)
     for world in (1, 2, 3):
-        outs = run_ranks(dcp_ranks.load_sharded, world, root, "v1", 11, key)
+        outs = run_ranks(dcp_ranks.load_sharded, world, root, "v1", 11, key, **FAST)
         for o in outs:
             assert o["dt"] and o["dbig"]
             assert o["i32"] == [16777217, -5, 2**31 - 1]
@@ -43,7 +45,7 @@ def test_dtensor_save_2_load_1_2_3(tmp_path, key):
 # Case 2: async_save THREAD and PROCESS; in-place mutation right after the call must not leak in
 @pytest.mark.parametrize("kind", ["thread", pytest.param("process", marks=pytest.mark.slow)])  # process: slow (suite time)
 def test_async_save_snapshot_at_call_time(tmp_path, kind):
-    outs = run_ranks(dcp_ranks.async_mutate, 2, str(tmp_path), "a1", kind)
+    outs = run_ranks(dcp_ranks.async_mutate, 2, str(tmp_path), "a1", kind, **FAST)
     for o in outs:
         assert o == {"dt": True, "plain": [3.0] * 5, "step": 7.0}
 
@@ -51,10 +53,10 @@ def test_async_save_snapshot_at_call_time(tmp_path, kind):
 # Case 3: uneven sharding with an empty shard; save on 4, load on 3 and 5
 def test_uneven_and_empty_shards(tmp_path):
     root = str(tmp_path)
-    locals_ = run_ranks(dcp_ranks.uneven_save, 4, root, "u1")
+    locals_ = run_ranks(dcp_ranks.uneven_save, 4, root, "u1", **FAST)
     assert [s[0] for s in locals_] == [2, 2, 2, 0]
     for world in (3, 5):
-        for o in run_ranks(dcp_ranks.uneven_load, world, root, "u1"):
+        for o in run_ranks(dcp_ranks.uneven_load, world, root, "u1", **FAST):
             assert o["v6"] == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5]
             assert o["e"] == ((0, 4), True, (0,))
 
@@ -119,7 +121,7 @@ def test_empty_state_dict(tmp_path):
 
 # Case 7: one key, different contents on two ranks
 def test_divergent_plain_tensors_are_refused(tmp_path):
-    outs = run_ranks(dcp_ranks.divergent_plain, 2, str(tmp_path), "x1")
+    outs = run_ranks(dcp_ranks.divergent_plain, 2, str(tmp_path), "x1", **FAST)
     assert all(o is not None and "'rng_like'" in o and "different values" in o for o in outs)
     assert ckptstore.Store(str(tmp_path)).versions() == []
 
@@ -127,11 +129,11 @@ def test_divergent_plain_tensors_are_refused(tmp_path):
 # Case 8: per-rank entries saved on 2, loaded on 4 or 1
 def test_per_rank_entries_are_never_dropped_silently(tmp_path):
     root = str(tmp_path)
-    run_ranks(dcp_ranks.per_rank_save, 2, root, "p1")
-    one = run_ranks(dcp_ranks.per_rank_load, 1, root, "p1", False)
+    run_ranks(dcp_ranks.per_rank_save, 2, root, "p1", **FAST)
+    one = run_ranks(dcp_ranks.per_rank_load, 1, root, "p1", False, **FAST)
     assert one[0][0] == "error" and "dataloader.dp_rank_1" in one[0][1] and "allow_partial_load" in one[0][1]
-    assert run_ranks(dcp_ranks.per_rank_load, 1, root, "p1", True) == [("ok", {"cursor": 100})]
-    four = run_ranks(dcp_ranks.per_rank_load, 4, root, "p1", False)
+    assert run_ranks(dcp_ranks.per_rank_load, 1, root, "p1", True, **FAST) == [("ok", {"cursor": 100})]
+    four = run_ranks(dcp_ranks.per_rank_load, 4, root, "p1", False, **FAST)
     assert [o[0] for o in four] == ["error"] * 4
     assert any("dataloader.dp_rank_2" in o[1] for o in four)
 
@@ -240,7 +242,7 @@ def test_key_errors(tmp_path):
 # Case 11: killed before the manifest
 def test_killed_before_manifest_is_invisible(tmp_path):
     root = str(tmp_path)
-    run_ranks(dcp_ranks.plain_save, 2, root, "v1", 1.0)
+    run_ranks(dcp_ranks.plain_save, 2, root, "v1", 1.0, **FAST)
     codes = run_ranks_raw(dcp_ranks.killed_save, 2, root, "v2", env={"CKPTSTORE_FAULT": "commit.manifest"}, timeout=60)
     assert codes[0] != 0
     st = ckptstore.Store(root)
