@@ -1,5 +1,5 @@
-"""The DCP metadata object in format 2 (pickled skeleton + packed columns), format 1
-still read, and the allow-list guarding everything unpickled (docs/FORMAT.md, "DCP metadata object")."""
+"""The DCP metadata object in format 3 (pickled skeleton, then the packed columns as raw bytes),
+formats 2 (the columns inside the pickle) and 1 still read, and the allow-list guarding everything unpickled (docs/FORMAT.md, "DCP metadata object")."""
 
 from __future__ import annotations
 
@@ -66,10 +66,10 @@ def saved(tmp_path):
     return root, sd, md
 
 
-def test_format2_written_and_read_back_identically(saved):
+def test_format3_written_and_read_back_identically(saved):
     root, sd, md = saved
     blob = _metadata_bytes(root, "v1")
-    assert blob.startswith(_metadata.MAGIC)
+    assert blob.startswith(b"CKPTSTORE-DCPMETA 3\n")
     r = ckptstore.StorageReader(root)
     r.reset("v1")
     back = r.read_metadata()
@@ -92,8 +92,32 @@ def test_format1_metadata_still_loads(saved):
 
 
 def _head(root):
+    """The header of the written (format 3) object with its columns as bytes — format 2's dict."""
     blob = _metadata_bytes(root, "v1")
-    return pickle.loads(blob[len(_metadata.MAGIC):])  # test-only: our own, verified bytes
+    start = len(_metadata.MAGIC) + 8
+    n = int.from_bytes(blob[len(_metadata.MAGIC):start], "little")
+    head = pickle.loads(blob[start : start + n])  # test-only: our own, verified bytes
+    pos, cols = start + n, {}
+    for k, nb in head["columns"].items():
+        cols[k] = bytes(blob[pos : pos + nb])
+        pos += nb
+    assert pos == len(blob)
+    return {**head, "columns": cols}
+
+
+def _format2(head) -> bytes:
+    return _metadata.MAGIC_2 + pickle.dumps({**head, "format": 2} if type(head) is dict and head.get("format") == 3 else head,
+                                            protocol=5)
+
+
+def _format3(head, lengths=None, tail=b"") -> bytes:
+    """Format 3 bytes of a header whose columns are bytes; ``lengths`` overrides the byte counts."""
+    cols = head["columns"] if type(head) is dict and type(head.get("columns")) is dict else {}
+    counts = lengths if lengths is not None else {k: len(v) if isinstance(v, bytes) else 0 for k, v in cols.items()}
+    h = {**head, "columns": counts} if type(head) is dict else head
+    p = pickle.dumps(h, protocol=5)
+    body = b"".join(v for v in cols.values() if isinstance(v, bytes))
+    return _metadata.MAGIC + len(p).to_bytes(8, "little") + p + body + tail
 
 
 def _mutations(head):
@@ -116,27 +140,61 @@ def _mutations(head):
     yield "column missing", with_(columns={k: v for k, v in cols.items() if k != "item.nbytes"})
     yield "column is not bytes", col("item.nbytes", list(cols["item.nbytes"]))
     yield "names not strings", with_(names=[5] * len(head["names"]))
-    yield "format 3", with_(format=3)
+    yield "format 4", with_(format=4)
     yield "not a dict", [head]
     yield "metadata is not Metadata", with_(metadata={"state_dict_metadata": {}})
     yield "frame offsets past the object", col("frame.offset", b"\xff\xff\xff\x7f\x00\x00\x00\x00" * (len(cols["frame.offset"]) // 8))
 
 
-def test_inconsistent_format2_tables_raise_typed_errors(saved, tmp_path):
+def _refused(root, tmp_path, sd, what, blob):
+    r2 = str(tmp_path / "m" / what.replace(" ", "_"))
+    shutil.copytree(root, r2)
+    forge_metadata(r2, "v1", blob)
+    with pytest.raises(BaseException) as ei:  # CheckpointException is a BaseException
+        _load(r2, "v1", sd)
+    errs = failures(ei.value)
+    assert errs and all(isinstance(x, ckptstore.CkptStoreError) for x in errs), (what, errs)
+
+
+def test_the_written_header_read_back_as_format2_loads(saved, tmp_path):
+    """The same header and columns in format 2's layout (older releases wrote it) load the same state."""
+    root, sd, _md = saved
+    r2 = str(tmp_path / "f2")
+    shutil.copytree(root, r2)
+    forge_metadata(r2, "v1", _format2(_head(root)))
+    assert _metadata_bytes(r2, "v1").startswith(_metadata.MAGIC_2)
+    assert _same(_load(r2, "v1", sd), sd)
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_inconsistent_tables_raise_typed_errors(saved, tmp_path, fmt):
     root, sd, _md = saved
     head = _head(root)
     for what, h in _mutations(head):
-        r2 = str(tmp_path / "m" / what.replace(" ", "_"))
-        shutil.copytree(root, r2)
-        forge_metadata(r2, "v1", _metadata.MAGIC + pickle.dumps(h, protocol=5))
-        with pytest.raises(BaseException) as ei:  # CheckpointException is a BaseException
-            _load(r2, "v1", sd)
-        errs = failures(ei.value)
-        assert errs and all(isinstance(x, ckptstore.CkptStoreError) for x in errs), (what, errs)
+        if fmt == 3 and what == "column is not bytes":
+            continue  # format 3 has no place for a non-bytes column: its byte count is refused below
+        _refused(root, tmp_path, sd, f"{fmt}-{what}", _format2(h) if fmt == 2 else _format3(h))
+    if fmt == 2:
+        _refused(root, tmp_path, sd, "2-format 3 header", _metadata.MAGIC_2 + pickle.dumps(head, protocol=5))
+        return
+    counts = {k: len(v) for k, v in head["columns"].items()}
+    first = next(iter(counts))
+    for what, blob in [
+        ("format 2 header behind the format 3 line", _format3({**head, "format": 2})),
+        ("a column longer than the object", _format3(head, {**counts, first: counts[first] + 10**9})),
+        ("a negative byte count", _format3(head, {**counts, first: -8})),
+        ("a byte count that is not an int", _format3(head, {**counts, first: "8"})),
+        ("bytes after the last column", _format3(head, tail=b"\0" * 8)),
+        ("the last column cut short", _format3(head)[:-8]),
+        ("the pickle length past the end", _metadata.MAGIC + (10**12).to_bytes(8, "little") + b"\x80\x05."),
+        ("nothing after the magic line", _metadata.MAGIC),
+    ]:
+        _refused(root, tmp_path, sd, f"3-{what}", blob)
 
 
-def test_format2_pickle_goes_through_the_allow_list(saved, tmp_path):
-    """A format 2 object whose pickle calls a function is refused; the function never runs."""
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_the_header_pickle_goes_through_the_allow_list(saved, tmp_path, fmt):
+    """A format 2 or 3 object whose pickle calls a function is refused; the function never runs."""
     root, _sd, _md = saved
     marker = tmp_path / "pwned"
 
@@ -146,7 +204,7 @@ def test_format2_pickle_goes_through_the_allow_list(saved, tmp_path):
 
     head = _head(root)
     head["metadata"].planner_data = Evil()
-    forge_metadata(root, "v1", _metadata.MAGIC + pickle.dumps(head, protocol=5))
+    forge_metadata(root, "v1", _format2(head) if fmt == 2 else _format3(head))
     r = ckptstore.StorageReader(root)
     r.reset("v1")
     with pytest.raises(ckptstore.IntegrityError, match="allow"):
@@ -155,7 +213,7 @@ def test_format2_pickle_goes_through_the_allow_list(saved, tmp_path):
 
 
 def test_writer_refuses_metadata_the_reader_would_refuse(tmp_path):
-    """The commit-time check covers the pickled part of format 2 (planner data of a foreign class)."""
+    """The commit-time check covers the pickled part of format 3 (planner data of a foreign class)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class Planner(DefaultSavePlanner):
@@ -239,3 +297,92 @@ def test_rank_item_tables_concatenate_to_the_same_metadata_and_returned_mapping(
     with pytest.raises(TypeError):  # a rank's table with a column that does not add up
         bad = _metadata.ItemTable(per_rank[0].names, per_rank[0].items + 1, per_rank[0].frames, per_rank[0].columns)
         _metadata.pack(md, [bad])
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=12), st.integers(1, 33), st.lists(st.booleans(), max_size=12))
+def test_frames_of_several_buffers_are_the_frames_of_their_bytes(parts, frame_size, as_view):
+    """The metadata object is written from many buffers (the ranks' columns, never joined): its frames
+    must be exactly the frames of the joined bytes — every frame ``frame_size`` bytes but the last, one
+    empty frame for no bytes — whatever the buffers' sizes (empty ones, ones larger than a frame)."""
+    from ckptstore.dcp._frames import split, split_parts
+
+    bufs = [memoryview(p) if as_view[i % len(as_view)] else p for i, p in enumerate(parts)] if as_view else parts
+    got = [bytes(c) for c, *_ in split_parts(bufs, frame_size, [])]
+    want = [bytes(c) for c, *_ in split(memoryview(b"".join(parts)), frame_size, 0, [])]
+    assert got == want
+
+
+def test_a_rank_table_naming_a_position_past_its_own_names_is_refused():
+    """Each rank's name positions are checked against that rank's names, not the merged list: a
+    position valid only in a longer table of another rank, or a negative one, is refused."""
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from ckptstore.codec.frame import FrameRef
+    from ckptstore.dcp._types import ItemLocation
+
+    def table(r, k):
+        idx = [MetadataIndex(f"w{i}") for i in range(k)]
+        locs = [ItemLocation(f"attempts/a/r{r:05d}.ckd", (FrameRef(i, 1, 1, 0, i),), 1, "uint8", (1,)) for i in range(k)]
+        return _metadata.pack_items(idx, locs)
+
+    small, big = table(0, 2), table(1, 9)
+    md = Metadata(state_dict_metadata={})
+    assert _metadata.unpack(_metadata.pack(md, [small, big]), pickle.loads, "t").storage_data  # as packed: fine
+    for col, value in [("item.fqn", len(small.names) + 1), ("item.object", -2), ("item.dtype", len(small.names))]:
+        cols = dict(small.columns)
+        cols[col] = value.to_bytes(4, "little", signed=True) + cols[col][4:]
+        bad = _metadata.ItemTable(small.names, small.items, small.frames, cols)
+        with pytest.raises(TypeError, match="name that does not exist"):
+            _metadata.pack(md, [bad, big])
+
+
+@pytest.mark.parametrize("layout", ["grid", "ranks-reversed", "one-rank-missing-a-tensor", "ragged-ndim"])
+def test_chunk_lists_packed_from_rank_tables_read_back_exactly(layout):
+    """The chunk lists are taken from the ranks' item columns (transposed at once when every rank holds
+    a shard of every tensor, else sorted by name and gathered): whatever the layout, what a reader
+    rebuilds is DCP's own chunk lists and items, exactly."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from ckptstore.codec.frame import FrameRef
+    from ckptstore.dcp._types import ItemLocation
+
+    ranks, tensors = 4, 3
+    holders = {t: list(range(ranks)) for t in range(tensors)}
+    if layout == "one-rank-missing-a-tensor":
+        holders[1] = [0, 1, 3]
+    nd_of = {t: (3 if layout == "ragged-ndim" and t == 2 else 2) for t in range(tensors)}
+    sdm, tables, merged = {}, [], {}
+    for t in range(tensors):
+        nd = nd_of[t]
+        hs = holders[t]
+        chunks = [ChunkStorageMetadata(torch.Size([j * 8] + [0] * (nd - 1)), torch.Size([8] + [5] * (nd - 1)))
+                  for j in range(len(hs))]
+        sdm[f"layers.{t}.w"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                     torch.Size([8 * len(hs)] + [5] * (nd - 1)), chunks)
+    for r in range(ranks):
+        idx, locs = [], []
+        for t in range(tensors):
+            if r not in holders[t]:
+                continue
+            j = holders[t].index(r)
+            if layout == "ranks-reversed":  # rank r holds chunk ranks-1-r: the items' index order is not the rank order
+                j = ranks - 1 - r
+            nd = nd_of[t]
+            c = sdm[f"layers.{t}.w"].chunks[j]
+            idx.append(MetadataIndex(f"layers.{t}.w", c.offsets, j))
+            locs.append(ItemLocation(f"attempts/a/r{r:05d}.ckd", (FrameRef(t * 64, 64, 40, r * 10 + t, t),), 40 * nd,
+                                     "float32", tuple(c.sizes)))
+        tables.append(_metadata.pack_items(idx, locs))
+        merged.update(zip(idx, locs))
+    md = Metadata(state_dict_metadata=sdm)
+    back = _metadata.unpack(_metadata.pack(md, tables), pickle.loads, "t")
+    assert back.state_dict_metadata == sdm
+    assert list(back.storage_data.items()) == list(merged.items())
+    head = _metadata.pack_head(md, tables)  # every chunk list was packed (none left in the pickled metadata)
+    assert head["chunks"] == sum(len(tm.chunks) for tm in sdm.values())

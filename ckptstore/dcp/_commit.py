@@ -27,7 +27,7 @@ from ..manifest.schema import Manifest, ObjectEntry, nonfinite_text, parse, utcn
 from . import _roots
 from ._checks import check_metadata_loads, value_digest
 from ._frames import NONFINITE_FIRST, tensor_bytes, write_small_object
-from ._metadata import ItemTables, dump, objects_only, pack_head
+from ._metadata import ItemTables, dump, pack_head
 from ._reports import UploadFailure, collect, digest_result
 from ._stage import OwnLock
 from ._types import RootReport
@@ -198,13 +198,14 @@ class Committer(OwnLock):
         metadata.storage_meta = StorageMeta(checkpoint_id=s.version, save_id=s.save_id)  # as FileSystemWriter records it
         # the item locations stay packed: dcp.save returns (and DCP broadcasts) them as ItemTables
         metadata.storage_data = ItemTables(tables)
-        head = pack_head(metadata, tables)  # docs/FORMAT.md, "DCP metadata object" (format 2: packed tables)
-        # never commit what the reader refuses: every object of the pickle (its columns are plain bytes)
-        check_metadata_loads(objects_only(head), s.version)
-        blob = dump(head)
+        head = pack_head(metadata, tables)  # docs/FORMAT.md, "DCP metadata object" (format 3: packed tables)
+        parts = dump(head)  # the header pickle, then the columns as the ranks' tables hold them
         del head
-        meta_entry, meta_codecs = write_small_object(self.tier, codec, s.version, layout.metadata_name(s.attempt), blob,
+        # never commit what the reader refuses: every object of the pickle (the columns follow it as bytes)
+        check_metadata_loads(parts[0], s.version)
+        meta_entry, meta_codecs = write_small_object(self.tier, codec, s.version, layout.metadata_name(s.attempt), parts,
                                                      cfg.frame_size, threads=cfg.threads)
+        del parts
         reports.sort(key=lambda r: r.rank)
         objects = [ObjectEntry(r.name, r.size, r.digest, r.frames, r.rank, r.nbytes) for r in reports]
         codecs = sorted({c for r in reports for c in r.codecs} | set(meta_codecs))

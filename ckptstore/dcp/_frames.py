@@ -10,9 +10,11 @@ same loop (:func:`write_small_object`).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures as cf
 import io
+import itertools
 from typing import Any
 
 import torch
@@ -190,21 +192,49 @@ def chain_of(head: bytes) -> str:
 _PARALLEL_FRAMES = 4
 
 
-def write_small_object(tier, codec: FrameCodec, version: str, name: str, blob: bytes | memoryview,
+def split_parts(parts: list, frame_size: int, refs: list):
+    """(chunk, 0, refs, None, None) for each frame of the bytes of ``parts`` (bytes or byte-format
+    memoryviews, read one after the other), as :func:`split` gives them for one buffer: a frame
+    inside one part is a slice of it, a frame across parts joins its parts (at most ``frame_size``
+    bytes copied at a time). The work per part is its length; per frame, a search and a join."""
+    ends = list(itertools.accumulate(map(len, parts)))
+    total = ends[-1] if ends else 0
+    if not total:
+        yield memoryview(b""), 0, refs, None, None
+        return
+    i = 0  # the part that holds byte ``pos``
+    for pos in range(0, total, frame_size):
+        stop = min(pos + frame_size, total)
+        while ends[i] <= pos:
+            i += 1
+        j = bisect.bisect_left(ends, stop, i)  # the part that holds byte ``stop - 1``
+        lo = pos - (ends[i] - len(parts[i]))
+        if i == j:
+            yield memoryview(parts[i])[lo : lo + stop - pos], 0, refs, None, None
+            continue
+        hi = stop - (ends[j] - len(parts[j]))
+        pieces = [memoryview(parts[i])[lo:], *parts[i + 1 : j], memoryview(parts[j])[:hi]]
+        yield memoryview(b"".join(pieces)), 0, refs, None, None
+
+
+def write_small_object(tier, codec: FrameCodec, version: str, name: str, blob: bytes | memoryview | list,
                        frame_size: int, threads: int = 1) -> tuple[ObjectEntry, tuple]:
-    """Write ``blob`` as the object ``name`` of ``version``; its manifest entry and codec chains.
-    Its frames are encoded (compressed, encrypted, checksummed) on up to ``threads`` threads when
-    there are more than a few (the DCP metadata object of a large job), and written in order."""
+    """Write ``blob`` (one buffer, or a list of buffers that follow each other) as the object
+    ``name`` of ``version``; its manifest entry and codec chains. Its frames are encoded
+    (compressed, encrypted, checksummed) on up to ``threads`` threads when there are more than a few
+    (the DCP metadata object of a large job), and written in order."""
     refs: list = []
-    mv = memoryview(blob).cast("B")
-    nframes = -(-len(mv) // frame_size)
+    parts = blob if isinstance(blob, list) else [blob]
+    parts = [p if type(p) is bytes else memoryview(p).cast("B") for p in parts]
+    size = sum(map(len, parts))
+    nframes = -(-size // frame_size)
     with ObjectSink(tier, layout.object_key(version, name), "write.metadata") as sink:
         if threads > 1 and nframes > _PARALLEL_FRAMES:
             with cf.ThreadPoolExecutor(threads, thread_name_prefix="ckptstore-meta") as pool:
-                write_frames(sink, codec, name, split(mv, frame_size, 0, refs), pool, 2 * threads)
+                write_frames(sink, codec, name, split_parts(parts, frame_size, refs), pool, 2 * threads)
         else:
-            write_frames(sink, codec, name, split(mv, frame_size, 0, refs))
-    return ObjectEntry(name, sink.offset, sink.hexdigest(), sink.frames, None, len(mv)), tuple(sink.codecs)
+            write_frames(sink, codec, name, split_parts(parts, frame_size, refs))
+    return ObjectEntry(name, sink.offset, sink.hexdigest(), sink.frames, None, size), tuple(sink.codecs)
 
 
 class ShardWriter:
@@ -315,4 +345,4 @@ def _nonfinite_of(per_item: list) -> tuple:
 
 
 __all__ = ["DEFAULT_FRAME_SIZE", "NONFINITE_FIRST", "ObjectSink", "Scan", "ShardWriter", "split", "tensor_bytes",
-           "write_frames", "write_small_object"]
+           "split_parts", "write_frames", "write_small_object"]

@@ -1,23 +1,27 @@
 """The contents of a version's DCP metadata object (docs/FORMAT.md, "DCP metadata object").
 
-Format 2 (the current one): the line ``CKPTSTORE-DCPMETA 2\\n`` followed by one pickle
-(protocol 5, read with the reader's allow-list unpickler) of a dict of plain values::
+Format 3 (the current one): the line ``CKPTSTORE-DCPMETA 3\n``, the length of the pickle that
+follows (8 bytes, little-endian), one pickle (protocol 5, read with the reader's allow-list
+unpickler) of a dict of plain values, then the columns' bytes, in the order the dict names them::
 
-    {"format": 2,
+    {"format": 3,
      "metadata": Metadata(...),  # DCP's, with storage_data=None and packed chunk lists emptied
      "names":    [str, ...],     # fqns, object names and dtypes, referred to by position
      "items":    int,            # storage_data entries
      "frames":   int,            # FrameRefs of all entries
      "chunks":   int,            # packed ChunkStorageMetadata
-     "columns":  {name: bytes}}  # little-endian arrays, see COLUMNS
+     "columns":  {name: int}}    # bytes of each column (little-endian arrays, see COLUMNS)
 
 The per-item locations (``MetadataIndex → ItemLocation(FrameRef, ...)``) and the chunk lists of
 ``TensorStorageMetadata`` are stored as columns of fixed-width integers instead of one pickled
 object each, so writing and reading them costs a few vectorised passes, not hundreds of thousands
-of pickled objects. :func:`unpack` rebuilds the same ``Metadata`` that format 1 held.
+of pickled objects. The columns follow the pickle as raw bytes, so the writer frames them straight
+from the ranks' item tables (never joined into one buffer, never copied by a pickler) and the
+reader reads them where they lie. :func:`unpack` rebuilds the same ``Metadata`` that format 1 held.
 
-Format 1 (older ckptstore releases): a pickle of DCP ``Metadata`` whose ``storage_data`` maps
-``MetadataIndex`` to ``ItemLocation``; still read.
+Format 2 (older ckptstore releases, still read): the line ``CKPTSTORE-DCPMETA 2\n`` and one
+pickle of the same dict whose ``columns`` hold the bytes themselves. Format 1: a pickle of DCP
+``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to ``ItemLocation``; still read.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import gc
-import io
 import itertools
 import operator
 import pickle
@@ -39,8 +42,12 @@ from ..codec.frame import FrameRef
 from ..errors import IntegrityError
 from ._types import ItemLocation
 
-MAGIC = b"CKPTSTORE-DCPMETA 2\n"
-FORMAT = 2
+MAGIC = b"CKPTSTORE-DCPMETA 3\n"
+FORMAT = 3
+#: format 2 (read, not written): the columns' bytes inside the pickle
+MAGIC_2 = b"CKPTSTORE-DCPMETA 2\n"
+#: format 3: the pickle's length after the magic line
+_PICKLE_LEN = 8
 
 # column name → (numpy dtype, what it counts: one value per item / frame / chunk, or a flat list)
 COLUMNS: dict[str, tuple[str, str]] = {
@@ -200,14 +207,16 @@ def _common_prefix(a: tuple, b: tuple) -> int:
     return lo
 
 
-def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, bytes], int, int]:
-    """Concatenate ``tables`` (in order) into one set of item/frame columns whose name positions
-    refer to ``names``; returns (columns, items, frames). Raises ``TypeError`` when a table is not
-    an :class:`ItemTable` with whole columns of the right lengths.
+def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, int]:
+    """The columns of ``tables`` (in order) as one set of item/frame columns whose name positions
+    refer to ``names``; returns (columns, items, frames), each column a list of buffers (pieces) to
+    be read one after the other (:func:`_joined` makes one buffer). Raises ``TypeError`` when a
+    table is not an :class:`ItemTable` with whole columns of the right lengths.
 
-    One ``join`` per column over all tables and one vectorised lookup per name column: the work per
-    table is a few length checks and the names it does not share with the table before it."""
-    # every check is one pass per column over all tables (C-level map/join), not a Python loop per
+    The ranks' own column bytes are the pieces (no copy); the name columns are remapped in one
+    vectorised lookup each. The work per table is a few length checks and the names it does not
+    share with the table before it."""
+    # every check is one pass per column over all tables (C-level map), not a Python loop per
     # table and column
     if not _only(tables, ItemTable):
         raise TypeError("a rank's item table is not an ItemTable")
@@ -255,26 +264,46 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, bytes], int, i
         n_names.append(len(tn))
     n = int(items_a.sum())
     nf = int(frames_a.sum())
-    cols = {k: b"".join(v) for k, v in raws.items()}
+    cols: dict[str, list] = dict(raws)
     if n:
-        per_item = np.repeat(np.arange(len(tables)), counts)
-        limit = np.asarray(n_names, np.int64)[per_item]
-        base = (np.cumsum(n_names) - np.asarray(n_names, np.int64))[per_item]
+        # checked per table (its largest and smallest position against its names), then remapped in
+        # one gather: a table's positions shifted by where its names start in the concatenated remaps
+        has = items_a > 0
+        starts = (np.cumsum(items_a) - items_a)[has]
+        limit = np.asarray(n_names, np.int64)[has]
+        shift = np.repeat(np.cumsum(n_names) - np.asarray(n_names, np.int64), counts)
         remap_all = np.concatenate(remaps) if remaps else np.empty(0, "<i4")
         for k in _ID_COLUMNS:
-            local = np.frombuffer(cols[k], "<i4").astype(np.int64)
+            local = np.frombuffer(_joined(cols[k]), "<i4")
             lo = -1 if k == "item.dtype" else 0
-            if (local >= limit).any() or (local < lo).any():
+            if (np.maximum.reduceat(local, starts) >= limit).any() or (np.minimum.reduceat(local, starts) < lo).any():
                 raise TypeError(f"item table column {k} refers to a name that does not exist")
-            g = remap_all[base + np.maximum(local, 0)]
-            if k == "item.dtype":
-                g = np.where(local < 0, -1, g)
-            cols[k] = g.astype("<i4").tobytes()
+            none = local < 0 if lo < 0 else None
+            g = remap_all[shift + (np.maximum(local, 0) if none is not None else local)]
+            if none is not None and none.any():
+                g[none] = -1
+            cols[k] = [_bytes_of(g.astype("<i4", copy=False))]
     for k, (dt, _per) in OPTIONAL_COLUMNS.items():  # kept only when every table has it
         opt = [t.columns.get(k) for t in tables]
         if tables and all(type(r) is bytes and len(r) == t.items * np.dtype(dt).itemsize for r, t in zip(opt, tables)):
-            cols[k] = b"".join(opt)
+            cols[k] = opt
     return cols, n, nf
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy."""
+    return memoryview(np.ascontiguousarray(a)).cast("B")
+
+
+def _joined(pieces: list):
+    """One buffer holding ``pieces`` one after the other (the piece itself when there is one)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return b"".join(pieces)
+
+
+def _nbytes(pieces: list) -> int:
+    return sum(map(len, pieces))  # pieces are bytes or byte-format memoryviews: len is the byte count
 
 
 #: chunks of one tensor checked against DCP's own objects when its chunk list is taken from the
@@ -299,29 +328,84 @@ class _ItemChunks:
     """The chunk lists DCP's default planner builds, read from the item columns instead of from
     millions of ``ChunkStorageMetadata`` objects: DCP appends one chunk per write item of a tensor
     and gives the item's ``MetadataIndex`` the chunk's position (``index``), its ``offset`` the
-    chunk's offsets; the item's stored ``shape`` is the chunk's sizes. Grouped once (a stable sort of
-    the items by name)."""
+    chunk's offsets; the item's stored ``shape`` is the chunk's sizes.
 
-    def __init__(self, cols: dict, n: int) -> None:
-        a = {k: np.frombuffer(cols[k], COLUMNS[k][0]) for k in
-             ("item.fqn", "item.index", "item.offset_ndim", "item.offsets", "item.shape_ndim", "item.shapes")}
-        self.a = a
+    Two ways to group the items by tensor, both vectorised: when every rank's table lists the same
+    names in the same order with offsets and shapes of one length (an FSDP/TP save: every rank holds
+    a shard of every tensor), the columns viewed as ranks × items are transposed once, and a
+    tensor's chunk list is one row; otherwise the items are sorted by name once (stable) and a
+    tensor's chunk list is gathered from its run."""
+
+    def __init__(self, cols: dict, n: int, counts: list) -> None:
+        self.a = {k: np.frombuffer(_joined(cols[k]), COLUMNS[k][0]) for k in
+                  ("item.fqn", "item.index", "item.offset_ndim", "item.offsets", "item.shape_ndim", "item.shapes")}
+        self.n = n
+        self.col_of: dict[int, int] | None = None  # the rank-grid layout: tensor name -> its column
+        self.sorted = False
+        self._grid(counts)
+
+    def _grid(self, counts: list) -> None:
+        a, n = self.a, self.n
+        k = counts[0] if counts else 0
+        ranks = len(counts)
+        if not (k and n == ranks * k and min(counts) == max(counts)):
+            return
+        on, sn = a["item.offset_ndim"], a["item.shape_ndim"]
+        nd = int(on[0])
+        if nd < 0 or not ((on == nd).all() and (sn == nd).all()):
+            return
+        fq = a["item.fqn"].reshape(ranks, k)
+        first = fq[0].tolist()
+        if len(set(first)) != k or not (fq == fq[0]).all():
+            return
+        self.nd = nd
+        self.ranks = ranks
+        self.col_of = dict(zip(first, range(k)))
+        self.index_t = np.ascontiguousarray(a["item.index"].reshape(ranks, k).T)
+        self.offs_t = np.ascontiguousarray(a["item.offsets"].reshape(ranks, k, nd).transpose(1, 0, 2))
+        self.sizes_t = np.ascontiguousarray(a["item.shapes"].reshape(ranks, k, nd).transpose(1, 0, 2))
+        self.want = np.arange(ranks, dtype=np.int64)
+
+    def _sort(self) -> None:
+        a, n = self.a, self.n
         fq = a["item.fqn"]
         key = fq.astype(np.uint16) if n and int(fq.max()) < 65536 else fq  # radix sort for up to 65,536 names
         self.order = np.argsort(key, kind="stable")
-        srt = fq[self.order]
         # each name's first position in the sorted items, for every name at once (not two binary
         # searches per tensor): items of name f are order[bounds[f]:bounds[f + 1]]
-        self.bounds = np.searchsorted(srt, np.arange(int(fq.max()) + 2 if n else 1), "left")
+        self.bounds = np.searchsorted(fq[self.order], np.arange(int(fq.max()) + 2 if n else 1), "left")
         on = np.maximum(a["item.offset_ndim"], 0).astype(np.int64)
         sn = np.maximum(a["item.shape_ndim"], 0).astype(np.int64)
         self.ostart = np.cumsum(on) - on
         self.sstart = np.cumsum(sn) - sn
+        self.sorted = True
 
     def chunks(self, fid: int, count: int, nd: int, tm):
         """``(offsets, sizes)`` flat arrays of the tensor ``fid`` (``count`` chunks of ``nd``
         dimensions) from its items, when they are DCP's chunk list (checked on a sample of the
         objects); else None."""
+        got = None
+        p = self.col_of.get(fid) if self.col_of is not None else None
+        if p is not None and count == self.ranks and nd == self.nd and np.array_equal(self.index_t[p], self.want):
+            got = (self.offs_t[p].reshape(-1), self.sizes_t[p].reshape(-1)) if nd else (np.empty(0, "<i8"),) * 2
+        if got is None:
+            got = self._gathered(fid, count, nd)
+        if got is None:
+            return None
+        offs, sizes = got
+        step = max(1, count // _CHUNK_SAMPLES)
+        for s in sorted({0, count - 1, *range(0, count, step)}):
+            c = tm.chunks[s]
+            if (type(c) is not ChunkStorageMetadata or tuple(c.offsets) != tuple(offs[s * nd : (s + 1) * nd].tolist())
+                    or tuple(c.sizes) != tuple(sizes[s * nd : (s + 1) * nd].tolist())):
+                return None
+        return offs, sizes
+
+    def _gathered(self, fid: int, count: int, nd: int):
+        """The chunk list of the items named ``fid``, gathered from their run in the sorted items;
+        None when they are not one chunk per index ``0 .. count - 1`` of ``nd`` dimensions."""
+        if not self.sorted:
+            self._sort()
         a = self.a
         if fid + 1 >= len(self.bounds):
             return None
@@ -341,16 +425,10 @@ class _ItemChunks:
         cols = np.arange(nd, dtype=np.int64)
         offs = a["item.offsets"][(self.ostart[pos][:, None] + cols).ravel()] if nd else np.empty(0, "<i8")
         sizes = a["item.shapes"][(self.sstart[pos][:, None] + cols).ravel()] if nd else np.empty(0, "<i8")
-        step = max(1, count // _CHUNK_SAMPLES)
-        for s in sorted({0, count - 1, *range(0, count, step)}):
-            c = tm.chunks[s]
-            if (type(c) is not ChunkStorageMetadata or tuple(c.offsets) != tuple(offs[s * nd : (s + 1) * nd].tolist())
-                    or tuple(c.sizes) != tuple(sizes[s * nd : (s + 1) * nd].tolist())):
-                return None
         return offs, sizes
 
 
-def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names) -> tuple[dict, dict]:
+def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names, counts: list) -> tuple[dict, dict]:
     """The ``tensor.*`` and ``chunk.*`` columns of ``md`` and its ``state_dict_metadata`` with the
     packed chunk lists emptied. A tensor's chunks are read from the item columns when they are what
     DCP's planner made of its items (:class:`_ItemChunks`), else from its objects; a chunk list
@@ -368,7 +446,7 @@ def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names) -> tuple[dict,
             fid = names.ids.get(fqn)
             if fid is not None:
                 if by_items is None:
-                    by_items = _ItemChunks(cols, n)
+                    by_items = _ItemChunks(cols, n, counts)
                 got = by_items.chunks(fid, len(tm.chunks), nd, tm)
             if got is None:
                 got = _chunks_from_objects(tm, nd)
@@ -379,14 +457,15 @@ def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names) -> tuple[dict,
                 c_size.append(got[1])
                 tm = TensorStorageMetadata(tm.properties, tm.size, [])
         skeleton_sdm[fqn] = tm
-    out = {"tensor.fqn": _col(names.ids_of(t_fqn), "<i4", len(t_fqn)), "tensor.chunks": _col(t_count, "<i8", len(t_count)),
-           "chunk.offsets": (np.concatenate(c_off) if c_off else np.empty(0, "<i8")).astype("<i8").tobytes(),
-           "chunk.sizes": (np.concatenate(c_size) if c_size else np.empty(0, "<i8")).astype("<i8").tobytes()}
+    out = {"tensor.fqn": [_col(names.ids_of(t_fqn), "<i4", len(t_fqn))], "tensor.chunks": [_col(t_count, "<i8", len(t_count))],
+           "chunk.offsets": [_bytes_of(x.astype("<i8", copy=False)) for x in c_off] or [b""],
+           "chunk.sizes": [_bytes_of(x.astype("<i8", copy=False)) for x in c_size] or [b""]}
     return out, skeleton_sdm
 
 
 def pack_head(md: Metadata, tables: list | None = None) -> dict:
-    """The format 2 header of ``md`` (the dict :func:`pack` pickles; see the module docstring).
+    """The header of ``md`` (see the module docstring) with each column as a list of buffers
+    (:func:`dump` writes it).
 
     The items come from ``tables`` (the ranks' :class:`ItemTable`, concatenated in order) or, when
     it is None, from ``md.storage_data`` (mapping ``MetadataIndex`` to ``ItemLocation``). ``md`` is
@@ -401,7 +480,7 @@ def pack_head(md: Metadata, tables: list | None = None) -> dict:
         tables = [pack_items(list(sd.keys()), list(sd.values()))]
     names = _Names()
     cols, n, nf = _merge_tables(tables, names)
-    chunk_cols, skeleton_sdm = _pack_chunks(md, cols, n, names)
+    chunk_cols, skeleton_sdm = _pack_chunks(md, cols, n, names, [t.items for t in tables])
     cols.update(chunk_cols)
     skeleton = dataclasses.replace(md, state_dict_metadata=skeleton_sdm, storage_data=None)
     return {
@@ -410,53 +489,64 @@ def pack_head(md: Metadata, tables: list | None = None) -> dict:
         "names": names.table,
         "items": n,
         "frames": nf,
-        "chunks": int(np.frombuffer(chunk_cols["tensor.chunks"], "<i8").sum()),
+        "chunks": int(np.frombuffer(_joined(chunk_cols["tensor.chunks"]), "<i8").sum()),
         "columns": cols,
     }
 
 
-def dump(head: dict) -> memoryview:
-    """The bytes of a format 2 metadata object for ``head`` (:func:`pack_head`): the magic line and
-    the pickle, written once into one buffer (no copy of the columns beyond the pickler's)."""
-    buf = io.BytesIO()
-    buf.write(MAGIC)
-    pickle.dump(head, buf, protocol=5)
-    return buf.getbuffer()
-
-
-def objects_only(head: dict) -> bytes:
-    """What of :func:`dump`'s pickle can hold a class: the header with its columns (plain bytes)
-    left out — what the writer unpickles with the reader's allow-list before it commits."""
-    return MAGIC + pickle.dumps({**head, "columns": {}}, protocol=5)
+def dump(head: dict) -> list:
+    """The bytes of a format 3 metadata object for ``head`` (:func:`pack_head`) as a list of
+    buffers to be written one after the other: first the magic line, the pickle's length and the
+    pickle (the header, each column replaced by its byte count), then every column's pieces as they
+    are (no copy)."""
+    cols = head["columns"]
+    p = pickle.dumps({**head, "columns": {k: _nbytes(v) for k, v in cols.items()}}, protocol=5)
+    return [MAGIC + len(p).to_bytes(_PICKLE_LEN, "little") + p, *itertools.chain.from_iterable(cols.values())]
 
 
 def pack(md: Metadata, tables: list | None = None) -> bytes:
-    """Format 2 bytes of ``md`` (:func:`pack_head`, then :func:`dump`)."""
-    return bytes(dump(pack_head(md, tables)))
+    """Format 3 bytes of ``md`` (:func:`pack_head`, then :func:`dump`), joined."""
+    return b"".join(dump(pack_head(md, tables)))
 
 
 def pickled_part(blob: bytes | memoryview) -> memoryview:
-    """The bytes of ``blob`` that are a pickle (all of it for format 1)."""
-    mv = memoryview(blob)
-    return mv[len(MAGIC):] if bytes(mv[: len(MAGIC)]) == MAGIC else mv
+    """The bytes of ``blob`` that are a pickle (all of it for format 1; for format 3 the header,
+    also when ``blob`` is only the first part :func:`dump` returns). Raises ``ValueError`` when a
+    format 3 pickle length points past the end."""
+    mv = memoryview(blob).cast("B")
+    if bytes(mv[: len(MAGIC)]) == MAGIC:
+        start = len(MAGIC) + _PICKLE_LEN
+        n = int.from_bytes(mv[len(MAGIC) : start], "little")
+        if len(mv) < start or start + n > len(mv):
+            raise ValueError("the header pickle's length points past the end of the object")
+        return mv[start : start + n]
+    if bytes(mv[: len(MAGIC_2)]) == MAGIC_2:
+        return mv[len(MAGIC_2):]
+    return mv
 
 
 def unpack(blob: bytes | memoryview, loads: Callable[[memoryview], Any], what: str, digests: list | None = None) -> Any:
-    """The DCP ``Metadata`` held by a *verified* metadata object's bytes (format 1 or 2).
+    """The DCP ``Metadata`` held by a *verified* metadata object's bytes (format 1, 2 or 3).
 
-    ``loads`` is the allow-list unpickler. Raises :class:`IntegrityError` when a format 2 object
-    is inconsistent (wrong types, column lengths that do not add up, names out of range). With
+    ``loads`` is the allow-list unpickler. Raises :class:`IntegrityError` when a format 2 or 3
+    object is inconsistent (wrong types, column lengths that do not add up, names out of range). With
     ``digests`` (a list), the items' XXH3-128 (``item.xxh128_*``, in ``storage_data`` order) are
     appended to it when the object has them.
     """
-    mv = memoryview(blob)
-    if bytes(mv[: len(MAGIC)]) != MAGIC:
+    mv = memoryview(blob).cast("B")
+    magic = bytes(mv[: len(MAGIC)])
+    if magic not in (MAGIC, MAGIC_2):
         return loads(mv)
-    head = loads(mv[len(MAGIC):])
+    try:
+        head = loads(pickled_part(mv))
+        if magic == MAGIC:
+            head = _with_columns(head, mv)
+    except ValueError as e:
+        raise IntegrityError(f"{what}: malformed DCP metadata object ({e})", object=what) from None
     paused = gc.isenabled()
     gc.disable()  # hundreds of thousands of new objects, no cycles: skip the collector's passes
     try:
-        md = _rebuild(head)
+        md = _rebuild(head, FORMAT if magic == MAGIC else 2)
         if digests is not None:
             digests.extend(_digests(head))
         return md
@@ -469,22 +559,43 @@ def unpack(blob: bytes | memoryview, loads: Callable[[memoryview], Any], what: s
             gc.enable()
 
 
+def _with_columns(head: Any, mv: memoryview) -> dict:
+    """A format 3 ``head`` with its columns (byte counts) replaced by the bytes that follow the
+    pickle in ``mv`` (memoryviews, no copy); they must fill the object exactly."""
+    if type(head) is not dict or type(head.get("columns")) is not dict:
+        _bad("not a format 3 header")
+    pos = len(MAGIC) + _PICKLE_LEN + int.from_bytes(mv[len(MAGIC) : len(MAGIC) + _PICKLE_LEN], "little")
+    cols = {}
+    for name, nb in head["columns"].items():
+        if type(name) is not str or type(nb) is not int or nb < 0 or pos + nb > len(mv):
+            _bad(f"column {name!r}: byte count {nb!r} does not fit the object")
+        cols[name] = mv[pos : pos + nb]
+        pos += nb
+    if pos != len(mv):
+        _bad(f"{len(mv) - pos} bytes after the last column")
+    return {**head, "columns": cols}
+
+
 def _bad(msg: str):
     raise ValueError(msg)
+
+
+def _is_bytes(x) -> bool:
+    return type(x) is bytes or type(x) is memoryview
 
 
 def _digests(head: dict) -> list:
     """The items' XXH3-128 from the optional ``item.xxh128_*`` columns (``[]`` when absent)."""
     cols, n = head["columns"], head["items"]
     lo, hi = cols.get("item.xxh128_lo"), cols.get("item.xxh128_hi")
-    if type(lo) is not bytes or type(hi) is not bytes or len(lo) != 8 * n or len(hi) != 8 * n:
+    if not (_is_bytes(lo) and _is_bytes(hi)) or len(lo) != 8 * n or len(hi) != 8 * n:
         return []
     return [(h << 64) | low for low, h in zip(np.frombuffer(lo, "<u8").tolist(), np.frombuffer(hi, "<u8").tolist())]
 
 
-def _rebuild(head: Any) -> Metadata:
-    if type(head) is not dict or head.get("format") != FORMAT:
-        _bad("not a format 2 header")
+def _rebuild(head: Any, fmt: int) -> Metadata:
+    if type(head) is not dict or head.get("format") != fmt:
+        _bad(f"not a format {fmt} header")
     md = head["metadata"]
     names = head["names"]
     cols = head["columns"]
@@ -496,7 +607,7 @@ def _rebuild(head: Any) -> Metadata:
     a: dict[str, np.ndarray] = {}
     for name, (dt, _per) in COLUMNS.items():
         raw = cols.get(name)
-        if type(raw) is not bytes or len(raw) % np.dtype(dt).itemsize:
+        if not _is_bytes(raw) or len(raw) % np.dtype(dt).itemsize:
             _bad(f"column {name} is missing or not whole values")
         a[name] = np.frombuffer(raw, dtype=dt)
     nt = len(a["tensor.fqn"])
@@ -583,7 +694,7 @@ class ItemTables(collections.abc.Mapping):
         if self._d is None:
             names = _Names()
             cols, n, _nf = _merge_tables(self._tables, names)
-            a = {k: np.frombuffer(v, dtype=COLUMNS[k][0]) for k, v in cols.items()}
+            a = {k: np.frombuffer(_joined(v), dtype=COLUMNS[k][0]) for k, v in cols.items() if k in COLUMNS}
             self._d = _storage_data(a, names.table, n)
         return self._d
 
@@ -615,5 +726,5 @@ def _split_flat(ndims: list[int], flat: list[int]) -> list:
     return out
 
 
-__all__ = ["MAGIC", "FORMAT", "OPTIONAL_COLUMNS", "ItemTable", "ItemTables", "dump", "objects_only", "pack", "pack_head",
+__all__ = ["MAGIC", "MAGIC_2", "FORMAT", "OPTIONAL_COLUMNS", "ItemTable", "ItemTables", "dump", "pack", "pack_head",
            "pack_items", "unpack", "pickled_part"]

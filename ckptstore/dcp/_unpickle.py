@@ -69,8 +69,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _restricted_loads(blob: bytes, what: str, digests: list | None = None):
-    """The DCP ``Metadata`` of a *verified* metadata object (format 1: a pickle; format 2: a pickle
-    plus packed tables, ``_metadata.unpack``, which fills ``digests`` when given); everything
+    """The DCP ``Metadata`` of a *verified* metadata object (format 1: a pickle; formats 2 and 3: a
+    pickle plus packed tables, ``_metadata.unpack``, which fills ``digests`` when given); everything
     unpickled goes through the allow-list."""
     from ._metadata import unpack
 

@@ -17,7 +17,7 @@ Call sequence (as DCP drives it; see ``torch.distributed.checkpoint.storage.Stor
    AES-GCM, XXH3), appends them to the rank's object ``attempts/<attempt>/rNNNNN.ckd`` and fsyncs
    it and its directory; returns ``WriteResult``s carrying frame locations and the object's size
    and digest.
-5. (coordinator) ``finish`` — **phase 2**: writes DCP's ``Metadata`` (compact format 2,
+5. (coordinator) ``finish`` — **phase 2**: writes DCP's ``Metadata`` (compact format 3,
    docs/FORMAT.md "DCP metadata object") as a framed object, fsyncs it, then commits
    ``manifest.json`` with put-if-absent (temp file, fsync, ``os.link``, fsync dir). Only then does
    the version exist. With node-local roots the other roots then receive copies
