@@ -386,3 +386,22 @@ def test_chunk_lists_packed_from_rank_tables_read_back_exactly(layout):
     assert list(back.storage_data.items()) == list(merged.items())
     head = _metadata.pack_head(md, tables)  # every chunk list was packed (none left in the pickled metadata)
     assert head["chunks"] == sum(len(tm.chunks) for tm in sdm.values())
+
+
+def test_the_returned_mapping_of_an_incremental_save_reads_its_items():
+    """``dcp.save`` returns ``Metadata.storage_data`` as ``ItemTables`` over the ranks' tables; an
+    incremental writer's tables also carry the optional ``item.xxh128_*`` columns, which the mapping
+    must skip, not trip over, when it unpacks."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from ckptstore.codec.frame import FrameRef
+    from ckptstore.dcp._types import ItemLocation
+
+    idx = [MetadataIndex("a"), MetadataIndex("b")]
+    locs = [ItemLocation("attempts/x/r00000.ckd", (FrameRef(0, 9, 4, 1, 0),), 4, "uint8", (4,)),
+            ItemLocation("attempts/x/r00000.ckd", (FrameRef(9, 9, 4, 2, 1),), 4, "uint8", (4,))]
+    table = _metadata.pack_items(idx, locs, digests=[1 << 70, 5])
+    assert "item.xxh128_lo" in table.columns
+    returned = _metadata.ItemTables([table])
+    assert returned[MetadataIndex("b")] == locs[1]
+    assert list(returned.items()) == list(zip(idx, locs))
