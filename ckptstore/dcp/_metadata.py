@@ -515,14 +515,21 @@ def pickled_part(blob: bytes | memoryview) -> memoryview:
     format 3 pickle length points past the end."""
     mv = memoryview(blob).cast("B")
     if bytes(mv[: len(MAGIC)]) == MAGIC:
-        start = len(MAGIC) + _PICKLE_LEN
-        n = int.from_bytes(mv[len(MAGIC) : start], "little")
-        if len(mv) < start or start + n > len(mv):
-            raise ValueError("the header pickle's length points past the end of the object")
-        return mv[start : start + n]
+        start, end = _header_span(mv)
+        return mv[start:end]
     if bytes(mv[: len(MAGIC_2)]) == MAGIC_2:
         return mv[len(MAGIC_2):]
     return mv
+
+
+def _header_span(mv: memoryview) -> tuple[int, int]:
+    """Where a format 3 object's header pickle starts and ends in ``mv``; ``ValueError`` when its
+    length field is cut off or points past the end."""
+    start = len(MAGIC) + _PICKLE_LEN
+    end = start + int.from_bytes(mv[len(MAGIC) : start], "little")
+    if len(mv) < start or end > len(mv):
+        raise ValueError("the header pickle's length points past the end of the object")
+    return start, end
 
 
 def unpack(blob: bytes | memoryview, loads: Callable[[memoryview], Any], what: str, digests: list | None = None) -> Any:
@@ -564,7 +571,7 @@ def _with_columns(head: Any, mv: memoryview) -> dict:
     pickle in ``mv`` (memoryviews, no copy); they must fill the object exactly."""
     if type(head) is not dict or type(head.get("columns")) is not dict:
         _bad("not a format 3 header")
-    pos = len(MAGIC) + _PICKLE_LEN + int.from_bytes(mv[len(MAGIC) : len(MAGIC) + _PICKLE_LEN], "little")
+    pos = _header_span(mv)[1]
     cols = {}
     for name, nb in head["columns"].items():
         if type(name) is not str or type(nb) is not int or nb < 0 or pos + nb > len(mv):
