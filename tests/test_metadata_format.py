@@ -143,6 +143,11 @@ def _mutations(head):
     yield "format 4", with_(format=4)
     yield "not a dict", [head]
     yield "metadata is not Metadata", with_(metadata={"state_dict_metadata": {}})
+    yield "item_chunks past the tensors", with_(item_chunks=head["item_chunks"] + 1)
+    yield "item_chunks negative", with_(item_chunks=-1)
+    yield "item_chunks not an int", with_(item_chunks=str(head["item_chunks"]))
+    # a tensor whose chunk list is its items, but whose item has another index than its chunk's
+    yield "an item's index is not its chunk's", col("item.index", (7).to_bytes(8, "little") + cols["item.index"][8:])
     yield "frame offsets past the object", col("frame.offset", b"\xff\xff\xff\x7f\x00\x00\x00\x00" * (len(cols["frame.offset"]) // 8))
 
 
@@ -317,6 +322,55 @@ def test_frames_of_several_buffers_are_the_frames_of_their_bytes(parts, frame_si
     assert got == want
 
 
+_name = st.sampled_from(["w", "layers.0.w", "é", "attempts/a/r00000.ckd", "attempts/a/r00001.ckd", "", "ab", "a", "b"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(_name, max_size=8, unique=True), min_size=1, max_size=6))
+def test_ranks_names_merge_as_their_strings_whatever_they_share(per_rank):
+    """The coordinator compares the ranks' names as encoded bytes (which leading names a rank shares
+    with the one before it) and decodes only the rest: the merged names and every item's names must
+    be what comparing the strings gives, whatever the ranks share — nothing, everything, a prefix,
+    names that differ only where one ends and the next starts ("ab","" against "a","b")."""
+    from ckptstore.codec.frame import FrameRef
+    from ckptstore.dcp._types import ItemLocation
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    tables, want = [], []
+    for r, names in enumerate(per_rank):
+        # one item per name, naming it as its fqn (the table's names are its fqns, then its objects)
+        idx = [MetadataIndex(x, [r]) for x in names]  # (an index alone does not tell keys apart)
+        locs = [ItemLocation(f"attempts/a/r{r:05d}.ckd", (FrameRef(0, 1, 1, 0, 0),), 1, None, None) for _ in names]
+        t = _metadata.pack_items(idx, locs)
+        tables.append(pickle.loads(pickle.dumps(t)))  # as DCP's gather delivers it: names encoded
+        assert tables[-1].names == t.names
+        want += list(zip(idx, locs))
+    got = _metadata.ItemTables(tables)
+    assert list(got.items()) == want
+
+
+def test_rank_tables_whose_name_bytes_do_not_add_up_are_refused():
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from ckptstore.codec.frame import FrameRef
+    from ckptstore.dcp._types import ItemLocation
+
+    idx = [MetadataIndex("w0"), MetadataIndex("w1")]
+    locs = [ItemLocation("attempts/a/r00000.ckd", (FrameRef(i, 1, 1, 0, i),), 1, "uint8", (1,)) for i in range(2)]
+    t = _metadata.pack_items(idx, locs)
+    blob, ends = t.encoded()
+    md = Metadata(state_dict_metadata={})
+    for what, b, e in [("ends past the bytes", blob, ends[:-8] + (len(blob) + 3).to_bytes(8, "little")),
+                       ("ends out of order", blob, (5).to_bytes(8, "little") + ends[8:]),
+                       ("not whole ends", blob, ends[:-3]),
+                       ("not UTF-8", b"\xff" + blob[1:], ends),
+                       ("not bytes", list(blob), ends)]:
+        bad = _metadata._table_of_blob(b, e, t.items, t.frames, t.columns)
+        with pytest.raises(TypeError):
+            _metadata.pack(md, [t, bad])
+            pytest.fail(what)
+
+
 def test_a_rank_table_naming_a_position_past_its_own_names_is_refused():
     """Each rank's name positions are checked against that rank's names, not the merged list: a
     position valid only in a longer table of another rank, or a negative one, is refused."""
@@ -341,11 +395,14 @@ def test_a_rank_table_naming_a_position_past_its_own_names_is_refused():
             _metadata.pack(md, [bad, big])
 
 
-@pytest.mark.parametrize("layout", ["grid", "ranks-reversed", "one-rank-missing-a-tensor", "ragged-ndim"])
+@pytest.mark.parametrize("layout", ["grid", "ranks-reversed", "one-rank-missing-a-tensor", "ragged-ndim",
+                                    "chunks-not-items"])
 def test_chunk_lists_packed_from_rank_tables_read_back_exactly(layout):
-    """The chunk lists are taken from the ranks' item columns (transposed at once when every rank holds
-    a shard of every tensor, else sorted by name and gathered): whatever the layout, what a reader
-    rebuilds is DCP's own chunk lists and items, exactly."""
+    """A tensor's chunk list is found in the ranks' item columns (a column of the ranks × items grid
+    when every rank holds a shard of every tensor, else its run of the items sorted by name) and is
+    then not stored again (``item_chunks``); one that is not its items ordered by index is stored in
+    the chunk columns. Whatever the layout, what a reader rebuilds is DCP's own chunk lists and
+    items, exactly."""
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                        TensorStorageMetadata)
 
@@ -365,6 +422,9 @@ def test_chunk_lists_packed_from_rank_tables_read_back_exactly(layout):
                   for j in range(len(hs))]
         sdm[f"layers.{t}.w"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
                                                      torch.Size([8 * len(hs)] + [5] * (nd - 1)), chunks)
+    item_sizes = {t: [tuple(c.sizes) for c in sdm[f"layers.{t}.w"].chunks] for t in range(tensors)}
+    if layout == "chunks-not-items":  # DCP's chunk list of tensor 1 is not what its items say (a custom planner)
+        item_sizes[1][-1] = (7, 5)
     for r in range(ranks):
         idx, locs = [], []
         for t in range(tensors):
@@ -377,7 +437,7 @@ def test_chunk_lists_packed_from_rank_tables_read_back_exactly(layout):
             c = sdm[f"layers.{t}.w"].chunks[j]
             idx.append(MetadataIndex(f"layers.{t}.w", c.offsets, j))
             locs.append(ItemLocation(f"attempts/a/r{r:05d}.ckd", (FrameRef(t * 64, 64, 40, r * 10 + t, t),), 40 * nd,
-                                     "float32", tuple(c.sizes)))
+                                     "float32", item_sizes[t][j]))
         tables.append(_metadata.pack_items(idx, locs))
         merged.update(zip(idx, locs))
     md = Metadata(state_dict_metadata=sdm)
@@ -386,6 +446,34 @@ def test_chunk_lists_packed_from_rank_tables_read_back_exactly(layout):
     assert list(back.storage_data.items()) == list(merged.items())
     head = _metadata.pack_head(md, tables)  # every chunk list was packed (none left in the pickled metadata)
     assert head["chunks"] == sum(len(tm.chunks) for tm in sdm.values())
+    stored = sum(map(len, head["columns"]["chunk.offsets"])) // 8  # chunk values stored in the chunk columns
+    if layout == "chunks-not-items":
+        assert head["item_chunks"] == tensors - 1 and stored == ranks * 2
+    else:
+        assert head["item_chunks"] == tensors and stored == 0
+
+
+def test_format3_objects_without_item_chunks_still_load(saved, tmp_path, monkeypatch):
+    """Format 3 objects written before ``item_chunks`` existed hold every chunk list in the chunk
+    columns and no ``item_chunks`` key; they load the same state."""
+    root, sd, _md = saved
+    head = _head(root)
+    r = ckptstore.StorageReader(root)
+    r.reset("v1")
+    md = r.read_metadata()
+    md.storage_meta.load_id = None
+    monkeypatch.setattr(_metadata._ItemChunks, "positions", lambda self, fid, count, nd: None)
+    old = _metadata.pack_head(md, [_metadata.pack_items(list(md.storage_data), list(md.storage_data.values()))])
+    monkeypatch.undo()
+    assert old.pop("item_chunks") == 0 and head["item_chunks"] == 5
+    assert sum(map(len, old["columns"]["chunk.offsets"])) > 0
+    r2 = str(tmp_path / "old3")
+    shutil.copytree(root, r2)
+    forge_metadata(r2, "v1", b"".join(_metadata.dump(old)))
+    assert _same(_load(r2, "v1", sd), sd)
+    r3 = ckptstore.StorageReader(r2)
+    r3.reset("v1")
+    assert r3.read_metadata().state_dict_metadata == md.state_dict_metadata
 
 
 def test_the_returned_mapping_of_an_incremental_save_reads_its_items():

@@ -10,14 +10,17 @@ unpickler) of a dict of plain values, then the columns' bytes, in the order the 
      "items":    int,            # storage_data entries
      "frames":   int,            # FrameRefs of all entries
      "chunks":   int,            # packed ChunkStorageMetadata
+     "item_chunks": int,         # optional: the first tensors whose chunk lists are their items
      "columns":  {name: int}}    # bytes of each column (little-endian arrays, see COLUMNS)
 
 The per-item locations (``MetadataIndex → ItemLocation(FrameRef, ...)``) and the chunk lists of
 ``TensorStorageMetadata`` are stored as columns of fixed-width integers instead of one pickled
 object each, so writing and reading them costs a few vectorised passes, not hundreds of thousands
-of pickled objects. The columns follow the pickle as raw bytes, so the writer frames them straight
-from the ranks' item tables (never joined into one buffer, never copied by a pickler) and the
-reader reads them where they lie. :func:`unpack` rebuilds the same ``Metadata`` that format 1 held.
+of pickled objects. The columns follow the pickle as raw bytes, so no pickler copies them and the
+reader reads them where they lie. A sharded tensor's chunk list as DCP's planner makes it is its
+items ordered by ``MetadataIndex.index``; such lists (the first ``item_chunks`` tensors) are not
+stored twice: the reader takes them from the item columns (docs/FORMAT.md, "DCP metadata object").
+:func:`unpack` rebuilds the same ``Metadata`` that format 1 held.
 
 Format 2 (older ckptstore releases, still read): the line ``CKPTSTORE-DCPMETA 2\n`` and one
 pickle of the same dict whose ``columns`` hold the bytes themselves. Format 1: a pickle of DCP
@@ -68,8 +71,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "frame.raw_len": ("<i8", "frames"),
     "frame.xxh3": ("<u8", "frames"),
     "frame.index": ("<i8", "frames"),
-    # packed TensorStorageMetadata.chunks: per tensor (in state_dict_metadata order) its fqn and
-    # chunk count; offsets and sizes of every chunk (tensor ndim values each), concatenated
+    # packed TensorStorageMetadata.chunks: per tensor (those whose chunk lists are their items
+    # first, then the others in state_dict_metadata order) its fqn and chunk count; offsets and
+    # sizes of every chunk of the others (tensor ndim values each), concatenated
     "tensor.fqn": ("<i4", "tensors"),
     "tensor.chunks": ("<i8", "tensors"),
     "chunk.offsets": ("<i8", "flat"),
@@ -122,18 +126,87 @@ def _only(values, cls: type) -> bool:
     return not values or set(map(type, values)) == {cls}
 
 
-@dataclasses.dataclass(frozen=True)
 class ItemTable:
     """One rank's ``storage_data`` entries, packed: the ``item.*`` and ``frame.*`` columns of format 2
     (:data:`COLUMNS`) for ``items`` entries holding ``frames`` FrameRefs, with their own ``names``
     table. A rank returns one of these from ``write_data`` instead of one ``WriteResult`` per item,
     so DCP gathers, and the coordinator merges, a few byte strings per rank rather than hundreds of
-    thousands of objects (:func:`pack` concatenates them)."""
+    thousands of objects (:func:`pack` concatenates them).
 
-    names: tuple
-    items: int
-    frames: int
-    columns: dict
+    The names travel as one UTF-8 byte string and the byte offset where each ends (``<i8``), not as
+    a tuple of strings: the coordinator tells which names a rank shares with the rank before it by
+    comparing two byte strings (one ``memcmp``), and decodes only the names that differ. ``names``
+    decodes them all on first use."""
+
+    __slots__ = ("items", "frames", "columns", "_names", "_blob", "_ends")
+
+    def __init__(self, names, items: int, frames: int, columns: dict) -> None:
+        self.items = items
+        self.frames = frames
+        self.columns = columns
+        self._names = tuple(names)
+        self._blob = self._ends = None
+
+    @property
+    def names(self) -> tuple:
+        if self._names is None:
+            self._names = tuple(_decode_names(self._blob, self._ends, 0))
+        return self._names
+
+    def encoded(self) -> tuple[bytes, bytes]:
+        """``(blob, ends)``: the names as UTF-8 bytes one after the other, and each one's end offset
+        (``<i8``). Raises ``TypeError`` when a name is not a string."""
+        if self._blob is None:
+            if not _only(self._names, str):
+                raise TypeError("an item table's names are not strings")
+            raw = [x.encode("utf-8", "surrogatepass") for x in self._names]
+            self._blob = b"".join(raw)
+            self._ends = _col(itertools.accumulate(map(len, raw)), "<i8", len(raw))
+        return self._blob, self._ends
+
+    def __reduce__(self):
+        return (_table_of_blob, (*self.encoded(), self.items, self.frames, self.columns))
+
+    def __eq__(self, other) -> bool:
+        return (type(other) is ItemTable and (self.items, self.frames, self.columns) == (other.items, other.frames, other.columns)
+                and self.encoded() == other.encoded())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ItemTable({self.items} items, {self.frames} frames, {len(self._ends or b'') // 8 or len(self._names or ())} names)"
+
+
+def _table_of_blob(blob: bytes, ends: bytes, items: int, frames: int, columns: dict) -> ItemTable:
+    """An :class:`ItemTable` as it arrives from another rank: its names encoded, decoded on use."""
+    t = ItemTable.__new__(ItemTable)
+    t.items, t.frames, t.columns = items, frames, columns
+    t._names, t._blob, t._ends = None, blob, ends
+    return t
+
+
+def _decode_names(blob, ends: bytes, start: int) -> list:
+    """Names ``start ..`` of an encoded table (:meth:`ItemTable.encoded`); ``TypeError`` when the
+    ends are not whole, not in order within ``blob`` or a name is not UTF-8."""
+    if type(blob) is not bytes or type(ends) is not bytes or len(ends) % 8:
+        raise TypeError("an item table's names are not strings")
+    e = np.frombuffer(ends, "<i8")
+    if (int(e[-1]) if len(e) else 0) != len(blob):
+        raise TypeError("an item table's names do not fill its name bytes")
+    lo = int(e[start - 1]) if start else 0
+    if not 0 <= lo <= len(blob):
+        raise TypeError("an item table's name ends are not in order")
+    tail = e[start:].tolist()
+    out = []
+    for hi in tail:
+        if hi < lo:
+            raise TypeError("an item table's name ends are not in order")
+        try:
+            out.append(blob[lo:hi].decode("utf-8", "surrogatepass"))
+        except UnicodeDecodeError:
+            raise TypeError("an item table's names are not strings") from None
+        lo = hi
+    return out
 
 
 # the order the columns are pickled in (as before item tables existed): the metadata object is
@@ -181,26 +254,41 @@ def pack_items(idx: list, locs: list, digests: list | None = None) -> ItemTable:
         mask = (1 << 64) - 1
         cols["item.xxh128_lo"] = _col((d & mask for d in digests), "<u8", n)
         cols["item.xxh128_hi"] = _col((d >> 64 for d in digests), "<u8", n)
-    return ItemTable(tuple(names.table), n, nf, cols)
+    t = ItemTable(names.table, n, nf, cols)
+    t.encoded()  # on the rank, which packs its table in parallel with the others (not on the coordinator)
+    return t
 
 
 _ID_COLUMNS = ("item.fqn", "item.object", "item.dtype")
 _ITEMSIZE = {k: np.dtype(dt).itemsize for k, (dt, _per) in COLUMNS.items()}
 
 
-def _common_prefix(a: tuple, b: tuple) -> int:
-    """The length of the longest common prefix of two name tuples (a few C-level slice compares:
-    the ranks' tables usually differ only in their last names, their object and dtype)."""
-    p = min(len(a), len(b))
+def _common_prefix(blob: bytes, ends: bytes, pblob: bytes, pends: bytes, guess: int = -1) -> int:
+    """How many leading names two encoded tables (:meth:`ItemTable.encoded`) share: their first j
+    names are equal when their first j ends and the bytes up to the j-th end are (two C-level byte
+    compares; the ranks' tables usually differ only in their last names, their object and dtype).
+    ``guess`` (the answer for the tables before, usually the answer again) is tried first."""
+    p = min(len(ends), len(pends)) // 8
+
+    def same(j: int) -> bool:
+        if not j:
+            return True
+        if not pends.startswith(ends[: 8 * j]):
+            return False
+        end = int.from_bytes(ends[8 * j - 8 : 8 * j], "little", signed=True)
+        return 0 <= end <= len(blob) and pblob.startswith(blob[:end])
+
+    if 0 <= guess <= p and same(guess) and (guess == p or not same(guess + 1)):
+        return guess
     j = max(0, p - 4)
-    if a[:j] == b[:j]:
-        while j < p and a[j] == b[j]:
+    if same(j):
+        while j < p and same(j + 1):
             j += 1
         return j
-    lo, hi = 0, j  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    lo, hi = 0, j  # same(lo), not same(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
+        if same(mid):
             lo = mid
         else:
             hi = mid
@@ -213,9 +301,10 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     be read one after the other (:func:`_joined` makes one buffer). Raises ``TypeError`` when a
     table is not an :class:`ItemTable` with whole columns of the right lengths.
 
-    The ranks' own column bytes are the pieces (no copy); the name columns are remapped in one
-    vectorised lookup each. The work per table is a few length checks and the names it does not
-    share with the table before it."""
+    Each column is the ranks' pieces joined once (one copy: everything after it — the checks, the
+    chunk lists, the frames — works per column, not per rank piece); the name columns are remapped
+    in one vectorised lookup each. The work per table is a few length checks and the names it does
+    not share with the table before it."""
     # every check is one pass per column over all tables (C-level map), not a Python loop per
     # table and column
     if not _only(tables, ItemTable):
@@ -225,7 +314,7 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     if not (_only(counts, int) and _only(fcounts, int)) or (tables and (min(counts) < 0 or min(fcounts) < 0)):
         raise TypeError("a rank's item table has no whole item and frame counts")
     tcols = list(map(_G("columns"), tables))
-    if not _only(tcols, dict) or not _only(list(map(_G("names"), tables)), tuple):
+    if not _only(tcols, dict):
         raise TypeError("a rank's item table is not an ItemTable")
     nt = len(tables)
     items_a = np.asarray(counts, np.int64)
@@ -244,24 +333,21 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
         if want is not None and (lens != want * size).any():
             i = int(np.flatnonzero(lens != want * size)[0])
             raise TypeError(f"item table column {k} has {int(lens[i]) // size} values")
-        raws[k] = col
+        raws[k] = [b"".join(col)]  # one copy of each column: per-piece work after this is per column, not per rank
     n_names: list[int] = []  # names per table
     remaps: list = []  # per table: the position in ``names`` of each of its names
-    prev: tuple = ()
+    prev: tuple = (b"", b"")
     prev_map = np.empty(0, "<i4")
     ids = names.ids
+    j = -1
     for t in tables:
-        tn = t.names
-        j = _common_prefix(tn, prev)
-        tail = []
-        for x in tn[j:]:
-            if type(x) is not str:
-                raise TypeError("an item table's names are not strings")
-            tail.append(ids.setdefault(x, len(ids)))
+        blob, ends = t.encoded()
+        j = _common_prefix(blob, ends, *prev, j)
+        tail = [ids.setdefault(x, len(ids)) for x in _decode_names(blob, ends, j)]
         m = np.concatenate((prev_map[:j], np.asarray(tail, "<i4"))) if tail else prev_map[:j]
         remaps.append(m)
-        prev, prev_map = tn, m
-        n_names.append(len(tn))
+        prev, prev_map = (blob, ends), m
+        n_names.append(len(ends) // 8)
     n = int(items_a.sum())
     nf = int(frames_a.sum())
     cols: dict[str, list] = dict(raws)
@@ -274,7 +360,7 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
         shift = np.repeat(np.cumsum(n_names) - np.asarray(n_names, np.int64), counts)
         remap_all = np.concatenate(remaps) if remaps else np.empty(0, "<i4")
         for k in _ID_COLUMNS:
-            local = np.frombuffer(_joined(cols[k]), "<i4")
+            local = np.frombuffer(cols[k][0], "<i4")
             lo = -1 if k == "item.dtype" else 0
             if (np.maximum.reduceat(local, starts) >= limit).any() or (np.minimum.reduceat(local, starts) < lo).any():
                 raise TypeError(f"item table column {k} refers to a name that does not exist")
@@ -286,7 +372,7 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     for k, (dt, _per) in OPTIONAL_COLUMNS.items():  # kept only when every table has it
         opt = [t.columns.get(k) for t in tables]
         if tables and all(type(r) is bytes and len(r) == t.items * np.dtype(dt).itemsize for r, t in zip(opt, tables)):
-            cols[k] = opt
+            cols[k] = [b"".join(opt)]
     return cols, n, nf
 
 
@@ -325,24 +411,24 @@ def _chunks_from_objects(tm, nd: int):
 
 
 class _ItemChunks:
-    """The chunk lists DCP's default planner builds, read from the item columns instead of from
+    """The chunk lists DCP's default planner builds, found in the item columns instead of in
     millions of ``ChunkStorageMetadata`` objects: DCP appends one chunk per write item of a tensor
     and gives the item's ``MetadataIndex`` the chunk's position (``index``), its ``offset`` the
-    chunk's offsets; the item's stored ``shape`` is the chunk's sizes.
+    chunk's offsets; the item's stored ``shape`` is the chunk's sizes. A tensor's chunk list is
+    then *its items ordered by index* (docs/FORMAT.md, "DCP metadata object": ``item_chunks``).
 
-    Two ways to group the items by tensor, both vectorised: when every rank's table lists the same
-    names in the same order with offsets and shapes of one length (an FSDP/TP save: every rank holds
-    a shard of every tensor), the columns viewed as ranks × items are transposed once, and a
-    tensor's chunk list is one row; otherwise the items are sorted by name once (stable) and a
-    tensor's chunk list is gathered from its run."""
+    ``a``: the item columns as numpy arrays. Two ways to find a tensor's items, both vectorised:
+    with ``counts`` (items per rank table) all equal and every rank's table listing the same names
+    in the same order with offsets and shapes of one length (an FSDP/TP save: every rank holds a
+    shard of every tensor), a tensor's items are a column of the items viewed as ranks × items;
+    otherwise the items are sorted by name once (stable) and a tensor's items are its run."""
 
-    def __init__(self, cols: dict, n: int, counts: list) -> None:
-        self.a = {k: np.frombuffer(_joined(cols[k]), COLUMNS[k][0]) for k in
-                  ("item.fqn", "item.index", "item.offset_ndim", "item.offsets", "item.shape_ndim", "item.shapes")}
+    def __init__(self, a: dict, n: int, counts: list | None = None) -> None:
+        self.a = a
         self.n = n
         self.col_of: dict[int, int] | None = None  # the rank-grid layout: tensor name -> its column
         self.sorted = False
-        self._grid(counts)
+        self._grid(counts or [])
 
     def _grid(self, counts: list) -> None:
         a, n = self.a, self.n
@@ -359,11 +445,10 @@ class _ItemChunks:
         if len(set(first)) != k or not (fq == fq[0]).all():
             return
         self.nd = nd
+        self.k = k
         self.ranks = ranks
         self.col_of = dict(zip(first, range(k)))
-        self.index_t = np.ascontiguousarray(a["item.index"].reshape(ranks, k).T)
-        self.offs_t = np.ascontiguousarray(a["item.offsets"].reshape(ranks, k, nd).transpose(1, 0, 2))
-        self.sizes_t = np.ascontiguousarray(a["item.shapes"].reshape(ranks, k, nd).transpose(1, 0, 2))
+        self.index_g = a["item.index"].reshape(ranks, k)  # a view: a tensor's indexes are a strided column
         self.want = np.arange(ranks, dtype=np.int64)
 
     def _sort(self) -> None:
@@ -380,34 +465,18 @@ class _ItemChunks:
         self.sstart = np.cumsum(sn) - sn
         self.sorted = True
 
-    def chunks(self, fid: int, count: int, nd: int, tm):
-        """``(offsets, sizes)`` flat arrays of the tensor ``fid`` (``count`` chunks of ``nd``
-        dimensions) from its items, when they are DCP's chunk list (checked on a sample of the
-        objects); else None."""
-        got = None
+    def positions(self, fid: int, count: int, nd: int):
+        """``(item positions, offsets starts, shapes starts)`` of the chunk list of tensor ``fid``
+        (``count`` chunks of ``nd`` dimensions) in chunk order, when its items are one per index
+        ``0 .. count - 1``, each with ``nd`` offsets and ``nd`` sizes; else None."""
         p = self.col_of.get(fid) if self.col_of is not None else None
-        if p is not None and count == self.ranks and nd == self.nd and np.array_equal(self.index_t[p], self.want):
-            got = (self.offs_t[p].reshape(-1), self.sizes_t[p].reshape(-1)) if nd else (np.empty(0, "<i8"),) * 2
-        if got is None:
-            got = self._gathered(fid, count, nd)
-        if got is None:
-            return None
-        offs, sizes = got
-        step = max(1, count // _CHUNK_SAMPLES)
-        for s in sorted({0, count - 1, *range(0, count, step)}):
-            c = tm.chunks[s]
-            if (type(c) is not ChunkStorageMetadata or tuple(c.offsets) != tuple(offs[s * nd : (s + 1) * nd].tolist())
-                    or tuple(c.sizes) != tuple(sizes[s * nd : (s + 1) * nd].tolist())):
-                return None
-        return offs, sizes
-
-    def _gathered(self, fid: int, count: int, nd: int):
-        """The chunk list of the items named ``fid``, gathered from their run in the sorted items;
-        None when they are not one chunk per index ``0 .. count - 1`` of ``nd`` dimensions."""
+        if p is not None and count == self.ranks and nd == self.nd and np.array_equal(self.index_g[:, p], self.want):
+            pos = self.want * self.k + p
+            return pos, pos * nd, pos * nd  # every item has nd offsets and nd sizes
         if not self.sorted:
             self._sort()
         a = self.a
-        if fid + 1 >= len(self.bounds):
+        if fid < 0 or fid + 1 >= len(self.bounds):
             return None
         lo, hi = int(self.bounds[fid]), int(self.bounds[fid + 1])
         if hi - lo != count:
@@ -422,18 +491,38 @@ class _ItemChunks:
             pos = pos[perm]
         if not (np.all(a["item.offset_ndim"][pos] == nd) and np.all(a["item.shape_ndim"][pos] == nd)):
             return None
+        return pos, self.ostart[pos], self.sstart[pos]
+
+    def values(self, got, nd: int, rows=None) -> tuple[np.ndarray, np.ndarray]:
+        """Flat ``(offsets, sizes)`` of the chunks :meth:`positions` found (``rows``: only those chunks)."""
+        _pos, o, s = got
+        if rows is not None:
+            o, s = o[rows], s[rows]
         cols = np.arange(nd, dtype=np.int64)
-        offs = a["item.offsets"][(self.ostart[pos][:, None] + cols).ravel()] if nd else np.empty(0, "<i8")
-        sizes = a["item.shapes"][(self.sstart[pos][:, None] + cols).ravel()] if nd else np.empty(0, "<i8")
-        return offs, sizes
+        return (self.a["item.offsets"][(o[:, None] + cols).ravel()], self.a["item.shapes"][(s[:, None] + cols).ravel()])
+
+    def matches(self, got, nd: int, tm) -> bool:
+        """Whether DCP's own chunk list ``tm.chunks`` is the one found: checked on its first, last and
+        :data:`_CHUNK_SAMPLES` chunks spread between."""
+        count = len(got[0])
+        step = max(1, count // _CHUNK_SAMPLES)
+        rows = np.asarray(sorted({0, count - 1, *range(0, count, step)}), np.int64)
+        offs, sizes = (x.reshape(len(rows), nd).tolist() for x in self.values(got, nd, rows))
+        for s, o, z in zip(rows.tolist(), offs, sizes):
+            c = tm.chunks[s]
+            if type(c) is not ChunkStorageMetadata or tuple(c.offsets) != tuple(o) or tuple(c.sizes) != tuple(z):
+                return False
+        return True
 
 
-def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names, counts: list) -> tuple[dict, dict]:
-    """The ``tensor.*`` and ``chunk.*`` columns of ``md`` and its ``state_dict_metadata`` with the
-    packed chunk lists emptied. A tensor's chunks are read from the item columns when they are what
-    DCP's planner made of its items (:class:`_ItemChunks`), else from its objects; a chunk list
+def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names, counts: list) -> tuple[dict, dict, int]:
+    """The ``tensor.*`` and ``chunk.*`` columns of ``md``, its ``state_dict_metadata`` with the
+    packed chunk lists emptied, and ``item_chunks``. A tensor whose chunk list is its items ordered
+    by index (:class:`_ItemChunks`) is listed first and stores no chunk values (the reader takes
+    them from the item columns); the others' chunks are read from their objects; a chunk list
     neither way describes stays in the pickled metadata as it is."""
     skeleton_sdm: dict[str, Any] = {}
+    from_items: list[tuple[str, int]] = []
     t_fqn: list[str] = []
     t_count: list[int] = []
     c_off: list = []
@@ -442,14 +531,17 @@ def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names, counts: list) 
     for fqn, tm in md.state_dict_metadata.items():
         if type(tm) is TensorStorageMetadata and tm.chunks:
             nd = len(tm.size)
-            got = None
             fid = names.ids.get(fqn)
             if fid is not None:
                 if by_items is None:
-                    by_items = _ItemChunks(cols, n, counts)
-                got = by_items.chunks(fid, len(tm.chunks), nd, tm)
-            if got is None:
-                got = _chunks_from_objects(tm, nd)
+                    by_items = _ItemChunks({k: np.frombuffer(_joined(cols[k]), COLUMNS[k][0]) for k in _CHUNK_COLUMNS},
+                                           n, counts)
+                got = by_items.positions(fid, len(tm.chunks), nd)
+                if got is not None and by_items.matches(got, nd, tm):
+                    from_items.append((fqn, len(tm.chunks)))
+                    skeleton_sdm[fqn] = TensorStorageMetadata(tm.properties, tm.size, [])
+                    continue
+            got = _chunks_from_objects(tm, nd)
             if got is not None:
                 t_fqn.append(fqn)
                 t_count.append(len(tm.chunks))
@@ -457,10 +549,16 @@ def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names, counts: list) 
                 c_size.append(got[1])
                 tm = TensorStorageMetadata(tm.properties, tm.size, [])
         skeleton_sdm[fqn] = tm
+    t_fqn = [f for f, _c in from_items] + t_fqn
+    t_count = [c for _f, c in from_items] + t_count
     out = {"tensor.fqn": [_col(names.ids_of(t_fqn), "<i4", len(t_fqn))], "tensor.chunks": [_col(t_count, "<i8", len(t_count))],
            "chunk.offsets": [_bytes_of(x.astype("<i8", copy=False)) for x in c_off] or [b""],
            "chunk.sizes": [_bytes_of(x.astype("<i8", copy=False)) for x in c_size] or [b""]}
-    return out, skeleton_sdm
+    return out, skeleton_sdm, len(from_items)
+
+
+#: the item columns :class:`_ItemChunks` reads
+_CHUNK_COLUMNS = ("item.fqn", "item.index", "item.offset_ndim", "item.offsets", "item.shape_ndim", "item.shapes")
 
 
 def pack_head(md: Metadata, tables: list | None = None) -> dict:
@@ -480,7 +578,7 @@ def pack_head(md: Metadata, tables: list | None = None) -> dict:
         tables = [pack_items(list(sd.keys()), list(sd.values()))]
     names = _Names()
     cols, n, nf = _merge_tables(tables, names)
-    chunk_cols, skeleton_sdm = _pack_chunks(md, cols, n, names, [t.items for t in tables])
+    chunk_cols, skeleton_sdm, item_chunks = _pack_chunks(md, cols, n, names, [t.items for t in tables])
     cols.update(chunk_cols)
     skeleton = dataclasses.replace(md, state_dict_metadata=skeleton_sdm, storage_data=None)
     return {
@@ -490,6 +588,7 @@ def pack_head(md: Metadata, tables: list | None = None) -> dict:
         "items": n,
         "frames": nf,
         "chunks": int(np.frombuffer(_joined(chunk_cols["tensor.chunks"]), "<i8").sum()),
+        "item_chunks": item_chunks,
         "columns": cols,
     }
 
@@ -638,26 +737,38 @@ def _rebuild(head: Any, fmt: int) -> Metadata:
     if int(a["tensor.chunks"].sum()) != nc or (nt and a["tensor.chunks"].min() < 0):
         _bad("chunk counts do not add up")
 
-    # chunk lists
+    # chunk lists: the first ``item_chunks`` tensors' are their items ordered by index, the
+    # others' are in the chunk.* columns
     sdm = md.state_dict_metadata
     if not isinstance(sdm, dict):
         _bad("state_dict_metadata is not a dict")
+    m = head.get("item_chunks", 0)
+    if type(m) is not int or not 0 <= m <= nt:
+        _bad(f"item_chunks {m!r} is not a number of tensors")
     c_off = a["chunk.offsets"].tolist()
     c_size = a["chunk.sizes"].tolist()
     pos = 0
     Size = torch.Size
     CSM = ChunkStorageMetadata
-    for fid, count in zip(a["tensor.fqn"].tolist(), a["tensor.chunks"].tolist()):
+    by_items = _ItemChunks(a, n) if m else None
+    for t, (fid, count) in enumerate(zip(a["tensor.fqn"].tolist(), a["tensor.chunks"].tolist())):
         tm = sdm.get(names[fid])
         if not isinstance(tm, TensorStorageMetadata) or tm.chunks:
             _bad(f"packed chunks for {names[fid]!r}, which is not a tensor with an empty chunk list")
         nd = len(tm.size)
-        end = pos + count * nd
-        if end > len(c_off) or end > len(c_size):
-            _bad("chunk offsets do not add up")
-        tm.chunks = [CSM(Size(c_off[i : i + nd]), Size(c_size[i : i + nd])) for i in range(pos, end, nd)] if nd else [
+        if t < m:
+            got = by_items.positions(fid, count, nd)
+            if got is None:
+                _bad(f"the items of {names[fid]!r} are not its {count} chunks")
+            offs, sizes = (x.tolist() for x in by_items.values(got, nd))
+            lo, end = 0, count * nd
+        else:
+            offs, sizes, lo, end = c_off, c_size, pos, pos + count * nd
+            if end > len(c_off) or end > len(c_size):
+                _bad("chunk offsets do not add up")
+            pos = end
+        tm.chunks = [CSM(Size(offs[i : i + nd]), Size(sizes[i : i + nd])) for i in range(lo, end, nd)] if nd else [
             CSM(Size(()), Size(())) for _ in range(count)]
-        pos = end
     if pos != len(c_off) or pos != len(c_size):
         _bad("chunk offsets do not add up")
 

@@ -27,6 +27,7 @@ import dataclasses
 import datetime as _dt
 import hmac
 import json
+import re
 from typing import Any
 
 from .._names import check_attempt, check_object_name, check_version
@@ -152,13 +153,17 @@ class RefEntry:
 
 
 def _int(v: Any, what: str) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > (1 << 62):
+    if type(v) is not int or v < 0 or v > (1 << 62):  # JSON gives exactly int (a bool is not one)
         raise ManifestError(f"manifest field {what!r} must be a non-negative integer, got {v!r}")
     return v
 
 
+_HEX = {16: re.compile(r"[0-9a-f]{16}"), 32: re.compile(r"[0-9a-f]{32}"), 64: re.compile(r"[0-9a-f]{64}")}
+
+
 def _hex(v: Any, n: int, what: str) -> str:
-    if not isinstance(v, str) or len(v) != n or any(c not in "0123456789abcdef" for c in v):
+    pat = _HEX.get(n) or re.compile(f"[0-9a-f]{{{n}}}")
+    if type(v) is not str or not pat.fullmatch(v):
         raise ManifestError(f"manifest field {what!r} must be {n} lowercase hex digits")
     return v
 
