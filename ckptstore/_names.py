@@ -9,6 +9,7 @@ components of that same alphabet, plus ``%`` for encoded version names.
 
 from __future__ import annotations
 
+import functools
 import re
 import urllib.parse
 
@@ -19,6 +20,7 @@ _SAFE = "-._"  # plus ASCII letters and digits, which quote() never encodes
 _COMPONENT = re.compile(r"^[A-Za-z0-9._%-]{1,255}$")
 _ATTEMPT = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _OBJECT_FILE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: the directory of a version's attempts: object names are ``attempts/<attempt>/<file>``
 #: (docs/FORMAT.md, "Layout by example"); :mod:`ckptstore.manifest.layout` builds its keys with it
 ATTEMPTS = "attempts"
@@ -32,7 +34,7 @@ def check_version(name: object) -> str:
         )
     if name in ("", ".", ".."):
         raise InvalidNameError(f"version name {name!r} is not allowed; use e.g. 'step-100'")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+    if _CONTROL.search(name):
         raise InvalidNameError(f"version name {name!r} contains control characters")
     if len(name.encode("utf-8")) > MAX_VERSION_BYTES:
         raise InvalidNameError(
@@ -47,6 +49,15 @@ def check_version(name: object) -> str:
 
 def encode_version(name: str) -> str:
     """Percent-encode a version name into one safe path component (reversible)."""
+    if type(name) is not str:
+        check_version(name)  # raises
+    return _encode(name)
+
+
+# names and components are encoded and decoded for every key a listing, a retention pass or a
+# manifest check builds (thousands per commit): each distinct string is worked out once
+@functools.lru_cache(maxsize=1 << 14)
+def _encode(name: str) -> str:
     check_version(name)
     enc = urllib.parse.quote(name, safe=_SAFE)
     if enc.startswith("."):  # '.hidden' names: keep them visible and unambiguous
@@ -55,6 +66,15 @@ def encode_version(name: str) -> str:
 
 
 def decode_version(component: str) -> str:
+    """The version name a path component encodes (:func:`encode_version`'s inverse); raises
+    :class:`InvalidNameError` for anything that is not the canonical encoding of a valid name."""
+    if type(component) is not str:
+        raise InvalidNameError(f"not an encoded version name: {component!r}")
+    return _decode(component)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _decode(component: str) -> str:
     if not _COMPONENT.match(component):
         raise InvalidNameError(f"not an encoded version name: {component!r}")
     try:
@@ -88,8 +108,13 @@ def check_object_name(name: object) -> str:
 
 def check_key(key: object) -> str:
     """A tier key: relative, '/'-separated, each component from the safe alphabet."""
-    if not isinstance(key, str) or not key:
+    if type(key) is not str or not key:
         raise InvalidNameError(f"invalid object key {key!r}")
+    return _check_key(key)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # every tier call checks its key: a root's keys recur at every save
+def _check_key(key: str) -> str:
     for part in key.split("/"):
         if part in ("", ".", "..") or not _COMPONENT.match(part):
             raise InvalidNameError(f"invalid object key {key!r} (component {part!r})")

@@ -429,6 +429,28 @@ def test_invalid_manifest_dir_left_alone(tmp_path):
     assert all("invalid" in s.reason for s in p.survivors)
 
 
+def test_a_manifest_changed_between_scans_is_read_as_it_is_now(tmp_path):
+    """Retention scans the root after every commit and does not parse bytes it parsed before; a
+    manifest whose bytes changed since (another attempt committed under the name, a flipped bit) is
+    what the next scan sees, never the earlier parse."""
+    t = LocalTier(tmp_path)
+    fake_version(t, "v0", T0)
+    fake_version(t, "v1", T0 + dt.timedelta(hours=1))
+    first = catalogue.scan(t)
+    assert catalogue.scan(t)["v0"].manifest.attempt == first["v0"].manifest.attempt
+    path = t.local_path(layout.manifest_key("v0"))
+    os.remove(path)
+    again = fake_version(t, "v0", T0 + dt.timedelta(hours=2))  # another attempt under the same name
+    assert again.attempt != first["v0"].manifest.attempt
+    assert catalogue.scan(t)["v0"].manifest.attempt == again.attempt
+    data = bytearray(open(path, "rb").read())
+    data[30] ^= 1
+    open(path, "wb").write(bytes(data))
+    problems: list = []
+    assert set(catalogue.scan(t, problems)) == {"v1"}
+    assert problems and problems[0][1] == layout.manifest_key("v0")
+
+
 def test_pin_in_one_tier_protects_in_all(tmp_path):
     a, b = LocalTier(tmp_path / "a"), LocalTier(tmp_path / "b")
     for i in range(3):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 
 import pytest
@@ -817,3 +818,20 @@ def test_a_restore_from_a_host_two_hours_ahead_reads_the_local_root(s3_url, tmp_
     p = subprocess.run([sys.executable, "-c", _SKEWED_RESTORE, os.path.dirname(__file__), root, s3_url],
                        capture_output=True, text=True, timeout=120, env=faketime_env("+2h"))
     assert "restored True" in p.stdout, p.stdout + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("bad", [None, b"step-1", ["step-1"], 5, "", ".", "..", "a\x00b", "tab\there", "x" * 201])
+def test_bad_version_names_and_keys_are_refused_every_time(bad):
+    """Names and keys are worked out once per distinct string (they recur at every save); a bad one
+    is refused with InvalidNameError on every call, whatever its type, never cached as good."""
+    from ckptstore._names import check_key, decode_version, encode_version
+
+    for _ in range(2):
+        with pytest.raises(InvalidNameError):
+            encode_version(bad)
+        with pytest.raises(InvalidNameError):
+            check_key(bad if not isinstance(bad, str) or bad in ("", ".", "..") else f"versions/{bad}/../x")
+    if isinstance(bad, str) and bad not in ("", ".", ".."):
+        with pytest.raises(InvalidNameError):
+            decode_version(urllib.parse.quote(bad, safe=""))
+    assert decode_version(encode_version("step-1")) == "step-1" and check_key("versions/step-1/x") == "versions/step-1/x"

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import functools
 import hashlib
+import collections
 import json
 import logging
 import os
+import threading
 
 from .._names import decode_version
 from ..errors import (
@@ -21,6 +24,7 @@ from ..errors import (
     UnsupportedFormatError,
     VersionNotFoundError,
 )
+from ..codec import xxh128
 from ..tiers.base import ObjectInfo, Tier
 from . import layout, order
 from .schema import Manifest, ParsedManifest, parse
@@ -73,7 +77,7 @@ class VersionRecord:
     #: manifest records them (docs/FORMAT.md, "Replicas"); empty when not recorded
     domains: tuple = ()
 
-    @property
+    @functools.cached_property  # a sort key, compared many times per listing
     def order(self) -> tuple:
         """The sort key (oldest first): step, commit sequence, commit time, name (docs/FORMAT.md, "Order")."""
         return order.order_key(self.step, self.seq, _iso(self.created), self.version)
@@ -191,6 +195,35 @@ def read_manifest(tier: Tier, version: str) -> ParsedManifest:
     return parse(data, expect_version=version)
 
 
+#: manifests :func:`scan` parsed, by (version, XXH3-128 and length of the bytes): a manifest's parse
+#: depends on its bytes and name alone, so bytes read again (retention after every commit scans the
+#: whole root: a positions save every 0.2 s re-read hundreds of manifests) are not parsed again.
+#: Bounded by the bytes of the manifests held (the newest kept)
+_PARSED: collections.OrderedDict = collections.OrderedDict()
+_PARSED_BYTES = [0]
+_PARSED_LIMIT = 32 << 20
+_parsed_lock = threading.Lock()
+
+
+def _parse_cached(data: bytes, version: str) -> ParsedManifest:
+    key = (version, len(data), xxh128(data))
+    with _parsed_lock:
+        hit = _PARSED.get(key)
+        if hit is not None:
+            _PARSED.move_to_end(key)
+            return hit
+    parsed = parse(data, expect_version=version)  # raises for a manifest that is not valid: never cached
+    if len(data) <= _PARSED_LIMIT // 8:
+        with _parsed_lock:
+            if key not in _PARSED:
+                _PARSED[key] = parsed
+                _PARSED_BYTES[0] += len(data)
+            while _PARSED_BYTES[0] > _PARSED_LIMIT:
+                (_v, n, _h), _p = _PARSED.popitem(last=False)
+                _PARSED_BYTES[0] -= n
+    return parsed
+
+
 def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
     """The versions committed in ``tier``: ``{version: TierEntry}``.
 
@@ -208,7 +241,7 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
         try:
             version = decode_version(vd.enc)
             data = tier.get(key)
-            parsed = parse(data, expect_version=version)
+            parsed = _parse_cached(data, version)
         except ObjectNotFoundError:
             continue  # un-committed while we listed
         except (ManifestError, UnsupportedFormatError, InvalidNameError) as e:
@@ -248,7 +281,8 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
         att = order.resolve([copy_of(e.manifest, remote=(t == "remote")) for t, e in holders.items()])
         t_best, best = next((t, e) for t, e in holders.items() if e.manifest.attempt == att)
         m = best.manifest
-        shared = sum(o.size for o in m.all_objects() if layout.object_key(v, o.name) in refs[t_best])
+        held = refs[t_best]
+        shared = sum(o.size for o in m.all_objects() if layout.object_key(v, o.name) in held) if held else 0
         tiers = frozenset(t for t, e in holders.items() if e.manifest.attempt == att)
         recs.append(
             VersionRecord(
