@@ -35,6 +35,7 @@ import gc
 import itertools
 import operator
 import pickle
+import struct
 from typing import Any, Callable
 
 import numpy as np
@@ -190,13 +191,13 @@ def _decode_names(blob, ends: bytes, start: int) -> list:
     ends are not whole, not in order within ``blob`` or a name is not UTF-8."""
     if type(blob) is not bytes or type(ends) is not bytes or len(ends) % 8:
         raise TypeError("an item table's names are not strings")
-    e = np.frombuffer(ends, "<i8")
-    if (int(e[-1]) if len(e) else 0) != len(blob):
+    count = len(ends) // 8
+    if (int.from_bytes(ends[-8:], "little", signed=True) if count else 0) != len(blob):
         raise TypeError("an item table's names do not fill its name bytes")
-    lo = int(e[start - 1]) if start else 0
+    lo = int.from_bytes(ends[8 * start - 8 : 8 * start], "little", signed=True) if start else 0
     if not 0 <= lo <= len(blob):
         raise TypeError("an item table's name ends are not in order")
-    tail = e[start:].tolist()
+    tail = struct.unpack_from(f"<{count - start}q", ends, 8 * start) if start < count else ()
     out = []
     for hi in tail:
         if hi < lo:
