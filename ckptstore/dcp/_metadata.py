@@ -261,6 +261,9 @@ def pack_items(idx: list, locs: list, digests: list | None = None) -> ItemTable:
 
 
 _ID_COLUMNS = ("item.fqn", "item.object", "item.dtype")
+#: columns joined once when the tables are merged (the checks and the chunk lists read them whole);
+#: the others stay the ranks' pieces until framing cuts them into frames
+_JOINED = frozenset(_ID_COLUMNS + ("item.index", "item.offset_ndim", "item.offsets", "item.shape_ndim", "item.shapes"))
 _ITEMSIZE = {k: np.dtype(dt).itemsize for k, (dt, _per) in COLUMNS.items()}
 
 
@@ -302,9 +305,10 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     be read one after the other (:func:`_joined` makes one buffer). Raises ``TypeError`` when a
     table is not an :class:`ItemTable` with whole columns of the right lengths.
 
-    Each column is the ranks' pieces joined once (one copy: everything after it — the checks, the
-    chunk lists, the frames — works per column, not per rank piece); the name columns are remapped
-    in one vectorised lookup each. The work per table is a few length checks and the names it does
+    The columns the checks and the chunk lists read whole (:data:`_JOINED`) are the ranks' pieces
+    joined once; the others stay the ranks' pieces, cut into frames when written (no copy of them
+    into one fresh buffer: on a VM, first-touched memory costs about 1 s per GB); the name columns
+    are remapped in one vectorised lookup each. The work per table is a few length checks and the names it does
     not share with the table before it."""
     # every check is one pass per column over all tables (C-level map), not a Python loop per
     # table and column
@@ -334,7 +338,7 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
         if want is not None and (lens != want * size).any():
             i = int(np.flatnonzero(lens != want * size)[0])
             raise TypeError(f"item table column {k} has {int(lens[i]) // size} values")
-        raws[k] = [b"".join(col)]  # one copy of each column: per-piece work after this is per column, not per rank
+        raws[k] = [b"".join(col)] if k in _JOINED else col
     n_names: list[int] = []  # names per table
     remaps: list = []  # per table: the position in ``names`` of each of its names
     prev: tuple = (b"", b"")
