@@ -175,7 +175,7 @@ class ItemTable:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"ItemTable({self.items} items, {self.frames} frames, {len(self._ends or b'') // 8 or len(self._names or ())} names)"
+        return f"ItemTable({self.items} items, {self.frames} frames, {len(self.names)} names)"
 
 
 def _table_of_blob(blob: bytes, ends: bytes, items: int, frames: int, columns: dict) -> ItemTable:
@@ -308,8 +308,8 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     The columns the checks and the chunk lists read whole (:data:`_JOINED`) are the ranks' pieces
     joined once; the others stay the ranks' pieces, cut into frames when written (no copy of them
     into one fresh buffer: on a VM, first-touched memory costs about 1 s per GB); the name columns
-    are remapped in one vectorised lookup each. The work per table is a few length checks and the names it does
-    not share with the table before it."""
+    are remapped in one vectorised lookup each. The work per table is a few length checks and the
+    names it does not share with the table before it."""
     # every check is one pass per column over all tables (C-level map), not a Python loop per
     # table and column
     if not _only(tables, ItemTable):
@@ -377,7 +377,7 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     for k, (dt, _per) in OPTIONAL_COLUMNS.items():  # kept only when every table has it
         opt = [t.columns.get(k) for t in tables]
         if tables and all(type(r) is bytes and len(r) == t.items * np.dtype(dt).itemsize for r, t in zip(opt, tables)):
-            cols[k] = [b"".join(opt)]
+            cols[k] = opt
     return cols, n, nf
 
 

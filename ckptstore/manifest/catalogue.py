@@ -6,11 +6,11 @@ parses with a valid checksum. Nothing is inferred from directory or object names
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as _dt
 import functools
 import hashlib
-import collections
 import json
 import logging
 import os
@@ -195,33 +195,40 @@ def read_manifest(tier: Tier, version: str) -> ParsedManifest:
     return parse(data, expect_version=version)
 
 
-#: manifests :func:`scan` parsed, by (version, XXH3-128 and length of the bytes): a manifest's parse
-#: depends on its bytes and name alone, so bytes read again (retention after every commit scans the
-#: whole root: a positions save every 0.2 s re-read hundreds of manifests) are not parsed again.
-#: Bounded by the bytes of the manifests held (the newest kept)
-_PARSED: collections.OrderedDict = collections.OrderedDict()
-_PARSED_BYTES = [0]
-_PARSED_LIMIT = 32 << 20
-_parsed_lock = threading.Lock()
+class _ParseCache:
+    """Manifests :func:`scan` parsed, by (version, length and XXH3-128 of the bytes): a manifest's
+    parse depends on its bytes and name alone, so bytes read again (retention after every commit
+    scans the whole root: a positions save every 0.2 s re-read hundreds of manifests) are not parsed
+    again. Bounded by the bytes of the manifests held (the most recently used kept); a manifest
+    that does not parse is never held."""
+
+    LIMIT = 32 << 20
+
+    def __init__(self) -> None:
+        self._held: collections.OrderedDict = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def parse(self, data: bytes, version: str) -> ParsedManifest:
+        key = (version, len(data), xxh128(data))
+        with self._lock:
+            hit = self._held.get(key)
+            if hit is not None:
+                self._held.move_to_end(key)
+                return hit
+        parsed = parse(data, expect_version=version)  # raises for a manifest that is not valid
+        if len(data) <= self.LIMIT // 8:
+            with self._lock:
+                if key not in self._held:
+                    self._held[key] = parsed
+                    self._bytes += len(data)
+                while self._bytes > self.LIMIT:
+                    (_v, n, _h), _p = self._held.popitem(last=False)
+                    self._bytes -= n
+        return parsed
 
 
-def _parse_cached(data: bytes, version: str) -> ParsedManifest:
-    key = (version, len(data), xxh128(data))
-    with _parsed_lock:
-        hit = _PARSED.get(key)
-        if hit is not None:
-            _PARSED.move_to_end(key)
-            return hit
-    parsed = parse(data, expect_version=version)  # raises for a manifest that is not valid: never cached
-    if len(data) <= _PARSED_LIMIT // 8:
-        with _parsed_lock:
-            if key not in _PARSED:
-                _PARSED[key] = parsed
-                _PARSED_BYTES[0] += len(data)
-            while _PARSED_BYTES[0] > _PARSED_LIMIT:
-                (_v, n, _h), _p = _PARSED.popitem(last=False)
-                _PARSED_BYTES[0] -= n
-    return parsed
+_parsed = _ParseCache()
 
 
 def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
@@ -241,7 +248,7 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
         try:
             version = decode_version(vd.enc)
             data = tier.get(key)
-            parsed = _parse_cached(data, version)
+            parsed = _parsed.parse(data, version)
         except ObjectNotFoundError:
             continue  # un-committed while we listed
         except (ManifestError, UnsupportedFormatError, InvalidNameError) as e:
