@@ -130,7 +130,9 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
            "failed_after_a_fault": sum(1 for e in log if not e.get("injected", True))}
     if lost is not None:
         # the step the relaunched job started from: its cold starts (0 with the tier off or nothing stored)
-        res = [x["resume"] for g in range(3) for x in job.lines(g) if "resume" in x and int(x["launch"]) >= lost["launch"][g]]
+        # (the relaunch right after the loss: later cold starts are later losses' restores)
+        res = [x["resume"] for g in range(3) for x in job.lines(g) if "resume" in x and not x.get("lost_join")
+               and int(x["launch"]) == lost["launch"][g]]
         restored = max((r["step"] for r in res if r["kind"] == "cold-start"), default=0)
         out["whole_job_loss"] = {"step_reached": lost["reached"], "step_restored": restored,
                                  "steps_lost": lost["reached"] - restored}
@@ -138,6 +140,8 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
     if dts:
         q = statistics.quantiles(dts, n=100)
         out["step_ms"] = {"p50": round(statistics.median(dts) * 1e3, 2), "p99": round(q[98] * 1e3, 2), "n": len(dts)}
+    # restores after a live job was lost while a group joined it (docs/torchft.md)
+    out["lost_join_restores"] = sum(1 for g in range(3) for x in job.lines(g) if x.get("lost_join"))
     finals = [x for g in range(3) for x in job.lines(g) if x.get("final")]
     if finals:
         out["tier_stats_last"] = finals[-1]["stats"]

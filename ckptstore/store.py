@@ -224,7 +224,7 @@ class Store:
 #: what ckptstore itself puts at the top of a local root (docs/FORMAT.md, "Layout by example"): a
 #: non-empty directory with none of these is not a store (a typo for the directory above or below one)
 VERSIONS = layout.VERSIONS
-OWN_ENTRIES = frozenset({VERSIONS, "probes", "restores.jsonl", "events.jsonl"})
+OWN_ENTRIES = frozenset({VERSIONS, "probes", "restores.jsonl", "events.jsonl", "journals"})
 
 
 def check_root(root: str) -> None:

@@ -256,6 +256,135 @@ def test_whole_job_killed_mid_step_restarts_from_ckptstore_exactly(tmp_path):
                   f"resume itself {max(_resumes(job, g)[1]['seconds'] for g in range(2)):.2f} s")
 
 
+def _launch_repeats(job, g, r=0, ranks=1) -> list[int]:
+    """Per relaunch of group ``g`` (rank ``r``): how many batches it drew again; asserts that every
+    launch's batches are its shard's in order and that none was skipped."""
+    shard = tg.shard_order(g, r, ranks)
+    launches = sorted({x["launch"] for x in job.lines(g, r) if "launch" in x})
+    by_launch = [[x["ids"] for x in job.lines(g, r) if x.get("counted") and x["launch"] == n] for n in launches]
+    end = len(by_launch[0])
+    assert by_launch[0] == shard[:end], (g, r)
+    out = []
+    for got in by_launch[1:]:
+        if not got:
+            continue
+        b = shard.index(got[0])
+        assert got == shard[b:b + len(got)] and b <= end, f"group {g} rank {r} skipped batches"
+        out.append(end - b)
+        end = b + len(got)
+    return out
+
+
+def test_a_killed_group_continues_at_its_exact_position_from_its_journal(tmp_path):
+    """2 groups, 20 steps, main version every 5: group 1 is SIGKILLed mid-step at step 8 and launched
+    again; it joins the live job (torchft heals it from group 0) and its loader continues from its
+    position after step 7, read from its journal (docs/FORMAT.md, "Journals"): its batches are its
+    shard's, in order, none drawn twice, none skipped. Before the journal, the relaunch continued
+    from the newest committed positions version and drew the batches after it again."""
+    job, took = _job(tmp_path, tmp_path / "root", "journal", steps=20, interval=5, num_groups=2, pace_s=1.0,
+                     restart_killed=True, timeout=400, kill={"1": [[8, "mid-step", "0"]]})
+    assert job.launches == {0: 0, 1: 1}, job.launches
+    r = _resumes(job, 1)[1]
+    assert r["kind"] == "join" and r["loader"]["how"] == "peer" and r["loader"]["step"] == 7, r
+    assert _launch_repeats(job, 1) == [0]
+    _check_exact_samples(job, [0], {0: tg.shard_order(0)})
+    assert {"step-5", "step-15", "step-20"} <= {v.version for v in _versions(tmp_path / "root")}
+    REPORT.append(f"journal: group 1 killed at step 8 continued at its position of step 7, 0 batches repeated "
+                  f"({took:.0f} s)")
+
+
+def test_a_group_that_joined_a_live_job_lost_before_its_heal_continues_in_the_restarted_timeline(tmp_path):
+    """2 groups, main version every 5. Group 1 is killed mid-step at 12 and launched again: its
+    resume() finds group 0 alive and joins (its loader at its own newest position, step 11). Before
+    its first step every replica of that live job dies (group 0 killed); group 0's relaunch finds no
+    live job and cold-starts from the store (step-10). torchft heals group 1 from group 0, and with
+    it the step the job's timeline restarted from (``ckptstore.timeline``): below group 1's loader
+    position, so group 1's loader goes back to its position of step 10 and that step is refused
+    (every group draws its batch again). Every group's batches are its shard's, in order, none
+    skipped, none twice. Before: group 1 kept the loader of the timeline it had joined, a step ahead
+    of the restored one, and skipped the batch in between."""
+    gate = tmp_path / "go"
+    job = tg.Job(tmp_path, tmp_path / "root", name="lost-join", steps=24, interval=5, num_groups=2, pace_s=0.5,
+                 kill={"1": [12, "mid-step"]}, settle=True, hold={"1": str(gate)})
+    job.start_lighthouse()
+    try:
+        job.start()
+        end = time.monotonic() + 240
+        while job.procs[(1, 0)].poll() is None:
+            assert time.monotonic() < end, job.tails()
+            time.sleep(0.05)
+        del job.procs[(1, 0)]
+        job.launch(1)
+        while not any(x.get("launch") == "1" and "resume" in x for x in job.lines(1)):
+            assert time.monotonic() < end and job.procs[(1, 0)].poll() is None, job.tails()
+            time.sleep(0.05)
+        job.kill_group(0)  # the live job group 1 joined is gone before group 1 took a step
+        time.sleep(1.5)  # its heartbeats go stale: group 0's relaunch is a cold start
+        job.launch(0)
+        gate.touch()
+        codes = job.wait(300)
+    finally:
+        job.close()
+    assert codes == {0: 0, 1: 0}, (codes, job.tails())
+    g0, g1 = _resumes(job, 0), _resumes(job, 1)
+    assert [r["kind"] for r in g0] == ["fresh", "cold-start"] and g0[1]["version"] == "step-10", g0
+    assert [r["kind"] for r in g1] == ["fresh", "join"] and g1[1]["loader"]["step"] == 11, g1
+    assert job.lines(1)[-1]["stats"].get("heal.timeline") == 1, job.lines(1)[-1]
+    for g in range(2):  # the timeline: launch 0 up to the restored step, then launch 1
+        got = [x["ids"] for x in job.lines(g) if x.get("counted") and (x["launch"] == "1" or x["step"] <= 10)]
+        assert got == tg.shard_order(g)[:len(got)], f"group {g}: a batch skipped or drawn twice"
+    assert max(_timeline(job, 1)) == 24
+
+
+@pytest.mark.slow
+def test_groups_that_joined_a_live_job_lost_before_any_heal_restore_from_the_store(tmp_path):
+    """3 groups, main version every 5. Groups 1 and 2 are killed (at 12 and 13, mid-step) and launched
+    again; both resume() while group 0 is alive and join. Before their first step group 0 dies too, so
+    no replica that held the job's state is left: groups 1 and 2 form a quorum of their own, which
+    torchft starts at step 0 (it heals only from a live peer). At its first committed step, below the
+    step it joined at, a group that was not healed restores the newest main version from the store as
+    a cold start would (a whole-job loss); one healed from such a group learns the restored step from it
+    and moves its loader back to its own position there; the two train on to the end. Each group's
+    batches continue its shard from its position at the restored step: none skipped, none twice.
+    Before: the job trained on from step 0 with fresh weights."""
+    gate = tmp_path / "go"
+    job = tg.Job(tmp_path, tmp_path / "root", name="lost-all", steps=40, interval=5, num_groups=3, pace_s=1.0,
+                 kill={"1": [12, "mid-step"], "2": [13, "mid-step"]}, settle=True,
+                 hold={"1": str(gate), "2": str(gate)})
+    job.start_lighthouse()
+    try:
+        job.start()
+        end = time.monotonic() + 300
+        for g in (1, 2):
+            while job.procs[(g, 0)].poll() is None:
+                assert time.monotonic() < end, job.tails()
+                time.sleep(0.05)
+            del job.procs[(g, 0)]
+            job.launch(g)
+        for g in (1, 2):
+            while not any(x.get("launch") == "1" and "resume" in x for x in job.lines(g)):
+                assert time.monotonic() < end and job.procs[(g, 0)].poll() is None, job.tails()
+                time.sleep(0.05)
+        job.kill_group(0)  # the last replica holding the job's state
+        gate.touch()
+        codes = job.wait(300)
+    finally:
+        job.close()
+    assert codes == {1: 0, 2: 0}, (codes, job.tails())
+    lost = [x for g in (1, 2) for x in job.lines(g) if x.get("lost_join")]
+    assert {x["resume"]["kind"] for x in lost} == {"cold-start"} and len({x["resume"]["version"] for x in lost}) == 1, lost
+    at = int(lost[0]["resume"]["version"].split("-")[1])
+    for g in (1, 2):
+        kinds = [(x["launch"], x["resume"]["kind"]) for x in job.lines(g) if "resume" in x and not x.get("lost_join")]
+        assert kinds == [("0", "fresh"), ("1", "join")], (g, kinds)
+        stats = job.lines(g)[-1]["stats"]
+        assert stats.get("join.lost") == 1 or stats.get("heal.timeline") == 1, (g, stats)
+    for g in (1, 2):  # the timeline: launch 0 up to the restored step, then launch 1
+        got = [x["ids"] for x in job.lines(g) if x.get("counted") and (x["launch"] != "0" or x["step"] <= at)]
+        assert got == tg.shard_order(g)[:len(got)], f"group {g}: a batch skipped or drawn twice"
+        assert max(_timeline(job, g)) == 40
+
+
 def _job(tmp_path, root, name, *, restart_killed=False, groups=None, timeout=400, **cfg):
     job = tg.Job(tmp_path, root, name=name, **cfg)
     job.start_lighthouse()
@@ -326,8 +455,7 @@ def test_groups_killed_mid_step_and_mid_save_heal_and_the_durable_tier_keeps_com
     (its attempt is garbage for gc); the due steps are written by whichever group was the quorum's
     participating rank 0 (step-25 by group 1: group 0 is away or healing then); every group's
     batches are its shard's in order with no gap, a
-    restarted group continuing from its newest saved position (repeating only the batches whose
-    position save had not committed when it died)."""
+    restarted group continuing from its newest position (its journal's: no batch drawn twice)."""
     root = tmp_path / "root"
     job, took = _job(tmp_path, root, "heal", steps=40, pace_s=2.5, restart_killed=True, timeout=600,
                      kill={"1": [[3, "mid-step", "0"]], "0": [[10, "mid-save", "0"], [24, "mid-step", "1"]]})
@@ -363,9 +491,9 @@ def test_groups_killed_mid_step_and_mid_save_heal_and_the_durable_tier_keeps_com
         for i in range(1, len(by_launch)):
             b = shards[g].index(by_launch[i][0])
             assert by_launch[i] == shards[g][b:b + len(by_launch[i])] and b <= end, f"group {g} skipped batches"
-            # it continued exactly from its newest saved position: the repeats are the batches whose
-            # position save had not committed when it died
+            # it continued exactly from its newest position, its journal's: nothing drawn twice
             assert b == (_resumes(job, g)[i]["loader"]["batches"] or 0), (g, b, _resumes(job, g)[i])
+            assert b == end, f"group {g} drew {end - b} batches again after relaunch {i}"
             repeats[f"g{g}.{i}"] = end - b
             end = b + len(by_launch[i])
     REPORT.append(f"heal run ({took:.0f} s): main versions by group {writers}; step-10's attempt "
@@ -577,8 +705,8 @@ def test_hsdp_a_rank_killed_mid_step_and_mid_save_the_group_heals_and_the_tier_k
     the live job (torchft heals both its ranks from a peer group's same ranks, to the live step), its loaders continue
     from their own newest positions. step-10 is never committed; the later due steps are committed
     (by whichever group is the quorum's participating rank 0), every one at world size 2; every rank
-    of every group sees its shard in order, a restarted rank repeating only the batches whose
-    position save had not committed, never skipping one."""
+    of every group sees its shard in order, a restarted rank continuing from its journal's newest
+    position: never a batch drawn twice, never one skipped."""
     root = tmp_path / "root"
     job, took = _job(tmp_path, root, "hsdp-heal", steps=30, interval=5, ranks=2, fsdp=True, pace_s=2.0,
                      restart_killed=True, timeout=900,
@@ -611,6 +739,7 @@ def test_hsdp_a_rank_killed_mid_step_and_mid_save_the_group_heals_and_the_tier_k
                     continue
                 b = shard.index(by_launch[i][0])
                 assert by_launch[i] == shard[b:b + len(by_launch[i])] and b <= end, f"group {g} rank {r} skipped"
+                assert b == end, f"group {g} rank {r} drew {end - b} batches again"
                 repeats[f"g{g}r{r}"] = end - b
                 end = b + len(by_launch[i])
     REPORT.append(f"HSDP heal run 3x2 ({took:.0f} s): main versions by group {writers}; step-10 never committed; "

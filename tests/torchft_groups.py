@@ -48,7 +48,7 @@ def config(**kw) -> dict:
          "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
          "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60, "ranks": 1, "fsdp": False,
          "port": None, "transport": None, "peer_fails": None, "sync_quorum": False,
-         "positions_every_s": None}
+         "positions_every_s": None, "hold": None}
     c.update(kw)
     return c
 
@@ -207,11 +207,12 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
     if cfg.get("barrier") and launch == "0":
         _barrier(cfg["barrier"], f"{group}.{rank}", cfg["num_groups"] * ranks)
     report = tier.resume()
-    out.write(json.dumps({"launch": launch, "rank": rank, "resume": {"kind": report.kind, "step": report.step,
-                                                         "version": report.version, "why": report.why,
-                                                         "writer": report.writer, "skipped": report.skipped,
-                                                         "loader": None if report.loader is None else vars(report.loader),
-                                                         "orphaned": report.orphaned, "seconds": report.seconds}}) + "\n")
+    _write_resume(out, launch, rank, report)
+    out.flush()
+    hold = (cfg.get("hold") or {}).get(str(group))
+    if hold and launch != "0":  # the test acts between this relaunch's resume() and its first step
+        while not os.path.exists(hold):
+            time.sleep(0.05)
     crit = torch.nn.MSELoss()
     try:
         _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill)
@@ -231,6 +232,14 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
     manager.shutdown(wait=False)
     if ranks > 1:
         dist.barrier()  # the group's ranks end together: no rank's store goes while a peer still reads it
+
+
+def _write_resume(out, launch, rank, report, **extra) -> None:
+    out.write(json.dumps({"launch": launch, "rank": rank, **extra,
+                          "resume": {"kind": report.kind, "step": report.step, "version": report.version,
+                                     "why": report.why, "writer": report.writer, "skipped": report.skipped,
+                                     "loader": None if report.loader is None else vars(report.loader),
+                                     "orphaned": report.orphaned, "seconds": report.seconds}}) + "\n")
 
 
 def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> None:
@@ -256,7 +265,10 @@ def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> Non
         if manager.current_step() != before:  # committed: the scheduler steps with it
             sched.step()
         t_sd = time.perf_counter()
+        seen = tier.last_restore
         committed = tier.step_done()  # after everything of the step: the main save captures it
+        if tier.last_restore is not seen:  # the live job it joined was lost: restored from the store
+            _write_resume(out, launch, getattr(tier, "rank", 0), tier.last_restore, lost_join=True)
         dt_s = time.perf_counter() - t0
         out.write(json.dumps({"launch": launch, "step": manager.current_step(), "committed": committed,
                               "counted": bool(committed and counted), "loss": float(loss.detach()).hex(),

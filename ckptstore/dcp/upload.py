@@ -700,8 +700,11 @@ def _wait_at_exit() -> None:  # pragma: no cover - exercised by subprocess tests
 def check_uploads(up: "Uploader | None", timeout: float | None) -> None:
     if up is None:
         return
+    deadline = None if timeout is None else time.monotonic() + timeout
     up.retry_failed()  # what an outage held back gets one more try before it is reported
     left = up.wait(timeout)
+    if left and up.retry_failed():  # jobs still retrying at the first call, failed since (the outage ended meanwhile)
+        left = up.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     if left:
         raise UploadError("uploads to the remote tier did not complete:\n  " + "\n  ".join(left))
 

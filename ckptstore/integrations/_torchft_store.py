@@ -10,7 +10,7 @@
   active around it has saved its position for (docs/FORMAT.md, "torchft").
 * :func:`loader_plan` — what each group's loader continues from, when the number of groups changed.
 * :func:`job_is_live` — whether a starting group joins a live job (torchft heals it) or the whole
-  job starts (ckptstore restores it), from the lighthouse's view.
+  job starts (ckptstore restores it), from the lighthouse's view; :func:`live_step` — that job's step.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import re
+import struct
 from typing import Any, Iterable
 
 MAIN_PREFIX = "step-"
@@ -67,6 +68,27 @@ def unpack_history(data: bytes) -> list[Position]:
 
     rows = torch.load(io.BytesIO(data), weights_only=True)
     return [Position(int(s), int(b), bool(part), bytes(blob)) for s, b, part, blob in rows]
+
+
+_POS = struct.Struct("<qBq")  # batches, participated, timeline
+
+
+def position_body(p: Position, timeline: int = -1) -> bytes:
+    """A position as a journal record's body (its step is the record's): ``batches`` (i64),
+    ``participated`` (u8), ``timeline`` (i64: the step the job's timeline restarted from when it was
+    recorded, -1 when not known), then ``blob`` (docs/FORMAT.md, "torchft")."""
+    return _POS.pack(int(p.batches), int(bool(p.participated)), int(timeline)) + bytes(p.blob)
+
+
+def position_of(step: int, body: bytes) -> tuple[Position, int]:
+    """Inverse of :func:`position_body`: ``(position, timeline)``; raises
+    :class:`~ckptstore.errors.IntegrityError` when ``body`` is not one."""
+    from ..errors import IntegrityError
+
+    if len(body) < _POS.size or body[8] > 1:
+        raise IntegrityError(f"a journal record of step {step} is not a loader position ({len(body)} bytes)")
+    batches, part, timeline = _POS.unpack_from(body, 0)
+    return Position(int(step), int(batches), bool(part), bytes(body[_POS.size :])), int(timeline)
 
 
 def position_at(positions: Iterable[Position], step: int) -> Position | None:
@@ -170,6 +192,12 @@ def rank_loader_plan(group: int, rank: int, num_groups: int | None, group_world:
                              f"{'rank of its group' if mine else 'stored rank'}'s ({who}, {batches} batches)",
                              rank, src_rank), p, orphaned)
     return LoaderChoice(group, "initial", None, None, 0, "no position is stored", rank), None, orphaned
+
+
+def live_step(members: dict[str, int], heartbeats: dict[str, float], fresh_s: float) -> int | None:
+    """The step of the live job :func:`job_is_live` finds (its alive members' greatest), or None."""
+    steps = [step for r, step in members.items() if step > 0 and heartbeats.get(r, float("inf")) < fresh_s]
+    return max(steps) if steps else None
 
 
 def job_is_live(members: dict[str, int], heartbeats: dict[str, float], fresh_s: float) -> tuple[bool, str]:

@@ -8,7 +8,8 @@ a torchft release that changes any of them needs this module changed (and a new 
   ``TORCHFT_TIMEOUT_SEC`` / ``TORCHFT_QUORUM_TIMEOUT_SEC``), ``_quorum_id``, ``_quorum_future`` (the
   ``concurrent.futures.Future`` of the newest quorum), ``_participating_replica_rank`` (None when the
   group is not at the quorum's max step), ``_healing``, ``_group_rank``, ``_group_world_size``,
-  ``_replica_id`` (the prefix the user gave; the lighthouse sees ``"<prefix>:<uuid>"``);
+  ``_replica_id`` (the prefix the user gave; the lighthouse sees ``"<prefix>:<uuid>"``),
+  ``_load_state_dict_fns`` and ``_user_state_dicts`` (the registered state dict functions, by key);
   ``OptimizerWrapper.optim`` (the wrapped optimizer);
 * the lighthouse's HTTP page ``GET <lighthouse>/status`` (``templates/status.html``): the previous
   quorum's members as ``<b>REPLICA_ID</b> <br/> Step: N``, and the heartbeats as
@@ -27,6 +28,15 @@ from typing import Any
 
 #: torchft releases this module was tested with
 TESTED_VERSIONS = ("0.2.0",)
+
+
+def register_state(manager: Any, key: str, load_fn: Any, state_fn: Any) -> None:
+    """``manager.register_state_dict_fn(key, ...)``, replacing an earlier registration of ``key`` (torchft
+    asserts on a key registered twice: a second tier on one Manager) through ``_load_state_dict_fns``
+    and ``_user_state_dicts``."""
+    getattr(manager, "_load_state_dict_fns", {}).pop(key, None)
+    getattr(manager, "_user_state_dicts", {}).pop(key, None)
+    manager.register_state_dict_fn(key, load_fn, state_fn)
 
 
 def timeouts_s(manager: Any) -> tuple[float, float]:

@@ -30,13 +30,18 @@ What it does (docs/torchft.md; docs/FORMAT.md, "torchft"):
   the commit point the writer asks torchft whether the group still owns the step
   (:func:`._torchft_v0_2.claim_lost`): a group that left the quorum while its save was in flight
   commits nothing (:class:`~ckptstore.errors.FencedError`).
-* **Per-group positions beside it.** Every group saves its data-loader position and RNG after every
-  step (``loader-g<G>-<N>``, under the group's *stable* index ``group``, not torchft's per-restart
-  uuid), asynchronously, on its own manager (never on torchft's process group), with its own retention (:data:`KeepLast` of ``positions_keep``). Each such save holds the last
-  ``positions_keep`` positions, so one skipped while the previous still ran loses no step.
+* **Per-rank positions: a journal, and versions beside the main ones.** Every rank appends its
+  data-loader position and RNG after every step to its journal in the local root
+  (:class:`ckptstore.journal.Journal`, ``journals/loader-g<G>.w<K>.rank<r>.log``: one ``write``, no
+  commit; docs/FORMAT.md, "Journals"). Every group also saves them as versions
+  (``loader-g<G>-<N>``, under the group's *stable* index ``group``, not torchft's per-restart uuid) at
+  the first step after a start and at every due step, asynchronously, on its own manager (never on
+  torchft's process group), with its own retention (:data:`KeepLast` of ``positions_keep``). Each
+  such save holds the last ``positions_keep`` positions, so one skipped while the previous still ran
+  loses no step.
 * **Cold start only.** :meth:`resume` asks the lighthouse (its ``/status`` page) whether a live job
   exists: then torchft heals this group from a peer and the durable tier's main version is not
-  read (the group's loader continues from its own newest position); otherwise the whole job is
+  read (the group's loader continues from its own newest position, its journal's); otherwise the whole job is
   starting and every group restores the newest main version whose every active group's position is
   saved, and pairs its loader with its own position *no newer than* that step.
 * **Never in the way.** Saves never wait (a due save while the previous still runs is skipped and
@@ -54,7 +59,7 @@ What it does (docs/torchft.md; docs/FORMAT.md, "torchft"):
   one decision per group per step (a MIN-reduction of every rank's view after the step before, on a
   gloo group of the group's own, never torchft's or FSDP's), so a group's save is never half
   started; restore and the cold-start/join choice are taken by the group's rank 0 and broadcast.
-  Each rank's loader position is saved as today (``positions/rank<r>``). A cold start at another
+  Each rank keeps its own journal and its own key ``positions/rank<r>`` in the versions. A cold start at another
   shape (M groups of K ranks from N groups of J) reshards the main version (DCP's planner) and
   reports per rank what its loader continues from (:class:`LoaderChoice`; docs/torchft.md).
 
@@ -136,6 +141,9 @@ class RestoreReport:
 
 
 _HEAL_KEY = "ckptstore"
+#: the state every group registers with torchft: the step the job's timeline (re)started from, which a
+#: healing group receives from its peer (docs/torchft.md, "A live job lost while joining it")
+_TIMELINE_KEY = "ckptstore.timeline"
 
 
 def _clone_tree(obj: Any) -> Any:
@@ -318,9 +326,10 @@ class DurableTier:
         retention: a :class:`ckptstore.retention.RetentionPolicy` of the main versions (default: keep all).
         positions_keep: positions kept per group: versions (retention ``KeepLast``) and the history in
             each (default ``2 * interval_steps + 2``).
-        positions_every_s: a positions save starts after a step when the previous one started at least
-            this long ago and has finished (default 0.2 s: every step of a loop slower than that);
-            otherwise the next one carries this step's position (its history).
+        positions_every_s: also save the positions every this many seconds (a positions version of
+            the group, when the previous one has finished). Default None: positions versions are
+            saved at the first step after a start and at every due step, and each rank's journal
+            (docs/FORMAT.md, "Journals") records its position after every step.
         enabled: False turns the tier off; None (default): on unless ``CKPTSTORE_TORCHFT_DURABLE=0``.
         lighthouse: the lighthouse address for the cold-start check (default ``TORCHFT_LIGHTHOUSE``);
             None and no variable: every start is taken as a cold start (with a warning).
@@ -344,7 +353,7 @@ class DurableTier:
     def __init__(self, root: str | os.PathLike, manager: Any, state: dict[str, Any], *, group: int,
                  num_groups: int | None = None, loader: Any = None, remote: str | None = None, key: Any = None,
                  interval_steps: int = 100, retention: Any = None, positions_keep: int | None = None,
-                 positions_every_s: float = 0.2,
+                 positions_every_s: float | None = None,
                  enabled: bool | None = None, lighthouse: str | None = None, live_within_s: float = 1.0,
                  timeout_s: float | None = None, durability: str = "local", transport: "DurableTransport | None" = None,
                  on_event: Callable[[dict], None] | None = None, event_log: Any = True, **writer_options: Any) -> None:
@@ -387,13 +396,18 @@ class DurableTier:
         self._last_step = manager.current_step()
         self._positions_saved: int | None = None  # the step of the newest positions save started
         self._positions_t = float("-inf")  # when it started (monotonic)
-        self.positions_every_s = float(positions_every_s)
+        self.positions_every_s = None if positions_every_s is None else float(positions_every_s)
+        self._journal = None  # this rank's positions journal (a loader, the tier on)
+        self._joined_at: int | None = None  # the live job's step when this group joined it (resume)
+        self._joined_timeline = -1  # the timeline of the position a joining group continues from (-1: none)
+        #: the :class:`RestoreReport` of the last restore: :meth:`resume`'s, or a cold start after a lost join
+        self.last_restore: RestoreReport | None = None
         self._closed = False
         if self.enabled and self.group_world > 1:
             _check_group_world(self.group_world, self.rank)
         self._transport = transport
         if transport is not None:  # also with the tier off: torchft's peer healing needs the state
-            others = set(getattr(manager, "_user_state_dicts", {})) - {_HEAL_KEY}
+            others = set(getattr(manager, "_user_state_dicts", {})) - {_HEAL_KEY, _TIMELINE_KEY}
             if others:
                 raise ValueError(f"DurableTier(transport=...): the torchft Manager already has state dict functions "
                                  f"{sorted(others)}; create it with load_state_dict=None, state_dict=None: the tier "
@@ -403,6 +417,8 @@ class DurableTier:
             self._heal_states = StateDicts(0, (), False)
             manager.register_state_dict_fn(_HEAL_KEY, self._heal_load, self._heal_state)
             transport._attach(self)
+        self._timeline: int | None = None  # the step this job's timeline (re)started from (None: not known)
+        _ft.register_state(manager, _TIMELINE_KEY, self._timeline_load, self._timeline_state)
         if not self.enabled:
             log.warning("ckptstore: the durable tier is off (%s)", "enabled=False" if enabled is False else f"{ENV_DISABLE}=0")
             self._main = self._positions = None
@@ -425,6 +441,8 @@ class DurableTier:
             prefix=_st.loader_prefix(self.group), event_log=False, on_event=self._event("positions"),
             on_save=self._saved("positions"), per_rank_keys=("positions",), progress_s=3600.0, **common,
             **{k: v for k, v in writer_options.items() if k in ("remote_options", "endpoint_url", "threads")})
+        if self.loader is not None:
+            self._journal = self._open_journal(key)
         if self.group_world > 1:
             # the group's decisions (restore, skip, coalesce) are agreed on a gloo group of its own
             # ranks, made after the two managers' (every rank creates them in the same order); never
@@ -436,6 +454,57 @@ class DurableTier:
             self._agree_pg = new_gloo_group(_dt.timedelta(seconds=self.timeout_s))
 
     # -- set-up ------------------------------------------------------------------------------------
+    def _open_journal(self, key: Any):
+        """This rank's positions journal ``journals/loader-g<G>.w<K>.rank<r>.log`` in the local root
+        (docs/FORMAT.md, "Journals"; one per group, shape and rank), or None when it cannot be opened
+        (reported; positions versions still carry the positions)."""
+        from ..journal import Journal
+        from ..keys import resolve_master
+
+        try:
+            return Journal(self.root, f"{_st.loader_prefix(self.group)[:-1]}.w{self.group_world}.rank{self.rank}",
+                           scope=_st.loader_prefix(self.group)[:-1], keep=self.positions_keep,
+                           master=resolve_master(key))
+        except (OSError, CkptStoreError) as e:
+            self.counts["journal.error"] += 1
+            log.warning("ckptstore: the positions journal of group %d rank %d cannot be opened (%s: %s); positions "
+                        "versions still carry the positions", self.group, self.rank, type(e).__name__, e)
+            return None
+
+    def _journal_do(self, fn: Callable[[Any], Any], what: str) -> Any:
+        """``fn(journal)``; a failure (a full disk) stops the journal in this process (reported, never
+        raised: positions versions still carry the positions)."""
+        j = self._journal
+        if j is None:
+            return None
+        try:
+            return fn(j)
+        except (OSError, CkptStoreError) as e:
+            self.counts["journal.error"] += 1
+            log.warning("ckptstore: the positions journal of group %d rank %d stops (%s: %s: %s); positions "
+                        "versions still carry the positions", self.group, self.rank, what, type(e).__name__, e)
+            self._journal = None
+            try:
+                j.close()
+            except OSError:
+                pass
+            return None
+
+    def _journal_positions(self) -> list[_st.Position]:
+        """This rank's positions in its journal, oldest first (the current timeline; [] without one)."""
+        return [p for p, _t in self._journal_records()]
+
+    def _journal_records(self) -> list[tuple[_st.Position, int]]:
+        """``(position, timeline)`` of every record of this rank's journal, oldest first."""
+        def read(j):
+            return [_st.position_of(step, body) for step, body in j.read()]
+
+        return self._journal_do(read, "read") or []
+
+    def _journal_append(self, pos: _st.Position) -> None:
+        t = -1 if self._timeline is None else self._timeline
+        self._journal_do(lambda j: j.append(pos.step, _st.position_body(pos, t)), "append")
+
     def _remote_tier(self, url: str, options):
         """The remote tier of ``url`` through the registry, each request bounded below ``timeout_s``
         (``Tier.bounded_options``). ``options``: the tier's options (a dict), or one endpoint URL."""
@@ -497,6 +566,50 @@ class DurableTier:
             self._rewind = self._rewind or pos[3] != before
             self.counts["heal.position"] += 1
 
+    def _timeline_state(self) -> dict:
+        """What a peer sends a healing group under ``ckptstore.timeline``: the step the job's timeline
+        (re)started from as this group knows it (-1: not known)."""
+        return {"restart": -1 if self._timeline is None else int(self._timeline)}
+
+    def _timeline_load(self, sd: Any) -> None:
+        """torchft applies a healed state (on the training thread, before the step's forward pass):
+        the step the job's timeline (re)started from, as the peer knows it. At the first heal after
+        this group joined, when that is not the timeline of the position its loader continues from
+        (its journal records it) — the job restarted from the store while this group was away — the
+        loader goes back to this rank's position at that step (its journal's, else the versions'), and
+        this step is refused through torchft
+        (``report_error``: no group commits it, every group draws its batch again), because this
+        rank's batch of it was drawn from the abandoned position (docs/torchft.md, "A live job lost
+        while joining it")."""
+        self._joined_at = None  # a peer at the quorum's step healed this group: the job it joined lives
+        joined, self._joined_timeline = self._joined_timeline, -1
+        try:
+            s = int(sd.get("restart", -1))
+        except (AttributeError, TypeError, ValueError):
+            return
+        if s < 0:
+            return
+        self._timeline = s
+        # the same on every rank of the group: its ranks' positions are of one timeline, the peer's too
+        if joined < 0 or joined == s or not self.enabled or self._closed or self.loader is None:
+            return
+        pos = self._own_position_at(s)
+        was = self._history[-1].step if self._history else None
+        if pos is not None:
+            self._apply(pos, own=True)
+            self._rewind = True
+        self.counts["heal.timeline"] += 1
+        try:  # this group's positions versions after s belong to the abandoned timeline
+            self._supersede_positions(self._store_versions(), s)
+        except (CkptStoreError, OSError) as e:
+            log.warning("ckptstore: the positions versions of group %d after step %d are not superseded: %s",
+                        self.group, s, e)
+        why = (f"ckptstore: the job restarted from step {s} after group {self.group}'s loader position of step {was} "
+               f"(its timeline restarted from step {joined}): its loader went back to its position of step "
+               f"{None if pos is None else pos.step}; this step's batch is drawn again")
+        log.warning(why)
+        self.manager.report_error(RuntimeError(why))
+
     def _durable_heal(self, step: int) -> dict | None:
         """The state of main version ``step-<step>`` for this rank, read from the store (the local
         tier, replicas, then the remote tier: the reader's order) into copies of the live state
@@ -523,7 +636,7 @@ class DurableTier:
             if pos is not None:
                 sd["_position"] = (pos.step, pos.batches, pos.participated, pos.blob)
         self.counts["heal.durable"] += 1
-        return {"user": {_HEAL_KEY: sd}, "torchft": ft}
+        return {"user": {_HEAL_KEY: sd, _TIMELINE_KEY: {"restart": -1}}, "torchft": ft}
 
     def _committed_main(self) -> set[str]:
         names = set(self._store_versions_local())
@@ -537,6 +650,16 @@ class DurableTier:
         return names
 
     def _own_position_at(self, step: int) -> _st.Position | None:
+        """This rank's position at ``step`` (the greatest ≤ it): from its journal when the journal
+        reaches ``step``, else the newer of the journal's and the positions versions'."""
+        mine = self._journal_positions()
+        pos = _st.position_at(mine, step)
+        if mine and mine[-1].step >= step:
+            return pos
+        got = self._versions_position_at(step)
+        return got if pos is None or (got is not None and got.step > pos.step) else pos
+
+    def _versions_position_at(self, step: int) -> _st.Position | None:
         names = [n for n in self._committed_main() if (_st.parse_loader_version(n) or (None,))[0] == self.group]
         by_step = sorted(_st.parse_loader_version(n)[1] for n in names)
         tries = [s for s in by_step if s >= step][:1] + [s for s in by_step if s < step][-1:]
@@ -591,6 +714,8 @@ class DurableTier:
         if not self.enabled:  # the group lost a rank
             self._last_step = step
             return committed
+        if committed and self._joined_at is not None and self._lost_live_job(step):
+            return False  # restored from the store instead: this step's batch is drawn again
         counted = committed and bool(self.manager.is_participating())
         if counted and self.loader is not None:
             self._batches += 1
@@ -599,8 +724,12 @@ class DurableTier:
             self._rewind = True  # this step's batch went into no committed step: draw it again
         if committed:
             self._last_step = step
-        if self.loader is not None and self._loader_blob is not None:
-            self._history.append(_st.Position(step, self._batches, counted, self._loader_blob))
+        if self.loader is not None and self._loader_blob is not None and (not self._history
+                                                                          or step >= self._history[-1].step):
+            # (a step behind the loader's position: a group that joined and is not healed yet)
+            pos = _st.Position(step, self._batches, counted, self._loader_blob)
+            self._history.append(pos)
+            self._journal_append(pos)
             self._save_positions(step, agreed=agreed)
         if counted and step % self.interval_steps == 0 and self._is_writer():
             if agreed is not None and not agreed[0]:
@@ -611,6 +740,34 @@ class DurableTier:
                 self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
         self._post_agreement(step)
         return committed
+
+    def _lost_live_job(self, step: int) -> bool:
+        """At the first committed step after this group joined a live job (at step N, the lighthouse
+        said) without being healed by a peer: is the quorum's step below N? Then every replica that
+        held the job's state died before it could heal this group — the groups left formed a quorum of
+        their own and started over (torchft heals only from a live peer). That is a whole-job loss: the
+        group restores from the store as a cold start would (every such group chooses the same main
+        version), torchft's step with it, and the quorum heals the others from it. Returns whether it
+        restored (docs/torchft.md, "A live job lost while joining it")."""
+        joined_at, self._joined_at = self._joined_at, None
+        if step >= joined_at:
+            return False
+        why = (f"the live job this group joined at step {joined_at} was lost before it healed this group (the quorum "
+               f"is at step {step}): restored from the store")
+        log.warning("ckptstore: group %d: %s", self.group, why)
+        self.counts["join.lost"] += 1
+        t0 = time.monotonic()
+        r = self._cold_start(why)
+        r.seconds = time.monotonic() - t0
+        self._last_step = r.step = int(self.manager.current_step())
+        self._rewind = True  # the loader's iterator starts again at the restored position
+        self._next_decision = None
+        self._post_agreement()
+        self._emit("resume", outcome=r.kind, step=r.step, version=r.version, why=r.why, skipped=r.skipped,
+                   loader=dataclasses.asdict(r.loader) if r.loader is not None else None, orphaned=r.orphaned,
+                   seconds=r.seconds, lost_join=True)
+        self.last_restore = r
+        return True
 
     # -- one decision per group (docs/torchft.md, "Replica groups of several ranks") ------------------
     def _post_agreement(self, step: int | None = None) -> None:
@@ -633,12 +790,15 @@ class DurableTier:
             return  # no decision at the next step: no collective after this one
         import torch.distributed as dist
 
-        ahead = 1
-        if self._step_s:  # the steps this rank expects in one positions interval (at least 1)
+        nxt = None if step is None else step + 1  # the decision step this view is for
+        due = self._positions_due(nxt)
+        ahead = _MAX_DECISION_GAP  # the next due main step bounds it (see _agreed)
+        if due:
+            ahead = 1  # a positions save is due: if it cannot start at that step, decide again at the next
+        elif self.positions_every_s is not None and self._step_s:  # the steps of one positions interval
             ahead = max(1, min(_MAX_DECISION_GAP, int(self.positions_every_s / self._step_s)))
         view = torch.tensor([int(not self._main._saves.busy()), int(not self._positions._saves.busy()),
-                             int(time.monotonic() - self._positions_t >= self.positions_every_s), ahead],
-                            dtype=torch.int64)
+                             int(due), ahead], dtype=torch.int64)
         try:
             self._pending = (dist.all_reduce(view, op=dist.ReduceOp.MIN, group=self._agree_pg, async_op=True), view)
         except Exception as e:  # noqa: BLE001 - the group lost a rank: torchft restarts it
@@ -694,14 +854,25 @@ class DurableTier:
                                 ranks=self.group_world, outcome="skipped",
                                 error="the previous save is still running on a rank of the group")
 
+    def _positions_due(self, step: int | None) -> bool:
+        """Whether a positions version is due at ``step`` (None: the first step after a start): none was
+        started since this start (or the last heal), a due main step (``N % interval_steps == 0``) came
+        since the newest one started, or ``positions_every_s`` passed (when set)."""
+        saved = self._positions_saved
+        if saved is None or step is None:
+            return True
+        if step // self.interval_steps > saved // self.interval_steps:
+            return True
+        return self.positions_every_s is not None and time.monotonic() - self._positions_t >= self.positions_every_s
+
     def _save_positions(self, step: int, force: bool = False, agreed: tuple | None = None) -> None:
         now = time.monotonic()
         if agreed is not None and not force:
             if not (agreed[1] and agreed[2]):
-                self.counts["positions.coalesced"] += 1  # the next save carries this step's position
+                self.counts["positions.coalesced"] += 1  # the journal has it; the next version carries it
                 return
-        elif not force and now - self._positions_t < self.positions_every_s:
-            self.counts["positions.coalesced"] += 1  # the next save carries this step's position
+        elif not force and not self._positions_due(step):
+            self.counts["positions.coalesced"] += 1  # the journal has it; the next version carries it
             return
 
         def save():
@@ -751,7 +922,9 @@ class DurableTier:
         t0 = time.monotonic()
         if not self.enabled:
             return RestoreReport("disabled", step=int(self.manager.current_step()))
-        live, why = self._bcast(self._live() if self.rank == 0 else None)  # one answer per group
+        live, why, at = self._bcast(self._live() if self.rank == 0 else None)  # one answer per group
+        self._joined_at = at if live else None  # checked at the first committed step (_lost_live_job)
+        self._timeline = None  # a cold start sets it; a join learns it from the peer that heals it
         if live:
             r = self._join(why)
         else:
@@ -760,6 +933,7 @@ class DurableTier:
         self._last_step = int(self.manager.current_step())
         r.step = self._last_step
         self._rewind = False
+        self.last_restore = r
         self._post_agreement()
         self._emit("resume", outcome=r.kind, step=r.step, version=r.version, why=r.why, skipped=r.skipped,
                    loader=dataclasses.asdict(r.loader) if r.loader is not None else None, orphaned=r.orphaned,
@@ -775,16 +949,18 @@ class DurableTier:
             except Exception:  # noqa: BLE001 - a callback never breaks the loop
                 log.exception("ckptstore: on_event callback failed")
 
-    def _live(self) -> tuple[bool, str]:
+    def _live(self) -> tuple[bool, str, int | None]:
+        """``(live, why, step)``: whether a live job exists (:func:`_torchft_store.job_is_live`) and its step."""
         if not self.lighthouse:
             warnings.warn("DurableTier: no lighthouse address (lighthouse= or TORCHFT_LIGHTHOUSE): every start is taken "
                           "as a cold start, also a group joining a live job", RuntimeWarning, stacklevel=3)
-            return False, "no lighthouse address"
+            return False, "no lighthouse address", None
         try:
             view = _ft.lighthouse_view(self.lighthouse, self.timeout_s)
         except Exception as e:  # noqa: BLE001 - an unreachable lighthouse: the job cannot be live either
-            return False, f"the lighthouse's status could not be read ({type(e).__name__}: {e})"
-        return _st.job_is_live(view.members, view.heartbeats, self.live_within_s)
+            return False, f"the lighthouse's status could not be read ({type(e).__name__}: {e})", None
+        live, why = _st.job_is_live(view.members, view.heartbeats, self.live_within_s)
+        return live, why, _st.live_step(view.members, view.heartbeats, self.live_within_s)
 
     def _store_versions(self) -> list[str]:
         """The committed version names: the local root's and, when it answers, the remote tier's
@@ -869,6 +1045,7 @@ class DurableTier:
                               else None)
         names, attempts, self._worlds = listing
         self._attempts = collections.defaultdict(set, attempts)
+        journal = self._journal_positions() if self.loader is not None else []  # before the reset below
         main_steps = [s for s in (_st.main_step(n) for n in names) if s is not None]
         newest: dict[int, int] = {}
         for n in names:
@@ -888,6 +1065,8 @@ class DurableTier:
                 chosen, more = _st.choose_main([s for s in main_steps if s < chosen], newest, self.interval_steps)
                 skipped.extend(more)
                 version = None
+        self._journal_do(lambda j: j.reset(), "reset")  # the timeline restarts (at the chosen step, or 0)
+        self._timeline = chosen if chosen is not None else 0
         if chosen is None:
             self._supersede_positions(names, 0)
             r = RestoreReport("fresh", why=why, skipped=skipped)
@@ -903,6 +1082,11 @@ class DurableTier:
         self._supersede_positions(names, chosen)
         if self.loader is not None:
             at, worlds = self._positions_at(names, chosen)
+            mine = _st.position_at(journal, chosen)  # this rank's journal (its shape: the name has it)
+            if mine is not None and mine.step <= chosen and (at.get((self.group, self.rank)) is None
+                                                             or mine.step > at[(self.group, self.rank)].step):
+                at[(self.group, self.rank)] = mine
+                worlds[self.group] = self.group_world
             choice, pos, r.orphaned = _st.rank_loader_plan(self.group, self.rank, self.num_groups, self.group_world,
                                                            at, worlds)
             r.loader = choice
@@ -914,14 +1098,17 @@ class DurableTier:
         r = RestoreReport("join", why=why)
         if self.loader is None:
             return r
+        recs = self._journal_records()
+        pos = recs[-1][0] if recs else None  # its newest: the journal has every step of this node's launches
+        self._joined_timeline = recs[-1][1] if recs else -1  # the timeline that position belongs to
         names = [n for n in self._store_versions_local() if _st.parse_loader_version(n) is not None
                  and _st.parse_loader_version(n)[0] == self.group]
-        pos = None
-        if names:
-            newest = max(_st.parse_loader_version(n)[1] for n in names)
+        newest = max((_st.parse_loader_version(n)[1] for n in names), default=None)
+        if newest is not None and (pos is None or pos.step < newest):  # a newer positions version (another node's)
             try:
                 hist = self._read_positions(f"{_st.loader_prefix(self.group)}{newest}")
-                pos = max(hist, key=lambda p: p.step) if hist else None
+                got = max(hist, key=lambda p: p.step) if hist else None
+                pos = got if pos is None or (got is not None and got.step > pos.step) else pos
             except Exception as e:  # noqa: BLE001 - reported; the loader stays as built
                 r.why += f"; its own position could not be read ({type(e).__name__}: {e})"
         if pos is not None:
@@ -946,6 +1133,9 @@ class DurableTier:
             return []
 
     def _apply(self, pos: _st.Position, own: bool) -> None:
+        """The loader (and, ``own``, the RNG) at ``pos``. An own position also starts the history and
+        is recorded in the journal, so that the next positions version and the journal hold this
+        rank's position of the steps it was away for (the greatest step ≤ any of them is ``pos``)."""
         got = torch.load(io.BytesIO(pos.blob), weights_only=True)
         self.loader.load_state_dict(got["loader"])
         if own:
@@ -953,12 +1143,19 @@ class DurableTier:
         self._batches = pos.batches
         self._loader_blob = pos.blob
         self._history.clear()
+        self._positions_saved = None  # a positions version is due at the next (decision) step
+        if own:
+            self._history.append(pos)
+            self._journal_append(pos)
 
     # -- reporting and shutdown ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Counters: ``main.started``/``skipped``/``committed``/``committed-local`` (the upload failed;
         retried)/``failed``/``fenced``/``lost-race``, the same for ``positions`` (and
-        ``positions.coalesced``: steps carried by the next positions save)."""
+        ``positions.coalesced``: steps whose position only the journal has until the next positions
+        save); ``journal.error`` (the journal stopped: a full disk), ``join.lost`` (a restore after the
+        live job this group joined was lost), ``heal.timeline`` (the loader moved back to the step the
+        job restarted from; docs/torchft.md, "A live job lost while joining it")."""
         return dict(self.counts)
 
     def metrics_text(self, which: str = "main") -> str:
@@ -992,6 +1189,8 @@ class DurableTier:
         if self.enabled:  # the newest position, if no save carries it yet: a restart pairs with it
             self._flush_positions()
         self._closed = True
+        self._journal_do(lambda j: j.close(), "close")
+        self._journal = None
         for name, m in (("main", self._main), ("positions", self._positions)):
             if m is None:
                 continue

@@ -13,6 +13,7 @@
     leases/<attempt>.remote.json                           ... the remote commit of that save (remote tier)
     probes/put-if-absent.<nonce>                           conditional-write probe (remote; deleted at once)
     restores.jsonl                                         restore log of the jobs whose rank 0 used this root
+    journals/<name>.log, journals/<name>.prev.log          a writer's journal (local tier; ckptstore.journal)
 
 Every key and name of that layout is built or recognised here and nowhere else. The grammar of
 its components (encoded version names, attempt ids, object names ``attempts/<attempt>/<file>``
@@ -45,6 +46,8 @@ PROBES = "probes"
 RESTORE_LOG = "restores.jsonl"
 #: directory of the leases of saves in flight on earlier versions' objects (docs/FORMAT.md, "References")
 LEASES = "leases"
+#: directory of the journals of a local root (docs/FORMAT.md, "Journals"; ``ckptstore.journal``)
+JOURNALS = "journals"
 
 
 def version_dir(version: str) -> str:
