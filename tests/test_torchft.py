@@ -327,12 +327,13 @@ def test_a_group_that_joined_a_live_job_lost_before_its_heal_continues_in_the_re
         job.close()
     assert codes == {0: 0, 1: 0}, (codes, job.tails())
     g0, g1 = _resumes(job, 0), _resumes(job, 1)
-    assert [r["kind"] for r in g0] == ["fresh", "cold-start"] and g0[1]["version"] == "step-10", g0
+    assert [r["kind"] for r in g0] == ["fresh", "cold-start"], g0
     assert [r["kind"] for r in g1] == ["fresh", "join"] and g1[1]["loader"]["step"] == 11, g1
-    assert job.lines(1)[-1]["stats"].get("heal.timeline") == 1, job.lines(1)[-1]
+    at = g0[1]["step"]  # the step the job restarted from (step-10, or step-5 when 10's positions lagged)
     for g in range(2):  # the timeline: launch 0 up to the restored step, then launch 1
-        got = [x["ids"] for x in job.lines(g) if x.get("counted") and (x["launch"] == "1" or x["step"] <= 10)]
+        got = [x["ids"] for x in job.lines(g) if x.get("counted") and (x["launch"] == "1" or x["step"] <= at)]
         assert got == tg.shard_order(g)[:len(got)], f"group {g}: a batch skipped or drawn twice"
+    assert job.lines(1)[-1]["stats"].get("heal.timeline") == 1, job.lines(1)[-1]
     assert max(_timeline(job, 1)) == 24
 
 

@@ -265,9 +265,9 @@ def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> Non
         if manager.current_step() != before:  # committed: the scheduler steps with it
             sched.step()
         t_sd = time.perf_counter()
-        seen = tier.last_restore
+        seen = getattr(tier, "last_restore", None)
         committed = tier.step_done()  # after everything of the step: the main save captures it
-        if tier.last_restore is not seen:  # the live job it joined was lost: restored from the store
+        if getattr(tier, "last_restore", None) is not seen:  # the live job it joined was lost: restored from the store
             _write_resume(out, launch, getattr(tier, "rank", 0), tier.last_restore, lost_join=True)
         dt_s = time.perf_counter() - t0
         out.write(json.dumps({"launch": launch, "step": manager.current_step(), "committed": committed,

@@ -44,6 +44,11 @@ What it does (docs/torchft.md; docs/FORMAT.md, "torchft"):
   read (the group's loader continues from its own newest position, its journal's); otherwise the whole job is
   starting and every group restores the newest main version whose every active group's position is
   saved, and pairs its loader with its own position *no newer than* that step.
+* **A live job lost while joining it.** A group that joined a live job whose replicas all died before
+  they healed it restores from the store as a cold start would (no peer healed it: the quorum started
+  over below the step it joined at), or, healed by a peer of a job that restarted from the store
+  meanwhile (``ckptstore.timeline``, a state every group registers with torchft), moves its loader
+  back to its position at the restarted step and refuses that step (docs/torchft.md).
 * **Never in the way.** Saves never wait (a due save while the previous still runs is skipped and
   reported); a failed save is reported (event, metric, log), never raised; ckptstore's timeouts
   (its gloo groups, S3 connect/read, the lighthouse probe) sit below torchft's ``timeout`` and
@@ -581,14 +586,14 @@ class DurableTier:
         (``report_error``: no group commits it, every group draws its batch again), because this
         rank's batch of it was drawn from the abandoned position (docs/torchft.md, "A live job lost
         while joining it")."""
-        self._joined_at = None  # a peer at the quorum's step healed this group: the job it joined lives
-        joined, self._joined_timeline = self._joined_timeline, -1
         try:
             s = int(sd.get("restart", -1))
         except (AttributeError, TypeError, ValueError):
             return
-        if s < 0:
+        if s < 0:  # a peer that does not know its timeline (itself joined, not healed yet): decide later
             return
+        self._joined_at = None  # a peer of a known timeline healed this group: the job it joined lives
+        joined, self._joined_timeline = self._joined_timeline, -1
         self._timeline = s
         # the same on every rank of the group: its ranks' positions are of one timeline, the peer's too
         if joined < 0 or joined == s or not self.enabled or self._closed or self.loader is None:
