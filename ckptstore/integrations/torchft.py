@@ -467,9 +467,9 @@ class DurableTier:
         from ..keys import resolve_master
 
         try:
-            return Journal(self.root, f"{_st.loader_prefix(self.group)[:-1]}.w{self.group_world}.rank{self.rank}",
-                           scope=_st.loader_prefix(self.group)[:-1], keep=self.positions_keep,
-                           master=resolve_master(key))
+            scope = _st.loader_prefix(self.group)[:-1]
+            return Journal(self.root, f"{scope}.w{self.group_world}.rank{self.rank}", scope=scope,
+                           keep=self.positions_keep, master=resolve_master(key))
         except (OSError, CkptStoreError) as e:
             self.counts["journal.error"] += 1
             log.warning("ckptstore: the positions journal of group %d rank %d cannot be opened (%s: %s); positions "
@@ -768,10 +768,7 @@ class DurableTier:
         self._rewind = True  # the loader's iterator starts again at the restored position
         self._next_decision = None
         self._post_agreement()
-        self._emit("resume", outcome=r.kind, step=r.step, version=r.version, why=r.why, skipped=r.skipped,
-                   loader=dataclasses.asdict(r.loader) if r.loader is not None else None, orphaned=r.orphaned,
-                   seconds=r.seconds, lost_join=True)
-        self.last_restore = r
+        self._report_restore(r, lost_join=True)
         return True
 
     # -- one decision per group (docs/torchft.md, "Replica groups of several ranks") ------------------
@@ -938,14 +935,18 @@ class DurableTier:
         self._last_step = int(self.manager.current_step())
         r.step = self._last_step
         self._rewind = False
-        self.last_restore = r
         self._post_agreement()
-        self._emit("resume", outcome=r.kind, step=r.step, version=r.version, why=r.why, skipped=r.skipped,
-                   loader=dataclasses.asdict(r.loader) if r.loader is not None else None, orphaned=r.orphaned,
-                   seconds=r.seconds)
+        self._report_restore(r)
         log.info("ckptstore: resume of group %d: %s (step %d%s)", self.group, r.kind, r.step,
                  f", {r.version}" if r.version else "")
         return r
+
+    def _report_restore(self, r: RestoreReport, **extra: Any) -> None:
+        """``r`` becomes :attr:`last_restore` and a ``resume`` event."""
+        self.last_restore = r
+        self._emit("resume", outcome=r.kind, step=r.step, version=r.version, why=r.why, skipped=r.skipped,
+                   loader=dataclasses.asdict(r.loader) if r.loader is not None else None, orphaned=r.orphaned,
+                   seconds=r.seconds, **extra)
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.on_event is not None:
