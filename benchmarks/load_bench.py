@@ -26,7 +26,9 @@ Configurations (``--kinds``):
 Threads: ckptstore's reader runs ``--threads`` (default its own default, cores /
 ``LOCAL_WORLD_SIZE`` + 1); DCP's ``FileSystemReader`` has no thread option in torch 2.13 and reads
 in the calling thread. Row ``*-1t`` (``--one-thread``) loads ckptstore's ``all`` checkpoint at 1
-thread for the one-thread-each comparison.
+thread for the one-thread-each comparison. Row ``all-numpy`` (``--numpy-row``) loads the same
+checkpoint with the byte-group merge in numpy instead of the C module (``codec/_planes.c``), in the
+same repetitions: what the one-pass merge is worth.
 
 Per row: wall seconds (slowest rank, between barriers), GB/s of logical state (all ranks),
 CPU-seconds per GB (user+sys of every rank, all threads), peak extra RSS during the load
@@ -58,6 +60,7 @@ LABELS = {
     "enc": "ckptstore none+xxh3+AES-GCM",
     "xxh": "ckptstore none+xxh3, no key",
     "all-1t": "ckptstore zstd+xxh3+AES-GCM, 1 thread",
+    "all-numpy": "ckptstore zstd+xxh3+AES-GCM, numpy merge",
     "dcp": "DCP FileSystemReader",
     "dcp-zstd": "DCP FileSystemReader+ZStandard",
 }
@@ -108,7 +111,7 @@ def reader(kind: str, path: str, threads: int):
 
     if kind == "all-1t":
         return ckptstore.StorageReader(path, key=B.BENCH_KEY, threads=1)
-    if kind in ("all", "enc"):
+    if kind in ("all", "enc", "all-numpy"):
         return ckptstore.StorageReader(path, key=B.BENCH_KEY, threads=threads)
     if kind in ("zstd", "xxh"):
         return ckptstore.StorageReader(path, threads=threads)
@@ -116,7 +119,7 @@ def reader(kind: str, path: str, threads: int):
 
 
 def where(kind: str, base: str, world: int) -> tuple[str, str]:
-    k = "all" if kind == "all-1t" else kind
+    k = "all" if kind in ("all-1t", "all-numpy") else kind
     root = os.path.join(base, f"{k}-w{world}")
     return (root, "v1") if not k.startswith("dcp") else (root, root)
 
@@ -141,7 +144,11 @@ def _rank(rank: int, world: int, args: dict, out: dict) -> None:
     sd = make_state(args["mib"] * MiB, rank, world)
     dest = B._map(sd, lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0)
     kinds = list(args["kinds"])
-    res = {k: {"s": [], "cpu": [], "rss_extra": [], "exact": []} for k in kinds + (["all-1t"] if args["one"] else [])}
+    extra_rows = (["all-1t"] if args["one"] else []) + (["all-numpy"] if args["numpy"] else [])
+    res = {k: {"s": [], "cpu": [], "rss_extra": [], "exact": []} for k in kinds + extra_rows}
+    from ckptstore.codec import bytegroup
+
+    native = bytegroup._native
     for k in kinds:
         root, cid = where(k, args["work"], world)
         if rank == 0:
@@ -160,6 +167,7 @@ def _rank(rank: int, world: int, args: dict, out: dict) -> None:
                 B.evict(root)
             barrier()
             r = reader(k, root, threads)
+            bytegroup._native = None if k == "all-numpy" else native
             before = B.rss()
             B.reset_hwm()
             c0 = B._cpu()
@@ -258,6 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--threads", type=int, default=0, help="ckptstore reader/writer threads (default its own)")
     ap.add_argument("--one-thread", action="store_true", help="also load 'all' at 1 thread")
+    ap.add_argument("--numpy-row", action="store_true", help="also load 'all' with the numpy byte-group merge")
     ap.add_argument("--warm", action="store_true", help="keep the page cache warm for every configuration")
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -272,7 +281,7 @@ def main(argv=None) -> int:
         for mib in [int(x) for x in a.mib.split(",")]:
             for world in [int(x) for x in a.worlds.split(",")]:
                 args = {"mib": mib, "reps": a.reps, "kinds": a.kinds.split(","), "threads": a.threads, "work": work,
-                        "warm": a.warm, "one": a.one_thread, "seed": a.seed, "port": 29500 + random.randrange(2000)}
+                        "warm": a.warm, "one": a.one_thread, "numpy": a.numpy_row, "seed": a.seed, "port": 29500 + random.randrange(2000)}
                 t = time.perf_counter()
                 got = run_world(world, args)
                 rs = summarise(world, mib, got)

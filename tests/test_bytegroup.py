@@ -6,7 +6,10 @@ hostile and raises IntegrityError (and nothing else) for anything malformed.
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 import threading
 import tracemalloc
 
@@ -209,6 +212,72 @@ def test_property_structured_bytes(width, values, reps):
     data = bytes(values) * reps
     data = data[: len(data) - len(data) % width]
     assert bytes(decode(bytegroup.encode(data, width, 1), str(width), len(data))) == data
+
+
+# -- the one-pass C split/merge (codec/_planes.c) against the numpy reference --------------------------
+
+needs_native = pytest.mark.skipif(not bytegroup.NATIVE, reason="ckptstore.codec._planes not built (no C compiler at install)")
+
+
+def test_native_kernels_are_built_where_required():
+    """CI sets CKPTSTORE_REQUIRE_NATIVE=1: an install that silently fell back to numpy fails there."""
+    if os.environ.get("CKPTSTORE_REQUIRE_NATIVE") != "1":
+        pytest.skip("CKPTSTORE_REQUIRE_NATIVE is not set")
+    assert bytegroup.NATIVE, "the C split/merge did not build: is a C compiler installed?"
+
+
+@needs_native
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.sampled_from(bytegroup.WIDTHS), data=st.binary(max_size=4000), transform=st.sampled_from([0, 1]), skew=st.integers(0, 7))
+def test_native_split_and_merge_equal_numpy(width, data, transform, skew):
+    """Same planes from the same elements, and the same elements back, on unaligned buffers too."""
+    data = data[: len(data) - len(data) % width]
+    n = len(data) // width
+    buf = np.zeros(len(data) + skew, dtype=np.uint8)[skew:]  # unaligned for skew % width != 0
+    buf[:] = np.frombuffer(data, dtype=np.uint8)
+    x = buf.view(bytegroup._UINT[width])
+    ref = bytegroup._split_numpy(x, width, transform, np.empty((width, n), dtype=np.uint8))
+    got = bytegroup._split(x, width, transform)
+    assert got.tobytes() == ref.tobytes()
+    planes = [np.frombuffer(ref[k].tobytes(), dtype=np.uint8) for k in range(width)]  # read-only planes
+    out = np.full(len(data) + skew, 0xA5, dtype=np.uint8)[skew:]
+    bytegroup._merge(planes, n, width, transform, out)
+    assert out.tobytes() == data
+    ref_out = bytegroup._merge_numpy(planes, n, width, transform, np.empty(n, dtype=bytegroup._UINT[width]))
+    assert ref_out.tobytes() == data
+
+
+@needs_native
+def test_native_kernels_refuse_bad_arguments():
+    native = bytegroup._native
+    x = np.arange(16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="width"):
+        native.split(x, np.empty(16, np.uint8), 3, 0)
+    with pytest.raises(ValueError, match="transform"):
+        native.split(x, np.empty(16, np.uint8), 2, 2)
+    with pytest.raises(ValueError, match="too small"):
+        native.split(x, np.empty(15, np.uint8), 2, 0)
+    with pytest.raises(ValueError, match="2 planes for width 4"):
+        native.merge([x, x], np.empty(16, np.uint8), 4, 0)
+    with pytest.raises(ValueError, match="plane 1 has 7 bytes"):
+        native.merge([x[:8], x[:7]], np.empty(16, np.uint8), 2, 0)
+    with pytest.raises((TypeError, BufferError)):
+        native.merge([x[:8], x[:8]], bytes(16), 2, 0)  # out must be writable
+
+
+def test_numpy_fallback_when_native_is_off(tmp_path):
+    """CKPTSTORE_NATIVE=0 (or an install without a compiler) decodes what the C kernels encoded."""
+    raw = tensor_bytes(torch.randn(70_001, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16))
+    payload = bytegroup.encode(raw, 2, 1)
+    (tmp_path / "p").write_bytes(bytes(payload))
+    code = (
+        "import sys; from ckptstore.codec import bytegroup, stages; assert not bytegroup.NATIVE; "
+        "p = open(sys.argv[1], 'rb').read(); raw = stages.decode_stage('bytegroup/1', '2', p, int(sys.argv[2])); "
+        "sys.stdout.buffer.write(bytes(raw))"
+    )
+    env = dict(os.environ, CKPTSTORE_NATIVE="0")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p"), str(len(raw))], env=env, capture_output=True, check=True)
+    assert r.stdout == raw
 
 
 def test_threads_encode_and_decode_concurrently():

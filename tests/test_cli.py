@@ -592,7 +592,7 @@ print(int(sd["w"].sum()))
 
 def test_setup_installs_once_and_again_when_pyproject_changes(tmp_path):
     """``scripts/test.sh`` and ``scripts/demo.sh`` run ``scripts/setup.sh`` every time; it installs only
-    when pyproject.toml's hash or torch differs from the stamp, when extras that were never installed are
+    when the hash of pyproject.toml and the C source or torch differs from the stamp, when extras that were never installed are
     asked for (then the union of those and the installed ones), or when the install is broken (before:
     pip ran on every call, ≈ 7 s; and demo.sh/test.sh alternating reinstalled every time). A fake venv
     whose ``python`` is this interpreter records what would be installed."""
@@ -609,7 +609,10 @@ def test_setup_installs_once_and_again_when_pyproject_changes(tmp_path):
         """))
     shim.chmod(0o755)
     (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
-    h = hashlib.sha256(open(os.path.join(REPO, "pyproject.toml"), "rb").read()).hexdigest()
+    # the stamp hashes pyproject.toml and the C source the install compiles (ckptstore/codec/_planes.c)
+    sources = [os.path.join(REPO, "pyproject.toml"), os.path.join(REPO, "ckptstore", "codec", "_planes.c")]
+    h = hashlib.sha256(b"".join(open(f, "rb").read() for f in sources)).hexdigest()
+    h_pyproject_only = hashlib.sha256(open(sources[0], "rb").read()).hexdigest()
     env = {**os.environ, "VENV": str(venv), "CKPTSTORE_TORCH_VERSION": torch.__version__.split("+")[0]}
     env.pop("CKPTSTORE_TORCH_INDEX", None)
     base = f"pyproject={h} torch={env['CKPTSTORE_TORCH_VERSION']} index="
@@ -629,4 +632,8 @@ def test_setup_installs_once_and_again_when_pyproject_changes(tmp_path):
     log.unlink()
     assert setup("test").returncode == 0 and not log.exists()
     (venv / ".ckptstore-setup").write_text("pyproject=0000 torch=x index= extras=test\n")  # pyproject.toml changed
+    assert setup("test").returncode == 0 and "-e .[test]" in log.read_text()
+    log.unlink()
+    # the stamp of an install before the C source changed (here: one that hashed pyproject.toml alone)
+    (venv / ".ckptstore-setup").write_text(f"pyproject={h_pyproject_only} torch={env['CKPTSTORE_TORCH_VERSION']} index= extras=test\n")
     assert setup("test").returncode == 0 and "-e .[test]" in log.read_text()
