@@ -263,7 +263,7 @@ def pack_items(idx: list, locs: list, digests: list | None = None) -> ItemTable:
 _ID_COLUMNS = ("item.fqn", "item.object", "item.dtype")
 #: columns joined once when the tables are merged (the checks and the chunk lists read them whole);
 #: the others stay the ranks' pieces until framing cuts them into frames
-_JOINED = frozenset(_ID_COLUMNS + ("item.index", "item.offset_ndim", "item.offsets", "item.shape_ndim", "item.shapes"))
+_JOINED = frozenset(_ID_COLUMNS + ("item.index", "item.offset_ndim", "item.shape_ndim"))
 _ITEMSIZE = {k: np.dtype(dt).itemsize for k, (dt, _per) in COLUMNS.items()}
 
 
@@ -306,7 +306,8 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     table is not an :class:`ItemTable` with whole columns of the right lengths.
 
     The columns the checks and the chunk lists read whole (:data:`_JOINED`) are the ranks' pieces
-    joined once; the others stay the ranks' pieces, cut into frames when written (no copy of them
+    joined once; the others (the offsets and shapes too: :class:`_ItemChunks` reads the few it
+    checks from the pieces) stay the ranks' pieces, cut into frames when written (no copy of them
     into one fresh buffer: on a VM, first-touched memory costs about 1 s per GB); the name columns
     are remapped in one vectorised lookup each. The work per table is a few length checks and the
     names it does not share with the table before it."""
@@ -359,18 +360,27 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     if n:
         # checked per table (its largest and smallest position against its names), then remapped in
         # one gather: a table's positions shifted by where its names start in the concatenated remaps
+        # one scratch index array (intp: what take reads without a converted copy) for the three
+        # columns: each column then touches one fresh array, its result
         has = items_a > 0
         starts = (np.cumsum(items_a) - items_a)[has]
         limit = np.asarray(n_names, np.int64)[has]
-        shift = np.repeat(np.cumsum(n_names) - np.asarray(n_names, np.int64), counts)
+        n_names_a = np.asarray(n_names, np.intp)
+        shift = np.repeat(np.cumsum(n_names_a) - n_names_a, counts)
         remap_all = np.concatenate(remaps) if remaps else np.empty(0, "<i4")
+        idx = np.empty(n, np.intp)
         for k in _ID_COLUMNS:
             local = np.frombuffer(cols[k][0], "<i4")
             lo = -1 if k == "item.dtype" else 0
             if (np.maximum.reduceat(local, starts) >= limit).any() or (np.minimum.reduceat(local, starts) < lo).any():
                 raise TypeError(f"item table column {k} refers to a name that does not exist")
             none = local < 0 if lo < 0 else None
-            g = remap_all[shift + (np.maximum(local, 0) if none is not None else local)]
+            if none is not None:
+                np.maximum(local, 0, out=idx)
+                np.add(idx, shift, out=idx)
+            else:
+                np.add(local, shift, out=idx)
+            g = np.take(remap_all, idx)
             if none is not None and none.any():
                 g[none] = -1
             cols[k] = [_bytes_of(g.astype("<i4", copy=False))]
@@ -379,6 +389,27 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
         if tables and all(type(r) is bytes and len(r) == t.items * np.dtype(dt).itemsize for r, t in zip(opt, tables)):
             cols[k] = opt
     return cols, n, nf
+
+
+class _LazyColumns(collections.abc.Mapping):
+    """Item columns given as lists of pieces (:func:`_merge_tables`), each joined into one numpy
+    array on first use only (``pieces``: the lists themselves)."""
+
+    def __init__(self, pieces: dict) -> None:
+        self.pieces = pieces
+        self._arrays: dict = {}
+
+    def __getitem__(self, k: str) -> np.ndarray:
+        a = self._arrays.get(k)
+        if a is None:
+            a = self._arrays[k] = np.frombuffer(_joined(self.pieces[k]), COLUMNS[k][0])
+        return a
+
+    def __iter__(self):
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
@@ -455,6 +486,14 @@ class _ItemChunks:
         self.col_of = dict(zip(first, range(k)))
         self.index_g = a["item.index"].reshape(ranks, k)  # a view: a tensor's indexes are a strided column
         self.want = np.arange(ranks, dtype=np.int64)
+        # with the columns still in the ranks' pieces, each rank's offsets and shapes are k x nd values
+        # of its own piece: the few rows :meth:`matches` checks are read from there (no join)
+        self.by_rank: dict | None = None
+        pieces = getattr(a, "pieces", None)
+        if pieces is not None and all(
+            len(pieces[c]) == ranks and set(map(len, pieces[c])) == {k * nd * 8} for c in ("item.offsets", "item.shapes")
+        ):
+            self.by_rank = {}
 
     def _sort(self) -> None:
         a, n = self.a, self.n
@@ -477,7 +516,7 @@ class _ItemChunks:
         p = self.col_of.get(fid) if self.col_of is not None else None
         if p is not None and count == self.ranks and nd == self.nd and np.array_equal(self.index_g[:, p], self.want):
             pos = self.want * self.k + p
-            return pos, pos * nd, pos * nd  # every item has nd offsets and nd sizes
+            return pos, pos * nd, pos * nd, p  # every item has nd offsets and nd sizes; chunk r is rank r's item p
         if not self.sorted:
             self._sort()
         a = self.a
@@ -496,15 +535,31 @@ class _ItemChunks:
             pos = pos[perm]
         if not (np.all(a["item.offset_ndim"][pos] == nd) and np.all(a["item.shape_ndim"][pos] == nd)):
             return None
-        return pos, self.ostart[pos], self.sstart[pos]
+        return pos, self.ostart[pos], self.sstart[pos], None
 
     def values(self, got, nd: int, rows=None) -> tuple[np.ndarray, np.ndarray]:
         """Flat ``(offsets, sizes)`` of the chunks :meth:`positions` found (``rows``: only those chunks)."""
-        _pos, o, s = got
+        _pos, o, s, p = got
+        if p is not None and rows is not None and self.by_rank is not None:
+            return self._from_pieces(p, rows)
         if rows is not None:
             o, s = o[rows], s[rows]
         cols = np.arange(nd, dtype=np.int64)
         return (self.a["item.offsets"][(o[:, None] + cols).ravel()], self.a["item.shapes"][(s[:, None] + cols).ravel()])
+
+    def _from_pieces(self, p: int, rows) -> tuple[np.ndarray, np.ndarray]:
+        """Flat ``(offsets, sizes)`` of item ``p`` of the ranks ``rows`` (the rank-grid layout), read
+        from each rank's own piece of the offsets and shapes columns (``k x nd`` values each)."""
+        got = []
+        for c in ("item.offsets", "item.shapes"):
+            vals = []
+            for r in rows.tolist():
+                t = self.by_rank.get((c, r))
+                if t is None:
+                    t = self.by_rank[(c, r)] = np.frombuffer(self.a.pieces[c][r], COLUMNS[c][0]).reshape(self.k, self.nd)
+                vals.append(t[p])
+            got.append(np.concatenate(vals) if vals else np.empty(0, np.int64))
+        return got[0], got[1]
 
     def matches(self, got, nd: int, tm) -> bool:
         """Whether DCP's own chunk list ``tm.chunks`` is the one found: checked on its first, last and
@@ -539,8 +594,7 @@ def _pack_chunks(md: Metadata, cols: dict, n: int, names: _Names, counts: list) 
             fid = names.ids.get(fqn)
             if fid is not None:
                 if by_items is None:
-                    by_items = _ItemChunks({k: np.frombuffer(_joined(cols[k]), COLUMNS[k][0]) for k in _CHUNK_COLUMNS},
-                                           n, counts)
+                    by_items = _ItemChunks(_LazyColumns({k: cols[k] for k in _CHUNK_COLUMNS}), n, counts)
                 got = by_items.positions(fid, len(tm.chunks), nd)
                 if got is not None and by_items.matches(got, nd, tm):
                     from_items.append((fqn, len(tm.chunks)))
