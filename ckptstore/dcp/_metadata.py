@@ -262,7 +262,8 @@ def pack_items(idx: list, locs: list, digests: list | None = None) -> ItemTable:
 
 _ID_COLUMNS = ("item.fqn", "item.object", "item.dtype")
 #: columns joined once when the tables are merged (the checks and the chunk lists read them whole);
-#: the others stay the ranks' pieces until framing cuts them into frames
+#: the others (offsets and shapes too: the chunk-list check reads its few rows from the pieces) stay
+#: the ranks' pieces until framing cuts them into frames
 _JOINED = frozenset(_ID_COLUMNS + ("item.index", "item.offset_ndim", "item.shape_ndim"))
 _ITEMSIZE = {k: np.dtype(dt).itemsize for k, (dt, _per) in COLUMNS.items()}
 
@@ -359,9 +360,9 @@ def _merge_tables(tables: list, names: _Names) -> tuple[dict[str, list], int, in
     cols: dict[str, list] = dict(raws)
     if n:
         # checked per table (its largest and smallest position against its names), then remapped in
-        # one gather: a table's positions shifted by where its names start in the concatenated remaps
-        # one scratch index array (intp: what take reads without a converted copy) for the three
-        # columns: each column then touches one fresh array, its result
+        # one gather: a table's positions shifted by where its names start in the concatenated remaps,
+        # through one scratch index array (intp: what take reads without a converted copy) for the
+        # three columns, so each column touches one fresh array, its result
         has = items_a > 0
         starts = (np.cumsum(items_a) - items_a)[has]
         limit = np.asarray(n_names, np.int64)[has]
@@ -491,7 +492,7 @@ class _ItemChunks:
         self.by_rank: dict | None = None
         pieces = getattr(a, "pieces", None)
         if pieces is not None and all(
-            len(pieces[c]) == ranks and set(map(len, pieces[c])) == {k * nd * 8} for c in ("item.offsets", "item.shapes")
+            len(pieces[c]) == ranks and set(map(len, pieces[c])) == {k * nd * _ITEMSIZE[c]} for c in ("item.offsets", "item.shapes")
         ):
             self.by_rank = {}
 
