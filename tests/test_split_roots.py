@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -217,8 +218,33 @@ def test_split_roots_with_remote_repair_and_missing_manifest_copy(tmp_path, s3_u
 
 
 # -- the parallel verifier against the sequential walk ------------------------------------------------------------
-@pytest.mark.parametrize("jobs,mapped", [(1, True), (3, True), (2, False)])
-def test_parallel_verify_agrees_with_sequential_walk(tmp_path, monkeypatch, jobs, mapped):
+@pytest.mark.parametrize("jobs,mapped,ahead", [(1, True, None), (3, True, None), (2, False, None),
+                                               (2, True, "sendfile"), (1, True, "preadv")])
+def test_parallel_verify_agrees_with_sequential_walk(tmp_path, monkeypatch, jobs, mapped, ahead):
+    """Every corrupt byte gets the sequential walk's verdict, whichever way the object is read: its
+    windows mapped or read into buffers, locally or by ranged GETs, and mapped with the read-ahead
+    thread filling the page cache ahead of the walker (by ``sendfile`` to /dev/null, or by ``preadv``
+    where ``sendfile`` is refused)."""
+    real_sendfile, real_preadv = os.sendfile, os.preadv
+    calls = {"sendfile": 0, "preadv": 0}
+
+    def sendfile(out, fd, off, n):
+        calls["sendfile"] += 1
+        if ahead == "preadv":
+            raise OSError(22, "Invalid argument")
+        return real_sendfile(out, fd, off, n)
+
+    def preadv(fd, bufs, off, *flags):
+        calls["preadv"] += 1
+        return real_preadv(fd, bufs, off, *flags)
+
+    import ckptstore.scrub.read as R
+
+    monkeypatch.setattr(os, "sendfile", sendfile)
+    monkeypatch.setattr(os, "preadv", preadv)
+    if ahead:  # steps smaller than a window, and little room ahead: the walker waits on the thread
+        monkeypatch.setattr(R, "_AHEAD_STEP", 3_000)
+        monkeypatch.setattr(S, "LOCAL_AHEAD", 8_000)
     save(tmp_path, "v", 3)
     m = manifest(str(tmp_path), "v")
     entry = m.objects[0]
@@ -250,6 +276,13 @@ def test_parallel_verify_agrees_with_sequential_walk(tmp_path, monkeypatch, jobs
                 assert (oc.kind, oc.detail) == ref[:2], (off, t)
                 if ref[0] is None:
                     assert oc.frames == ref[2] and oc.status == S.OK
+    assert not [t for t in threading.enumerate() if t.name == "ckptstore-scrub-readahead"]
+    if ahead == "sendfile":
+        assert calls["sendfile"] > 0
+    if ahead == "preadv":  # refused once per object read, then read into a buffer
+        assert calls["preadv"] > calls["sendfile"] > 0
+    if ahead is None:
+        assert calls["sendfile"] == 0
     with open(path, "wb") as f:
         f.write(good[:-10])
     assert S.check_object(tier, "local", "v", entry).kind == "truncated"
