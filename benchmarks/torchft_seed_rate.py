@@ -17,6 +17,15 @@ Reported: goodput = fault-free seconds / run seconds (the same steps), against t
 ``faults`` against ``faults-off``; the steps lost at the whole-job loss (the step reached minus the
 step restored); the faults injected; step-time p50/p99 of the fault-free runs, tier on vs off.
 
+The lighthouse runs with ``--heartbeat_timeout_ms 1000 --join_timeout_ms 2000`` (``--heartbeat-timeout-ms``,
+``--join-timeout-ms``; torchft's defaults are 5000 and 60000): with a fault every 15 s, every kill
+otherwise holds the live groups for the heartbeat timeout, and every relaunch for up to the join
+timeout while the relaunched group heartbeats before its first quorum (docs/DEMO.md, "torchft: the
+seed rate"). ``slow_steps`` in each run's result lists the steps of rank 0 of each group over 1 s;
+``cpu_s`` is the CPU time of every process of the run (the relaunches' start-up included);
+``first_done_s`` the time the first group finished (the job's last step committed), and
+``goodput_to_last_step`` the goodput ratios up to it.
+
     python benchmarks/torchft_seed_rate.py [--steps 800] [--fault-every 15] [--out DIR]
 """
 
@@ -26,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import signal
 import statistics
 import sys
@@ -43,14 +53,22 @@ def _max_step(job: tg.Job) -> int:
     return max((x["step"] for g in range(3) for x in job.lines(g) if x.get("committed")), default=0)
 
 
+def _children_cpu() -> float:
+    """user+sys seconds of the processes this benchmark started and waited for (the lighthouse and
+    every launch of every rank, killed ones included)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, faults: dict | None, seed: int,
-        positions_every_s: float | None = None) -> dict:
+        positions_every_s: float | None = None, heartbeat_timeout_ms: int = 3000, join_timeout_ms: int = 20000) -> dict:
     job = tg.Job(tmp, tmp / f"{name}-root", name=name, steps=steps, interval=interval, num_groups=3, ranks=2,
-                 positions_every_s=positions_every_s,
-                 fsdp=True, enabled=enabled, heartbeat_timeout_ms=3000,
+                 positions_every_s=positions_every_s, join_timeout_ms=join_timeout_ms,
+                 fsdp=True, enabled=enabled, heartbeat_timeout_ms=heartbeat_timeout_ms,
                  samples=(steps + 10) * tg.BATCH * tg.MAX_GROUPS * 2)  # one epoch covers the run
     job.start_lighthouse()
     rng = random.Random(seed)
+    cpu0 = _children_cpu()
     log: list[dict] = []
     born: dict[int, float] = {}
     try:
@@ -62,6 +80,7 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
         whole = faults and faults["whole_at"]
         term = faults and faults["sigterm_at"]
         lost = None
+        first_done = None
         finished: set[int] = set()
         while job.procs:
             now = time.monotonic()
@@ -73,6 +92,8 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
                     continue
                 del job.procs[(g, r)]
                 if rc == 0:
+                    if not finished:  # the first group done: the job's last step is committed
+                        first_done = now - t0
                     finished.add(g)
                     continue
                 if finished:  # the job reached its last step: a group failing now is not relaunched
@@ -125,7 +146,7 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
         took = time.monotonic() - t0
     finally:
         job.close()
-    out = {"seconds": round(took, 1), "faults": log,
+    out = {"seconds": round(took, 1), "first_done_s": None if first_done is None else round(first_done, 1), "cpu_s": round(_children_cpu() - cpu0, 1), "faults": log,
            "injected": sum(1 for e in log if e.get("injected", True)),
            "failed_after_a_fault": sum(1 for e in log if not e.get("injected", True))}
     if lost is not None:
@@ -137,6 +158,10 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
         out["whole_job_loss"] = {"step_reached": lost["reached"], "step_restored": restored,
                                  "steps_lost": lost["reached"] - restored}
     dts = [x["dt"] for g in range(3) for r in range(2) for x in job.lines(g, r) if "dt" in x and x["step"] > 2]
+    # where a faulty run's time goes: steps of rank 0 of each group that took over 1 s (a quorum waiting
+    # for the lighthouse to drop a killed group, or for a relaunched group to join), as their durations
+    slow = sorted(round(x["dt"], 1) for g in range(3) for x in job.lines(g, 0) if "dt" in x and x["dt"] > 1.0)
+    out["slow_steps"] = {"count": len(slow), "seconds": round(sum(slow), 1), "each_s": slow}
     if dts:
         q = statistics.quantiles(dts, n=100)
         out["step_ms"] = {"p50": round(statistics.median(dts) * 1e3, 2), "p99": round(q[98] * 1e3, 2), "n": len(dts)}
@@ -156,18 +181,26 @@ def main() -> int:
     ap.add_argument("--whole-at", type=float, default=0.6, help="whole-job loss at this fraction of the fault-free time")
     ap.add_argument("--sigterm-at", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=34)
+    ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000,
+                    help="the lighthouse's --heartbeat_timeout_ms: how long until a killed group counts as gone "
+                         "(torchft's default: 5000)")
+    ap.add_argument("--join-timeout-ms", type=int, default=2000,
+                    help="the lighthouse's --join_timeout_ms: how long the live groups wait for a relaunched group "
+                         "that heartbeats but has not asked for a quorum yet (torchft's default: 60000)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--reuse", action="store_true", help="reuse the runs an earlier invocation left in --out")
     a = ap.parse_args()
     tmp = Path(a.out or tempfile.mkdtemp(prefix="torchft-seed-"))
     tmp.mkdir(parents=True, exist_ok=True)
     res: dict = {"shape": "3 groups x 2 ranks (FSDP2), gloo, CPU", "steps": a.steps, "interval": a.interval,
-                 "fault_every_s": a.fault_every}
+                 "fault_every_s": a.fault_every,
+                 "lighthouse": {"heartbeat_timeout_ms": a.heartbeat_timeout_ms, "join_timeout_ms": a.join_timeout_ms}}
     def once(name: str, **kw) -> dict:
         cached = tmp / f"{name}.json"
         if a.reuse and cached.exists():  # a run of an earlier invocation with the same --out
             return json.loads(cached.read_text())
-        got = run(tmp, name, steps=a.steps, interval=a.interval, seed=a.seed, **kw)
+        got = run(tmp, name, steps=a.steps, interval=a.interval, seed=a.seed,
+                  heartbeat_timeout_ms=a.heartbeat_timeout_ms, join_timeout_ms=a.join_timeout_ms, **kw)
         cached.write_text(json.dumps(got))
         return got
 
@@ -180,6 +213,13 @@ def main() -> int:
     res["goodput"] = {"faults_vs_fault_free": round(ff["seconds"] / on["seconds"], 3),
                       "faults_off_vs_fault_free": round(ff_off["seconds"] / off["seconds"], 3),
                       "faults_vs_faults_off": round(off["seconds"] / on["seconds"], 3)}
+    if all(r.get("first_done_s") for r in (ff, ff_off, on, off)):
+        # the same ratios up to the job's last step (the first group to finish): after it, the run
+        # only waits for a group relaunched late to start up, find the job done and exit
+        res["goodput_to_last_step"] = {
+            "faults_vs_fault_free": round(ff["first_done_s"] / on["first_done_s"], 3),
+            "faults_off_vs_fault_free": round(ff_off["first_done_s"] / off["first_done_s"], 3),
+            "faults_vs_faults_off": round(off["first_done_s"] / on["first_done_s"], 3)}
     if "step_ms" in ff and "step_ms" in ff_off:
         res["tier_step_cost"] = {"p50_ratio": round(ff["step_ms"]["p50"] / ff_off["step_ms"]["p50"], 3),
                                  "p99_ratio": round(ff["step_ms"]["p99"] / ff_off["step_ms"]["p99"], 3)}

@@ -46,7 +46,7 @@ MAX_GROUPS = 3  # the sampler's shards: group g reads shard g whatever the numbe
 def config(**kw) -> dict:
     c = {"steps": 40, "interval": 5, "num_groups": 3, "pace_s": 0.0, "kill": {}, "remote": None,
          "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
-         "barrier": None, "heartbeat_timeout_ms": 5000, "quorum_timeout_s": 60, "ranks": 1, "fsdp": False,
+         "barrier": None, "heartbeat_timeout_ms": 5000, "join_timeout_ms": 20000, "quorum_timeout_s": 60, "ranks": 1, "fsdp": False,
          "port": None, "transport": None, "peer_fails": None, "sync_quorum": False,
          "positions_every_s": None, "hold": None}
     c.update(kw)
@@ -304,7 +304,7 @@ class Job:
         self.lh_log = open(self.dir / "lighthouse.log", "ab")
         self.lighthouse = subprocess.Popen(
             ["torchft_lighthouse", "--bind", f"127.0.0.1:{port}", "--min_replicas", str(self.cfg["min_replicas"]),
-             "--join_timeout_ms", "20000", "--heartbeat_timeout_ms", str(self.cfg["heartbeat_timeout_ms"]), "--quorum_tick_ms", "20"],
+             "--join_timeout_ms", str(self.cfg["join_timeout_ms"]), "--heartbeat_timeout_ms", str(self.cfg["heartbeat_timeout_ms"]), "--quorum_tick_ms", "20"],
             stdout=self.lh_log, stderr=subprocess.STDOUT, env=env)
         self.cfg["lighthouse"] = f"http://127.0.0.1:{port}"
         end = time.monotonic() + 20
