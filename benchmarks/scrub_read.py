@@ -5,9 +5,10 @@
 Saves ``--mib`` MiB of bf16 tensors (random normal, default compression "auto") into the local
 store ``DIR`` once (reused when ``DIR`` already holds version ``bench``), then, ``--reps`` times
 each, interleaved: a plain read of every stored object file (``f.read(8 MiB)`` in a Python loop,
-one file after another; the ratios are against it), ``cat`` of the same files to ``/dev/null``, and ``ckptstore.scrub.scrub(..., jobs=J)`` for each ``J`` of ``--jobs``
-(0 = the default). Prints wall seconds, CPU seconds (user+sys of this process, all threads, and of ``cat``) and
-MB/s of each run, and the medians. The page cache is warm for every run alike (run 0 warms it);
+one file after another; the ratios are against it), ``cat`` of the same files to ``/dev/null``, and
+``ckptstore.scrub.scrub(..., jobs=J)`` for each ``J`` of ``--jobs`` (0 = the default). Prints wall
+seconds, CPU seconds (user+sys of this process, all threads, and of ``cat``) and MB/s of each run,
+and the medians. The page cache is warm for every run alike (run 0 warms it);
 with ``--cold`` the object files are evicted from it (``POSIX_FADV_DONTNEED`` on our own files,
 no root needed) before every run instead, so every run reads the disk.
 """
@@ -32,7 +33,8 @@ MiB = 1 << 20
 
 def cpu() -> float:
     """user+sys seconds of this process and its waited-for children (``cat``)."""
-    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    usage = map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return sum(r.ru_utime + r.ru_stime for r in usage)
 
 
 def prepare(root: str, mib: int) -> None:

@@ -146,7 +146,8 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
         took = time.monotonic() - t0
     finally:
         job.close()
-    out = {"seconds": round(took, 1), "first_done_s": None if first_done is None else round(first_done, 1), "cpu_s": round(_children_cpu() - cpu0, 1), "faults": log,
+    out = {"seconds": round(took, 1), "first_done_s": None if first_done is None else round(first_done, 1),
+           "cpu_s": round(_children_cpu() - cpu0, 1), "faults": log,
            "injected": sum(1 for e in log if e.get("injected", True)),
            "failed_after_a_fault": sum(1 for e in log if not e.get("injected", True))}
     if lost is not None:

@@ -46,7 +46,8 @@ MAX_GROUPS = 3  # the sampler's shards: group g reads shard g whatever the numbe
 def config(**kw) -> dict:
     c = {"steps": 40, "interval": 5, "num_groups": 3, "pace_s": 0.0, "kill": {}, "remote": None,
          "endpoint_url": None, "enabled": True, "min_replicas": 2, "close_wait": None, "timeout_s": None,
-         "barrier": None, "heartbeat_timeout_ms": 5000, "join_timeout_ms": 20000, "quorum_timeout_s": 60, "ranks": 1, "fsdp": False,
+         "barrier": None, "heartbeat_timeout_ms": 5000, "join_timeout_ms": 20000, "quorum_timeout_s": 60,
+         "ranks": 1, "fsdp": False,
          "port": None, "transport": None, "peer_fails": None, "sync_quorum": False,
          "positions_every_s": None, "hold": None}
     c.update(kw)

@@ -10,8 +10,8 @@ marks the version damaged. The rooms, each with its rules in its docstring:
 * :mod:`~ckptstore.scrub.walk` — :func:`scrub`: tiers → committed versions → the part each tier
   holds → objects and references; divergent copies of one name.
 * :mod:`~ckptstore.scrub.read` — windows of stored objects: ``mmap`` behind a read-ahead thread or
-  ``preadv`` locally, ranged GETs remotely, bounded buffers; the tunables :data:`LOCAL_CHUNK`, :data:`LOCAL_MMAP`,
-  :data:`LOCAL_AHEAD`, :data:`REMOTE_PART`.
+  ``preadv`` locally, ranged GETs remotely, bounded buffers; the tunables :data:`LOCAL_CHUNK`,
+  :data:`LOCAL_MMAP`, :data:`LOCAL_AHEAD`, :data:`REMOTE_PART`.
 * :mod:`~ckptstore.scrub.verify` — :class:`Verifier` (the thread pools), :func:`check_object`,
   :func:`verify_stream`, the deep checks (key, manifest HMAC, DCP metadata).
 * :mod:`~ckptstore.scrub.repair` — :func:`restore_object`, damaged replicas, ``damaged.json``

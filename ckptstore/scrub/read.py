@@ -142,14 +142,13 @@ class ReadAhead:
     Each step is one ``sendfile`` of :data:`_AHEAD_STEP` bytes to ``/dev/null``: the kernel reads the
     pages as a sequential ``read`` would (its read-ahead grows) and copies nothing, and the GIL is
     released while it waits on the disk. Measured on a cold 700 MB object (benchmarks/README.md,
-    "Scrub vs a plain read"): 0.29-0.32 s against 0.32-0.75 s for a ``read`` loop, 0.014 s when
-    the pages are already cached. The walker waits for the thread to pass a window before the hashing threads
-    read it: their page faults on pages not yet read each read 128 KiB synchronously and defeat the
-    kernel's sequential read-ahead, and ``POSIX_FADV_WILLNEED`` of the next windows did not help
-    (measured slower than no advice).
-    Where ``sendfile`` cannot write to ``/dev/null`` (not Linux) the thread reads with ``preadv``
-    into one reused buffer instead. Advice only: a failed read ends the thread, and the walker's own
-    reads report what is wrong with the file."""
+    "Scrub vs a plain read"): 0.29-0.32 s against 0.32-0.75 s for a ``read`` loop, 0.014 s when the
+    pages are already cached. The walker waits for the thread to pass a window before the hashing
+    threads read it: their page faults on pages not yet read each read 128 KiB synchronously and
+    defeat the kernel's sequential read-ahead, and ``POSIX_FADV_WILLNEED`` of the next windows did
+    not help (measured slower than no advice). Where ``sendfile`` cannot write to ``/dev/null`` (not
+    Linux) the thread reads with ``preadv`` into one reused buffer instead. Advice only: a failed
+    read ends the thread, and the walker's own reads report what is wrong with the file."""
 
     def __init__(self, fd: int, size: int):
         self.fd, self.size = fd, size
