@@ -14,7 +14,7 @@
 # CKPTSTORE_REINSTALL=1 (install even when nothing changed).
 #
 # Installs once: a stamp ($VENV/.ckptstore-setup: the hash of pyproject.toml and of the C source
-# ckptstore/codec/_planes.c, which the install compiles when a C compiler is present; the extras, the torch version
+# ckptstore/codec/_planes.c and _huff.c, which the install compiles when a C compiler is present; the extras, the torch version
 # and index) is written after a successful install, and a later run with the same stamp and an intact
 # install (torch, ckptstore pointing at this checkout) does nothing, also when it asks for fewer extras than
 # were installed. Editing pyproject.toml (new dependencies) or the C source installs again; asking for other extras installs
@@ -29,7 +29,7 @@ TORCH_INDEX="${CKPTSTORE_TORCH_INDEX:-}"
 PIP=(python -m pip install -q --disable-pip-version-check)
 
 STAMP="$VENV/.ckptstore-setup"
-BASE="pyproject=$("$PY" -c 'import hashlib,sys; print(hashlib.sha256(b"".join(open(p,"rb").read() for p in sys.argv[1:])).hexdigest())' pyproject.toml ckptstore/codec/_planes.c) torch=$TORCH_VERSION index=$TORCH_INDEX"
+BASE="pyproject=$("$PY" -c 'import hashlib,sys; print(hashlib.sha256(b"".join(open(p,"rb").read() for p in sys.argv[1:])).hexdigest())' pyproject.toml ckptstore/codec/_planes.c ckptstore/codec/_huff.c) torch=$TORCH_VERSION index=$TORCH_INDEX"
 # the stamp is "BASE extras=a,b,c": a later run asking for a subset of those extras installs nothing, and one
 # asking for others installs the union (so demo.sh and test.sh, alternating, install once each at most)
 HAVE="$(cat "$STAMP" 2>/dev/null || true)"
@@ -47,8 +47,8 @@ then
   exit 0  # installed, and pyproject.toml unchanged since
 fi
 echo "setup.sh: installing torch and ckptstore[${ALL_EXTRAS}] into $VENV (once; again only when pyproject.toml changes or other extras are asked for)"
-# a C compiler builds ckptstore/codec/_planes.c (the one-pass byte-group split/merge); without one the install
-# uses the numpy code (same bytes, slower). As root with apt-get and no cc, the Debian package gcc is installed
+# a C compiler builds ckptstore/codec/_planes.c (the one-pass byte-group split/merge) and _huff.c (the exponent
+# planes' Huffman coder); without one the install uses the numpy code (same bytes, slower) and zstd. As root with apt-get and no cc, the Debian package gcc is installed
 # (CKPTSTORE_NO_APT=1: never)
 if [ "${CKPTSTORE_NO_APT:-0}" != 1 ] && ! command -v cc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
    && [ "$(id -u)" = 0 ]; then

@@ -22,16 +22,18 @@ from hypothesis import strategies as st
 
 from ckptstore.codec import bytegroup, stages
 from ckptstore.codec.frame import FrameCodec, parse_header
-from ckptstore.errors import IntegrityError
+from ckptstore.errors import IntegrityError, UnsupportedFormatError
 
 HEAD = bytegroup.HEAD_LEN
 PLANE = 9  # codec u8 + stored_len u64
+#: how a large exponent plane is coded: Huffman where the C coder is built, else zstd
+EXPONENT_CODEC = bytegroup.CODEC_HUFF if bytegroup.HUFF else bytegroup.CODEC_ZSTD
 
 
 def roundtrip(raw: bytes, width: int) -> memoryview:
     payload = bytegroup.encode(memoryview(raw), width, 1)
     assert payload is not None
-    out = stages.decode_stage("bytegroup/1", str(width), payload, len(raw))
+    out = stages.decode_stage(bytegroup.descriptor_of(payload), str(width), payload, len(raw))
     assert len(out) == len(raw)
     assert bytes(out) == raw
     return payload
@@ -48,7 +50,8 @@ def plane_table(payload) -> list[tuple[int, int]]:
 
 
 def decode(payload, param, raw_len):
-    return stages.decode_stage("bytegroup/1", param, payload, raw_len)
+    name = bytegroup.descriptor_of(payload) if len(payload) >= 3 else bytegroup.DESCRIPTOR
+    return stages.decode_stage(name, param, payload, raw_len)
 
 
 # -- registration and contract ----------------------------------------------------------------------
@@ -56,7 +59,28 @@ def decode(payload, param, raw_len):
 
 def test_registered_with_stages():
     assert stages.parse_chain("bytegroup/1:2|zstd/1") == [("bytegroup/1", "2"), ("zstd/1", "")]
-    assert stages._DECODERS["bytegroup/1"] is bytegroup.decode
+    assert stages.parse_chain("bytegroup/2:4|aesgcm/1") == [("bytegroup/2", "4"), ("aesgcm/1", "")]
+    with pytest.raises(UnsupportedFormatError, match="upgrade ckptstore"):
+        stages.parse_chain("bytegroup/3:2")  # a later layout: refused by name, before any byte is read
+
+
+def test_descriptor_names_the_layout():
+    """A payload with a Huffman-coded plane is ``bytegroup/2`` (layout 2); under the other name it is
+    refused, so a reader never takes one layout for the other."""
+    g = torch.Generator().manual_seed(4)
+    raw = tensor_bytes((torch.randn(1 << 18, generator=g) * 0.02).to(torch.bfloat16))
+    payload = bytegroup.encode(raw, 2, 1)
+    small = bytegroup.encode(raw[: 2 * 1000], 2, 1)  # planes below HUFF_MIN: zstd, layout 1
+    assert bytegroup.descriptor_of(small) == "bytegroup/1" and bytes(small)[2] == 1
+    if not bytegroup.HUFF:
+        pytest.skip("the C Huffman coder is not built")
+    assert bytegroup.descriptor_of(payload) == "bytegroup/2" and bytes(payload)[2] == 2
+    with pytest.raises(IntegrityError, match="layout version 2 where the descriptor says 1"):
+        stages.decode_stage("bytegroup/1", "2", payload, len(raw))
+    with pytest.raises(IntegrityError, match="layout version 1 where the descriptor says 2"):
+        stages.decode_stage("bytegroup/2", "2", small, 2000)
+    head, body, _ = FrameCodec("v1", "a1", None).encode("obj", 0, memoryview(raw), float_width=2)
+    assert parse_header(head, "obj").chain == "bytegroup/2:2"
 
 
 @pytest.mark.parametrize("width", [2, 4, 8])
@@ -100,7 +124,7 @@ def test_bf16_weights_compress_exponent_plane_only():
     payload = roundtrip(raw, 2)
     table = plane_table(payload)
     assert table[0] == (bytegroup.CODEC_RAW, 1 << 20)  # sign + mantissa: incompressible
-    assert table[1][0] == bytegroup.CODEC_ZSTD  # exponent
+    assert table[1][0] == EXPONENT_CODEC  # exponent
     assert len(payload) < 0.75 * len(raw)  # a sanity bound; the benchmark measures the real ratio
     assert bytes(payload)[4] == bytegroup.TRANSFORM_ROTL1
 
@@ -224,6 +248,7 @@ def test_native_kernels_are_built_where_required():
     if os.environ.get("CKPTSTORE_REQUIRE_NATIVE") != "1":
         pytest.skip("CKPTSTORE_REQUIRE_NATIVE is not set")
     assert bytegroup.NATIVE, "the C split/merge did not build: is a C compiler installed?"
+    assert bytegroup.HUFF, "the C Huffman coder did not build: is a C compiler installed?"
 
 
 @needs_native
@@ -266,13 +291,15 @@ def test_native_kernels_refuse_bad_arguments():
 
 
 def test_numpy_fallback_when_native_is_off(tmp_path):
-    """CKPTSTORE_NATIVE=0 (or an install without a compiler) decodes what the C kernels encoded."""
+    """CKPTSTORE_NATIVE=0 (or an install without a compiler) decodes what the C kernels encoded,
+    Huffman-coded exponent plane included."""
     raw = tensor_bytes(torch.randn(70_001, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16))
     payload = bytegroup.encode(raw, 2, 1)
+    assert plane_table(payload)[1][0] == EXPONENT_CODEC
     (tmp_path / "p").write_bytes(bytes(payload))
     code = (
         "import sys; from ckptstore.codec import bytegroup, stages; assert not bytegroup.NATIVE; "
-        "p = open(sys.argv[1], 'rb').read(); raw = stages.decode_stage('bytegroup/1', '2', p, int(sys.argv[2])); "
+        "p = open(sys.argv[1], 'rb').read(); raw = stages.decode_stage(bytegroup.descriptor_of(p), '2', p, int(sys.argv[2])); "
         "sys.stdout.buffer.write(bytes(raw))"
     )
     env = dict(os.environ, CKPTSTORE_NATIVE="0")
@@ -397,7 +424,8 @@ def _patch(payload: bytes, off: int, fmt: str, value) -> bytes:
 def test_bad_header_fields(off, fmt, value):
     raw, payload = _sample_payload()
     assert plane_table(payload)[0][0] == bytegroup.CODEC_RAW and plane_table(payload)[1][0] == bytegroup.CODEC_ZSTD
-    expect_integrity(_patch(payload, off, fmt, value), "2", len(raw))
+    with pytest.raises(IntegrityError):  # under the descriptor the writer recorded
+        stages.decode_stage(bytegroup.DESCRIPTOR, "2", _patch(payload, off, fmt, value), len(raw))
 
 
 def test_every_header_bit_flip():
@@ -428,7 +456,8 @@ def _zstd_plane_bounds(payload):
     raise AssertionError("no zstd plane")
 
 
-def test_zstd_plane_declaring_huge_content_size_is_refused_before_allocating():
+def test_zstd_plane_declaring_huge_content_size_is_refused_before_allocating(monkeypatch):
+    monkeypatch.setattr(bytegroup, "_huff", None)  # a writer without the C Huffman coder: zstd planes
     raw, payload = _sample_payload(200_000)
     k, off, stored = _zstd_plane_bounds(payload)
     plane = payload[off : off + stored]
@@ -453,7 +482,8 @@ def test_zstd_plane_declaring_huge_content_size_is_refused_before_allocating():
     assert peak < 4 * len(raw) + (1 << 20)
 
 
-def test_zstd_plane_garbage_and_wrong_frames():
+def test_zstd_plane_garbage_and_wrong_frames(monkeypatch):
+    monkeypatch.setattr(bytegroup, "_huff", None)  # a writer without the C Huffman coder: zstd planes
     raw, payload = _sample_payload(100_000)
     k, off, stored = _zstd_plane_bounds(payload)
     count = len(raw) // 2
@@ -522,7 +552,8 @@ def test_frame_roundtrip(dtype, width, encrypted):
     raw = tensor_bytes((torch.randn(100_000, generator=g) * 0.02).to(dtype))
     head, payload, h = codec.encode("obj", 3, memoryview(raw), float_width=width)
     hd = parse_header(head, "obj")
-    expected_chain = f"bytegroup/1:{width}" + ("|aesgcm/1" if encrypted else "")
+    layout = 2 if bytegroup.HUFF else 1  # 100,000 elements: an exponent plane past HUFF_MIN
+    expected_chain = f"bytegroup/{layout}:{width}" + ("|aesgcm/1" if encrypted else "")
     assert hd.chain == expected_chain
     assert hd.raw_len == len(raw) and hd.stored_len == len(payload) < 0.97 * len(raw)
     frame = bytes(head) + bytes(payload)

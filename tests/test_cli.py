@@ -609,8 +609,9 @@ def test_setup_installs_once_and_again_when_pyproject_changes(tmp_path):
         """))
     shim.chmod(0o755)
     (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
-    # the stamp hashes pyproject.toml and the C source the install compiles (ckptstore/codec/_planes.c)
-    sources = [os.path.join(REPO, "pyproject.toml"), os.path.join(REPO, "ckptstore", "codec", "_planes.c")]
+    # the stamp hashes pyproject.toml and the C sources the install compiles (ckptstore/codec/_planes.c, _huff.c)
+    sources = [os.path.join(REPO, "pyproject.toml"), os.path.join(REPO, "ckptstore", "codec", "_planes.c"),
+               os.path.join(REPO, "ckptstore", "codec", "_huff.c")]
     h = hashlib.sha256(b"".join(open(f, "rb").read() for f in sources)).hexdigest()
     h_pyproject_only = hashlib.sha256(open(sources[0], "rb").read()).hexdigest()
     env = {**os.environ, "VENV": str(venv), "CKPTSTORE_TORCH_VERSION": torch.__version__.split("+")[0]}

@@ -809,19 +809,21 @@ def test_fuzz_iter_frames(bufs, extra):
 
 @st.composite
 def bytegroup_payloads(draw):
-    """A bytegroup/1 payload: valid header and plane table with arbitrary fields, or bytes."""
+    """A bytegroup/1 or /2 payload: valid header and plane table with arbitrary fields, or bytes."""
     if draw(st.booleans()):
         return draw(st.sampled_from(["1", "2", "4", "8", "3", "", "x", "2 "])), draw(st.binary(max_size=200)), draw(st.integers(0, 1 << 40))
     w = draw(st.sampled_from([1, 2, 4, 8]))
     count = draw(st.integers(0, 64) | st.integers(0, (1 << 64) - 1))
     transform = draw(st.sampled_from([0, 1, 2, 255]))
-    version = draw(st.sampled_from([1, 1, 1, 2]))
+    version = draw(st.sampled_from([1, 1, 2, 2, 3]))
     head = b"BG" + bytes([version, w, transform]) + bytes(draw(st.sampled_from([[0, 0, 0], [0, 0, 1]]))) + struct.pack("<Q", count)
     planes = b""
     table = b""
     for _k in range(w):
-        codec = draw(st.sampled_from([0, 1, 1, 7]))
-        if codec == 1 and draw(st.booleans()):
+        codec = draw(st.sampled_from([0, 1, 1, 2, 2, 7]))
+        if codec == 2:  # a Huffman-coded plane (codec/_huff.c): past its 141-byte header, or not
+            body = bytes([11]) + draw(st.binary(min_size=140, max_size=300)) if draw(st.booleans()) else draw(st.binary(max_size=200))
+        elif codec == 1 and draw(st.booleans()):
             import zstandard
 
             body = zstandard.ZstdCompressor(write_content_size=True).compress(draw(st.binary(max_size=80)))
@@ -835,12 +837,12 @@ def bytegroup_payloads(draw):
 
 
 @FUZZ
-@given(bytegroup_payloads())
-def test_fuzz_bytegroup_decode_stage(p):
+@given(bytegroup_payloads(), st.sampled_from(["bytegroup/1", "bytegroup/2"]))
+def test_fuzz_bytegroup_decode_stage(p, name):
     EXAMPLES["decode_stage bytegroup/1"] += 1
     param, data, raw_len = p
     try:
-        out = decode_stage("bytegroup/1", param, data, raw_len)
+        out = decode_stage(name, param, data, raw_len)
     except CkptStoreError:
         return
     assert len(out) == raw_len

@@ -256,7 +256,7 @@ def _compress(raw: memoryview, level: int, float_width: int, cell=None, parts_ok
 
         r = bytegroup.encode_parts(raw, float_width, cell, scratch=parts_ok)
         if r is not None and r[1] < n * 0.97:
-            chain = [f"bytegroup/1:{float_width}"]
+            chain = [f"{bytegroup.descriptor_of(r[0][0])}:{float_width}"]
             return (None, chain, r) if parts_ok else (bytegroup._join(*r), chain, None)
         return raw, [], None
     # sample first: skip zstd quickly on incompressible data (four 32 KiB runs spread over the

@@ -14,6 +14,7 @@ Descriptor registry (decode side):
 ``aesgcm/1``        AES-256-GCM (NIST SP 800-38D): ``nonce(12) || ciphertext || tag(16)``; the key is
                     the version's data key, the associated data binds the frame's identity.
 ``bytegroup/1:W``   byte-grouping of W-byte elements into W planes (see ``bytegroup.py``).
+``bytegroup/2:W``   the same with a Huffman-coded plane (plane codec 2, ``codec/_huff.c``).
 ==================  ===========================================================================
 """
 
@@ -161,7 +162,7 @@ def parse_chain(chain: str) -> list[tuple[str, str]]:
     out = []
     for desc in chain.split("|"):
         name, _, param = desc.partition(":")
-        if name == "bytegroup/1":
+        if name.startswith("bytegroup/"):
             has_bytegroup()
         if name != "aesgcm/1" and name not in _DECODERS:
             raise UnsupportedFormatError(
