@@ -87,6 +87,40 @@ def test_count_of_any_bytes_equals_torch(data, name):
     assert count_nonfinite(data, rule_for(name)) == _reference(t)
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float32", "float64"])
+@pytest.mark.parametrize("transform_none", [False, True])
+def test_the_count_the_split_makes_while_encoding_equals_torch(name, transform_none):
+    """A frame of more than 64 Ki floats is counted by the byte-grouping split as it reads each element
+    (codec/_planes.c): the count the writer records equals torch's, at block edges (65,535 elements)
+    and at either end, for NaN, -NaN, +Inf, -Inf, and for both transforms; the largest finite values
+    (just below the bound) are not counted."""
+    from ckptstore.codec import bytegroup
+    from ckptstore.codec.frame import FrameCodec
+    from ckptstore.dcp._frames import Scan, _encode
+
+    dtype = getattr(torch, name)
+    g = torch.Generator().manual_seed(7)
+    n = (2 << 20) // torch.empty(0, dtype=dtype).element_size()
+    t = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    if transform_none:  # zero low bits (an upcast): the sample picks no rotation
+        t = (torch.randn(n, generator=g) * 0.02).to(torch.float16 if dtype.itemsize > 2 else dtype).to(dtype)
+    for i, v in ((0, NAN), (65534, INF), (65535, -INF), (65536, -NAN), (131070, NAN), (n - 1, INF)):
+        t[i] = v
+    t[100] = torch.finfo(dtype).max
+    t[101] = -torch.finfo(dtype).max
+    raw = t.view(torch.uint8).numpy().tobytes()
+    want = _reference(t)
+    assert want == 6
+    codec = FrameCodec("v1", "a1", None)
+    width = t.element_size()
+    _h, payload, _x, bad = _encode(codec, "obj", 0, memoryview(raw), width, bytegroup.PlanCell(), Scan(rule_for(name)))
+    assert bad == want
+    if bytegroup.NATIVE:  # the count came from the split, not from a second pass
+        counted = []
+        codec.encode("obj", 0, memoryview(raw), width, bytegroup.PlanCell(), rule_for(name).exp, counted)
+        assert counted == [want]
+
+
 def test_integers_bool_and_fp4_are_not_counted():
     for name in ("int32", "uint8", "bool", "float4_e2m1fn_x2", None):
         assert rule_for(name) is None and count_nonfinite(b"\xff" * 16, rule_for(name)) == 0

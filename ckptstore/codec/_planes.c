@@ -8,7 +8,9 @@
  * for the compiler to vectorize. Byte order is explicit (byte k = bits 8k..8k+7), so the result does
  * not depend on the host's endianness. The GIL is released while a loop runs.
  *
- *   split(x, out, width, transform):  x: count*W bytes  -> out: W planes of count bytes (W*count)
+ *   split(x, out, width, transform, exp=0):  x: count*W bytes  -> out: W planes of count bytes
+ *                                     (W*count); with exp > 0 returns the count of elements whose
+ *                                     bits without the top bit are >= exp (non-finite floats)
  *   merge(planes, out, width, transform): a sequence of W buffers of count bytes -> out: count*W bytes
  *
  * Errors: ValueError for a width outside 1, 2, 4, 8, a transform outside 0, 1, or buffer lengths
@@ -30,21 +32,51 @@
 #define ROTL(T, v, bits) ((T)(((T)(v) << 1) | ((T)(v) >> ((bits) - 1))))
 #define ROTR(T, v, bits) ((T)(((T)(v) >> 1) | ((T)(v) << ((bits) - 1))))
 
-KERNEL void split2(const uint8_t *x, uint8_t *o, Py_ssize_t n, int rot) {
+/* each split also counts the elements whose bits without the top (sign) bit are >= exp: the
+ * non-finite values of an IEEE float when exp is its all-ones exponent (codec/numerics.py); the
+ * count rides on the loop's one read of each element (exp = 0: not wanted, the count is n) */
+KERNEL Py_ssize_t split2(const uint8_t *x, uint8_t *o, Py_ssize_t n, int rot, uint16_t exp) {
     uint8_t *p0 = o, *p1 = o + n;
-    if (rot) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uint16_t v = (uint16_t)(x[2 * i] | ((uint16_t)x[2 * i + 1] << 8));
-            v = ROTL(uint16_t, v, 16);
-            p0[i] = (uint8_t)v;
-            p1[i] = (uint8_t)(v >> 8);
+    Py_ssize_t bad = 0;
+    if (!exp) {
+        if (rot) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint16_t v = (uint16_t)(x[2 * i] | ((uint16_t)x[2 * i + 1] << 8));
+                v = ROTL(uint16_t, v, 16);
+                p0[i] = (uint8_t)v;
+                p1[i] = (uint8_t)(v >> 8);
+            }
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                p0[i] = x[2 * i];
+                p1[i] = x[2 * i + 1];
+            }
         }
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            p0[i] = x[2 * i];
-            p1[i] = x[2 * i + 1];
-        }
+        return n;
     }
+    /* blocks of at most 65,535 elements: a 16-bit count per block keeps the loop in 16-bit lanes */
+    for (Py_ssize_t b = 0; b < n; b += 65535) {
+        Py_ssize_t e = n - b < 65535 ? n : b + 65535;
+        uint16_t c = 0;
+        if (rot) {
+            for (Py_ssize_t i = b; i < e; i++) {
+                uint16_t v = (uint16_t)(x[2 * i] | ((uint16_t)x[2 * i + 1] << 8));
+                c += (uint16_t)(v & 0x7FFF) >= exp;
+                v = ROTL(uint16_t, v, 16);
+                p0[i] = (uint8_t)v;
+                p1[i] = (uint8_t)(v >> 8);
+            }
+        } else {
+            for (Py_ssize_t i = b; i < e; i++) {
+                uint16_t v = (uint16_t)(x[2 * i] | ((uint16_t)x[2 * i + 1] << 8));
+                c += (uint16_t)(v & 0x7FFF) >= exp;
+                p0[i] = (uint8_t)v;
+                p1[i] = (uint8_t)(v >> 8);
+            }
+        }
+        bad += c;
+    }
+    return bad;
 }
 
 KERNEL void merge2(const uint8_t *p0, const uint8_t *p1, uint8_t *o, Py_ssize_t n, int rot) {
@@ -63,17 +95,32 @@ KERNEL void merge2(const uint8_t *p0, const uint8_t *p1, uint8_t *o, Py_ssize_t 
     }
 }
 
-KERNEL void split4(const uint8_t *x, uint8_t *o, Py_ssize_t n, int rot) {
-    uint8_t *p0 = o, *p1 = o + n, *p2 = o + 2 * n, *p3 = o + 3 * n;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *e = x + 4 * i;
-        uint32_t v = (uint32_t)e[0] | ((uint32_t)e[1] << 8) | ((uint32_t)e[2] << 16) | ((uint32_t)e[3] << 24);
-        if (rot) v = ROTL(uint32_t, v, 32);
-        p0[i] = (uint8_t)v;
-        p1[i] = (uint8_t)(v >> 8);
-        p2[i] = (uint8_t)(v >> 16);
-        p3[i] = (uint8_t)(v >> 24);
+#define SPLIT4_BODY(COUNT)                                                                                  \
+    for (Py_ssize_t i = b; i < end; i++) {                                                                  \
+        const uint8_t *e = x + 4 * i;                                                                       \
+        uint32_t v = (uint32_t)e[0] | ((uint32_t)e[1] << 8) | ((uint32_t)e[2] << 16) | ((uint32_t)e[3] << 24); \
+        COUNT;                                                                                              \
+        if (rot) v = ROTL(uint32_t, v, 32);                                                                 \
+        p0[i] = (uint8_t)v;                                                                                 \
+        p1[i] = (uint8_t)(v >> 8);                                                                          \
+        p2[i] = (uint8_t)(v >> 16);                                                                         \
+        p3[i] = (uint8_t)(v >> 24);                                                                         \
     }
+
+KERNEL Py_ssize_t split4(const uint8_t *x, uint8_t *o, Py_ssize_t n, int rot, uint32_t exp) {
+    uint8_t *p0 = o, *p1 = o + n, *p2 = o + 2 * n, *p3 = o + 3 * n;
+    Py_ssize_t bad = 0;
+    for (Py_ssize_t b = 0; b < n; b += (Py_ssize_t)1 << 30) {  /* a 32-bit count per block */
+        Py_ssize_t end = n - b < ((Py_ssize_t)1 << 30) ? n : b + ((Py_ssize_t)1 << 30);
+        uint32_t c = 0;
+        if (exp) {
+            SPLIT4_BODY(c += (v & 0x7FFFFFFFu) >= exp)
+        } else {
+            SPLIT4_BODY((void)0)
+        }
+        bad += exp ? (Py_ssize_t)c : end - b;
+    }
+    return bad;
 }
 
 KERNEL void merge4(const uint8_t *const *p, uint8_t *o, Py_ssize_t n, int rot) {
@@ -89,11 +136,13 @@ KERNEL void merge4(const uint8_t *const *p, uint8_t *o, Py_ssize_t n, int rot) {
     }
 }
 
-KERNEL void split8(const uint8_t *x, uint8_t *o, Py_ssize_t n, int rot) {
+KERNEL Py_ssize_t split8(const uint8_t *x, uint8_t *o, Py_ssize_t n, int rot, uint64_t exp) {
+    Py_ssize_t bad = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *e = x + 8 * i;
         uint64_t v = (uint64_t)e[0] | ((uint64_t)e[1] << 8) | ((uint64_t)e[2] << 16) | ((uint64_t)e[3] << 24) |
                      ((uint64_t)e[4] << 32) | ((uint64_t)e[5] << 40) | ((uint64_t)e[6] << 48) | ((uint64_t)e[7] << 56);
+        bad += (v & 0x7FFFFFFFFFFFFFFFull) >= exp;
         if (rot) v = ROTL(uint64_t, v, 64);
         o[i] = (uint8_t)v;
         o[n + i] = (uint8_t)(v >> 8);
@@ -104,6 +153,7 @@ KERNEL void split8(const uint8_t *x, uint8_t *o, Py_ssize_t n, int rot) {
         o[6 * n + i] = (uint8_t)(v >> 48);
         o[7 * n + i] = (uint8_t)(v >> 56);
     }
+    return bad;
 }
 
 KERNEL void merge8(const uint8_t *const *p, uint8_t *o, Py_ssize_t n, int rot) {
@@ -139,7 +189,8 @@ static int check_args(int width, int transform) {
 static PyObject *planes_split(PyObject *self, PyObject *args) {
     Py_buffer x, out;
     int width, transform;
-    if (!PyArg_ParseTuple(args, "y*w*ii:split", &x, &out, &width, &transform)) return NULL;
+    unsigned long long exp = 0;
+    if (!PyArg_ParseTuple(args, "y*w*ii|K:split", &x, &out, &width, &transform, &exp)) return NULL;
     PyObject *res = NULL;
     if (check_args(width, transform) < 0) goto done;
     if (x.len % width != 0 || out.len < x.len) {
@@ -150,15 +201,16 @@ static PyObject *planes_split(PyObject *self, PyObject *args) {
     Py_ssize_t n = x.len / width;
     const uint8_t *src = (const uint8_t *)x.buf;
     uint8_t *dst = (uint8_t *)out.buf;
+    Py_ssize_t bad = 0;
     Py_BEGIN_ALLOW_THREADS
     switch (width) {
     case 1: memcpy(dst, src, (size_t)n); break;
-    case 2: split2(src, dst, n, transform); break;
-    case 4: split4(src, dst, n, transform); break;
-    default: split8(src, dst, n, transform); break;
+    case 2: bad = split2(src, dst, n, transform, (uint16_t)exp); break;
+    case 4: bad = split4(src, dst, n, transform, (uint32_t)exp); break;
+    default: bad = split8(src, dst, n, transform, (uint64_t)exp); break;
     }
     Py_END_ALLOW_THREADS
-    res = Py_NewRef(Py_None);
+    res = exp && width > 1 ? PyLong_FromSsize_t(bad) : Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&x);
     PyBuffer_Release(&out);
@@ -215,7 +267,8 @@ done:
 
 static PyMethodDef planes_methods[] = {
     {"split", planes_split, METH_VARARGS,
-     "split(x, out, width, transform): x (count*width bytes) -> width planes of count bytes in out."},
+     "split(x, out, width, transform, exp=0): x (count*width bytes) -> width planes of count bytes in out; "
+     "with exp > 0 (width 2, 4, 8) returns how many elements have (bits without the sign bit) >= exp."},
     {"merge", planes_merge, METH_VARARGS,
      "merge(planes, out, width, transform): width buffers of count bytes -> count*width bytes in out."},
     {NULL, NULL, 0, NULL},

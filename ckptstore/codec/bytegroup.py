@@ -380,11 +380,17 @@ def _join(parts: list, total: int) -> memoryview:
     return memoryview(out).toreadonly()
 
 
-def encode_parts(raw, width: int, cell: PlanCell | None = None, *, scratch: bool = False):
+def encode_parts(raw, width: int, cell: PlanCell | None = None, *, scratch: bool = False, nonfinite: int = 0,
+                 counted: list | None = None):
     """:func:`encode` without the final concatenation: ``(parts, total)``, the payload as a list of
     bytes-likes (header and plane table, then the planes) whose lengths sum to ``total``; or None
     when byte grouping does not apply. With ``scratch`` the raw planes are views of this thread's
-    scratch buffer: the caller must consume (copy, encrypt) them before this thread encodes again."""
+    scratch buffer: the caller must consume (copy, encrypt) them before this thread encodes again.
+
+    ``nonfinite``: a float format's all-ones exponent pattern (``codec/numerics.py``, ``Rule.exp``);
+    when the C split reads the frame whole it also counts the elements whose bits without the sign
+    bit reach it (NaN and ±Inf) and appends that count to ``counted``. Nothing is appended when it
+    did not (a frame of up to 64 Ki elements, the numpy split): the caller counts then."""
     if width not in WIDTHS:
         return None
     b = np.frombuffer(raw, dtype=np.uint8)
@@ -406,7 +412,12 @@ def encode_parts(raw, width: int, cell: PlanCell | None = None, *, scratch: bool
         plan = Plan(transform, tuple(c == CODEC_ZSTD for c, _ in sample_planes))
         if cell is not None:
             cell.plan = plan
-    planes = _split(x, width, plan.transform, _scratch(n) if scratch else None)
+    out_buf = _scratch(n) if scratch else None
+    if nonfinite and counted is not None and _native is not None and width > 1 and count:
+        planes = out_buf[: width * count].reshape(width, count) if out_buf is not None else np.empty((width, count), np.uint8)
+        counted.append(_native.split(np.ascontiguousarray(x), planes, width, plan.transform, nonfinite))
+    else:
+        planes = _split(x, width, plan.transform, out_buf)
     keep = 1.0 - MIN_SAVING
     cctx = _cctx()
     out = []
@@ -421,8 +432,7 @@ def encode_parts(raw, width: int, cell: PlanCell | None = None, *, scratch: bool
             if coded is None:
                 coded = _huff_out(width, count, scratch)
             dst = coded[k]
-            alphabet = plan.alphabet[k]  # empty: the tensor's first frame takes the whole plane's histogram
-            m = _huff.encode(p, dst, _huff_work(), alphabet, not alphabet.any())
+            m = _huff.encode(p, dst, _huff_work(), plan.alphabet[k])
             if m >= 0:  # -1: one value fills 3/4 of the plane; zstd's runs do better there
                 out.append((CODEC_HUFF, dst[:m]) if m < count * keep else (CODEC_RAW, p))
                 continue
@@ -525,6 +535,9 @@ def _decode_huff(data: memoryview, count: int, k: int, into: np.ndarray) -> np.n
 
 #: bytes before a Huffman-coded plane's streams (codec/_huff.c): max length, 128 bytes of lengths, 3 stream lengths
 HUFF_HEAD = 141
+if _huff is not None and _huff.HEAD != HUFF_HEAD:  # pragma: no cover - a stale build of codec/_huff.c
+    _huff = None
+    HUFF = False
 _HUFF_MAX = 11
 _SEGMENT_BITS = 1024
 

@@ -133,12 +133,15 @@ class FrameCodec:
         self.level = level
 
     # -- encode ---------------------------------------------------------------------------------
-    def encode(self, obj: str, index: int, raw, float_width: int = 0, cell=None) -> tuple[bytes, object, int]:
+    def encode(self, obj: str, index: int, raw, float_width: int = 0, cell=None, nonfinite: int = 0,
+               counted: list | None = None) -> tuple[bytes, object, int]:
         """Encode one frame. Returns ``(header, payload, payload_xxh3)``; write header then payload.
 
         ``raw``: a bytes-like of the item's bytes (C order); ``float_width``: element size in bytes
         when the data are IEEE floats (enables byte-grouping), else 0; ``cell``: a
         ``bytegroup.PlanCell`` shared by the frames of one tensor (the plan is decided once).
+        ``nonfinite``, ``counted``: the byte-grouping split counts the frame's non-finite elements on
+        its way (``bytegroup.encode_parts``) and appends the count to ``counted`` when it did.
         """
         raw = memoryview(raw).cast("B")
         raw_len = len(raw)
@@ -146,7 +149,8 @@ class FrameCodec:
         parts = None
         chain: list[str] = []
         if self.compress != "none" and raw_len >= 64:
-            payload, chain, parts = _compress(raw, self.level, float_width, cell, self.cipher is not None)
+            payload, chain, parts = _compress(raw, self.level, float_width, cell, self.cipher is not None,
+                                              nonfinite, counted)
         cs = "|".join(chain)
         if self.cipher is not None:
             ad = aad(self.version, self.attempt, obj, index, raw_len, cs)
@@ -245,7 +249,8 @@ class FrameCodec:
         return data
 
 
-def _compress(raw: memoryview, level: int, float_width: int, cell=None, parts_ok: bool = False):
+def _compress(raw: memoryview, level: int, float_width: int, cell=None, parts_ok: bool = False, nonfinite: int = 0,
+              counted: list | None = None):
     """``(payload, chain, parts)``: the compressed payload and its chain, or ``raw`` and ``[]`` when
     compression does not pay. With ``parts_ok`` a byte-grouped payload may come back as
     ``parts = (list of bytes-likes, total)`` and ``payload`` None; the caller consumes the parts
@@ -254,7 +259,7 @@ def _compress(raw: memoryview, level: int, float_width: int, cell=None, parts_ok
     if float_width in (2, 4, 8) and n >= 4096 and n % float_width == 0 and stages.has_bytegroup():
         from . import bytegroup
 
-        r = bytegroup.encode_parts(raw, float_width, cell, scratch=parts_ok)
+        r = bytegroup.encode_parts(raw, float_width, cell, scratch=parts_ok, nonfinite=nonfinite, counted=counted)
         if r is not None and r[1] < n * 0.97:
             chain = [f"{bytegroup.descriptor_of(r[0][0])}:{float_width}"]
             return (None, chain, r) if parts_ok else (bytegroup._join(*r), chain, None)

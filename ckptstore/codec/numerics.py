@@ -20,6 +20,13 @@ element has two and counts once when either is non-finite):
   ``float8_e8m0fnu``: the one NaN is ``0xFF``;
 * other dtypes (integers, bool, ``float4_e2m1fn_x2``, which cannot encode NaN or Inf): none counted.
 
+**Where**: a float frame of more than 64 Ki elements that the byte-grouping codec encodes with the C
+split (``codec/_planes.c``) is counted by the split itself, which reads each element once for both
+(``bits & ~s >= E`` per element in the split's loop; a 2 MiB bf16 frame's split with the count runs at
+11.4 GB/s against 14.1 without it, where this module's pass ran at 8.8 GB/s more: the pass cost
+5.4 % of a save's CPU). Every other frame (smaller ones, the numpy split, compression off, the
+8-bit and complex formats) is counted here.
+
 **How** (numpy over the frame's bytes, no copy): the common case — a frame with no non-finite
 value — costs two max-reductions over the bytes seen as signed and as unsigned integers of the
 component's width: a positive non-finite component is ``signed >= E`` and a negative one

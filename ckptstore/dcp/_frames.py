@@ -86,10 +86,15 @@ def split(mv: memoryview, frame_size: int, width: int, refs: list, scan: Scan | 
 
 
 def _encode(codec: FrameCodec, name: str, index: int, chunk, width: int, cell, scan: Scan | None):
-    """Count the frame's non-finite values (while its bytes come into cache), then encode it:
-    ``(header, payload, payload XXH3, non-finite count)``."""
-    bad = count_nonfinite(chunk, scan.rule) if scan is not None else 0
-    head, payload, h = codec.encode(name, index, chunk, width, cell)
+    """Encode the frame and count its non-finite values: ``(header, payload, payload XXH3, non-finite
+    count)``. A float frame's count rides on the byte-grouping split (the C split reads each element
+    once for both); where the split did not count (small frames, the numpy split, compression off),
+    it is counted here (``codec/numerics.py``)."""
+    rule = scan.rule if scan is not None else None
+    counted: list = []
+    fused = rule is not None and rule.exp is not None and rule.components == 1 and rule.width == width
+    head, payload, h = codec.encode(name, index, chunk, width, cell, rule.exp if fused else 0, counted if fused else None)
+    bad = counted[0] if counted else (count_nonfinite(chunk, rule) if rule is not None else 0)
     return head, payload, h, bad
 
 
