@@ -4,19 +4,20 @@
  * (≈ 2.7 bits of entropy in 8 for bf16 weights). zstd, set up to act as a literal coder, codes it at
  * ≈ 0.6 GB/s of plane (its match finder, literal histogram and Huffman stage all run); an order-0
  * Huffman code reaches the same size (0.325 against zstd's 0.326 on N(0, 0.02) bf16 exponents) at
- * 1.33 GB/s encoding and 2.53 GB/s decoding on one core (zstd: 0.64 and 1.85; benchmarks/
+ * 1.43 GB/s encoding and 2.54 GB/s decoding on one core (zstd: 0.64 and 1.84; benchmarks/
  * plane_coder.py), because it does only that:
- *   - the histogram is taken from a 1-in-4 sample of the plane (4 KiB of every 16 KiB) when the
- *     plane is 256 KiB or more; the byte values seen get codes, and so do (count 1) the values
- *     the sample may have missed: those up to 16 below and 3 above a value seen (an exponent's
- *     rare values are the small magnitudes just below its common ones) and the caller's alphabet
- *     (a 256-bit set: the values earlier frames of the same tensor held). Should the plane hold a
- *     value outside all of these (the encoder's pair table marks those pairs, bit 31), it is coded
- *     again from the histogram of the whole plane, and that plane's values join the alphabet.
- *     Measured on the exponent planes of the benchmark's 256 MiB bf16 state (137 frames): 1.14-1.20
- *     GB/s at 0.3261 of the plane this way; 0.99-1.03 GB/s at 0.3254 when a tensor's first frame
- *     takes the whole histogram; giving all 256 values a code (counts + 1) cost 5 % of the size
- *     (226 unused 11-bit codes take 11 % of the code space);
+ *   - the histogram is taken from a sample of the plane when it is 256 KiB or more: 4 KiB blocks,
+ *     at least 16, 1 in 4 to 1 in 16 of the plane (a 1 MiB plane: 1 in 16). The byte values seen
+ *     get codes, and so do (count 1) the values the sample may have missed: zero, those up to 16
+ *     below and 3 above a value seen (an exponent's rare values are the small magnitudes just below
+ *     its common ones), and the caller's alphabet (a 256-bit set: the values earlier frames of the
+ *     same tensor held). Should the plane hold a value outside all of these (the encoder's pair
+ *     table marks those pairs, bit 31), it is coded again from the histogram of the whole plane, and
+ *     that plane's values join the alphabet. Measured on the exponent planes of the benchmark's
+ *     512 MiB bf16 state (260 frames of 1 MiB): 1.32-1.34 GB/s at 0.3260 of the plane with 1-in-16
+ *     samples, 1.15-1.17 GB/s at 0.3261 with 1-in-4; without the neighbours, every tensor's first
+ *     frame missed (0.99-1.03 GB/s with a whole histogram there); giving all 256 values a code
+ *     (counts + 1) cost 5 % of the size (226 unused 11-bit codes take 11 % of the code space);
  *   - code lengths come from Huffman's algorithm (two queues over the sorted counts), limited to
  *     MAX_LEN = 11 bits by halving the counts and building again (the classic JPEG-style limit;
  *     the loss is nil at these distributions);
@@ -108,14 +109,17 @@ static void count_block(const uint8_t *s, size_t n, uint32_t c[4][256]) {
     for (; i < n; i++) c[0][s[i]]++;
 }
 
-/* counts of each byte value: all of the plane below SAMPLE_MIN, else 4 KiB of every 16 KiB;
+/* counts of each byte value: all of the plane below SAMPLE_MIN, else a sample of 4 KiB blocks;
  * returns whether it sampled */
 static int histogram(const uint8_t *s, size_t n, uint64_t *cnt) {
     uint32_t c[4][256];
     memset(c, 0, sizeof c);
     int sampled = n >= SAMPLE_MIN;
     if (sampled) {
-        for (size_t b = 0; b + 4096 <= n; b += 16384) count_block(s + b, 4096, c);
+        /* at least 16 blocks of 4 KiB, 1 in 4 to 1 in 16 of the plane (a 1 MiB plane: 1 in 16) */
+        size_t stride = (n / 16) & ~(size_t)4095;
+        stride = stride < 16384 ? 16384 : stride > 65536 ? 65536 : stride;
+        for (size_t b = 0; b + 4096 <= n; b += stride) count_block(s + b, 4096, c);
     } else {
         count_block(s, n, c);
     }
@@ -291,6 +295,7 @@ static Py_ssize_t encode_plane(const uint8_t *s, size_t n, uint8_t *dst, uint32_
             int lo = k - DOWN_REACH < 0 ? 0 : k - DOWN_REACH, hi = k + UP_REACH > 255 ? 255 : k + UP_REACH;
             for (int j = lo; j <= hi; j++) near[j] = 1;
         }
+        near[0] = 1;  /* zero (and the smallest subnormals): rare in a plane, common across tensors */
         for (int k = 0; k < 256; k++)
             if (!cnt[k] && (near[k] || ((alphabet[k >> 3] >> (k & 7)) & 1))) cnt[k] = 1;
     } else {

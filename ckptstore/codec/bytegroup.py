@@ -22,27 +22,31 @@ Where the C module is built, a plane planned for compression of at least :data:`
 Huffman-coded, unless one byte value fills 3/4 of it (zeros, say: zstd's runs code those far better);
 smaller planes, and every plane of a writer without the C module, go to zstd. On the exponent plane
 of N(0, 0.02) bf16 weights the Huffman code is as small as zstd's (0.325 against 0.326 of the plane),
-twice as fast to encode (1.33 against 0.64 GB/s of plane, one core) and faster to decode (2.53 against
-1.85 GB/s; ``benchmarks/plane_coder.py``, which also has fp16 and fp32 rows). A payload with a Huffman-coded plane has layout version 2 and the descriptor
-``bytegroup/2:W``, so that a release that knows only ``bytegroup/1`` refuses it as an unknown codec
-instead of misreading it; a reader without the C module decodes such planes in numpy
-(:func:`huff_decode_numpy`, ≈ 8 MB/s of plane). The rest of this paragraph is about zstd planes. Frames up to 64 Ki elements are encoded whole with both transforms and the smaller
-kept. For larger frames the encoder decides once per tensor (a :class:`Plan`, from the first large
-frame of the tensor it encodes) from a sample of 32 Ki elements (four runs of 8 Ki spread over the
-frame): the sample is split and its planes compressed under each transform; the transform with the
-smaller sample wins; planes whose sample did not shrink below 97 % are planned raw. Every frame of
-the tensor then uses the plan: planned-zstd planes are compressed whole and kept only if below 97 %;
-planned-raw planes are probed with a 16 KiB slice from the middle of the plane and compressed whole
-only when the slice shrinks below 97 % (so zeros later in a tensor are still found). Deciding per
-tensor instead of per frame cut the encoder's CPU time by ~9 % (the trials were ~0.2 of 2.3
-CPU-s/GB); the payload format is unchanged, so any ``bytegroup/1`` reader decodes it. Planes are compressed with zstd
-parameters that all but disable match finding (``strategy=fast, min_match=7, hash_log=6,
-search_log=1``), so zstd works as a fast Huffman coder of literals with per-128 KiB-block tables
-(runs and repeats are still found through repeat offsets, so all-zero planes still collapse). The
-``level`` argument is accepted for interface compatibility and is not used: on the exponent plane of
-real bf16 weights (all-MiniLM-L6-v2) standard zstd levels do *worse* and are far slower than this
-setting (plane ratio @ speed on one core: levels 1, 3, 9, 19 → 0.364 @ 0.26 GB/s, 0.412 @ 0.14,
-0.388 @ 0.03, 0.331 @ 0.001; this setting → 0.331 @ ≈ 1 GB/s).
+twice as fast to encode (1.43 against 0.64 GB/s of plane, one core) and faster to decode (2.54
+against 1.84 GB/s; ``benchmarks/plane_coder.py``, which also has fp16 and fp32 rows). A payload
+with a Huffman-coded plane has layout version 2 and the descriptor ``bytegroup/2:W``, so that a
+release that knows only ``bytegroup/1`` refuses it as an unknown codec instead of misreading it; a
+reader without the C module decodes such planes in numpy (:func:`huff_decode_numpy`, ≈ 8 MB/s of
+plane).
+
+Which planes are compressed. Frames up to 64 Ki elements are encoded whole with both transforms
+(planes compressed with zstd) and the smaller kept. For larger frames the encoder decides once per
+tensor (a :class:`Plan`, from the first large frame of the tensor it encodes) from a sample of 32 Ki
+elements (four runs of 8 Ki spread over the frame): the sample is split and its planes compressed
+under each transform; the transform with the smaller sample wins; planes whose sample did not shrink
+below 97 % are planned raw. Every frame of the tensor then uses the plan: planned-compressed planes
+are compressed whole (Huffman or zstd, as above) and kept only if below 97 %; planned-raw planes are
+probed with a 16 KiB slice from the middle of the plane and compressed whole only when the slice
+shrinks below 97 % (so zeros later in a tensor are still found). Deciding per tensor instead of per
+frame cut the encoder's CPU time by ~9 % (the trials were ~0.2 of 2.3 CPU-s/GB); the payload format
+is unchanged, so any ``bytegroup/1`` reader decodes it. Planes coded with zstd use parameters that
+all but disable match finding (``strategy=fast, min_match=7, hash_log=6, search_log=1``), so zstd
+works as a fast Huffman coder of literals with per-128 KiB-block tables (runs and repeats are still
+found through repeat offsets, so all-zero planes still collapse). The ``level`` argument is accepted
+for interface compatibility and is not used: on the exponent plane of real bf16 weights
+(all-MiniLM-L6-v2) standard zstd levels do *worse* and are far slower than this setting (plane ratio
+@ speed on one core: levels 1, 3, 9, 19 → 0.364 @ 0.26 GB/s, 0.412 @ 0.14, 0.388 @ 0.03, 0.331 @
+0.001; this setting → 0.331 @ ≈ 1 GB/s).
 
 Measured (``python benchmarks/codec_ratio.py``; ratio = stored/raw; one thread's CPU time):
 
