@@ -235,3 +235,5 @@ def test_encoder_refuses_small_buffers():
         huff.encode(plane, np.empty(huff.bound(1000), np.uint8), work[:-1], np.zeros(32, np.uint8))
     with pytest.raises(ValueError, match="alphabet"):
         huff.encode(plane, np.empty(huff.bound(1000), np.uint8), work, np.zeros(31, np.uint8))
+    with pytest.raises(ValueError, match="src"):
+        huff.encode(plane[:3], np.empty(huff.bound(3), np.uint8), work, np.zeros(32, np.uint8))

@@ -1,9 +1,10 @@
-/* Huffman coding of one byte plane: plane codec 2 of "bytegroup/1" (docs/FORMAT.md, "bytegroup/1").
+/* Huffman coding of one byte plane: plane codec 2 of "bytegroup/2" (docs/FORMAT.md, "Codec stages";
+ * the payload around it: codec/bytegroup.py).
  *
  * Why our own coder: the exponent plane of a float tensor is a stream of a few distinct bytes
  * (≈ 2.7 bits of entropy in 8 for bf16 weights). zstd, set up to act as a literal coder, codes it at
  * ≈ 0.6 GB/s of plane (its match finder, literal histogram and Huffman stage all run); an order-0
- * Huffman code reaches the same size (0.325 against zstd's 0.326 on N(0, 0.02) bf16 exponents) at
+ * Huffman code reaches the same size (0.3260 against zstd's 0.3259 on N(0, 0.02) bf16 exponents) at
  * 1.43 GB/s encoding and 2.54 GB/s decoding on one core (zstd: 0.64 and 1.84; benchmarks/
  * plane_coder.py), because it does only that:
  *   - the histogram is taken from a sample of the plane when it is 256 KiB or more: 4 KiB blocks,
@@ -20,7 +21,7 @@
  *     (counts + 1) cost 5 % of the size (226 unused 11-bit codes take 11 % of the code space);
  *   - code lengths come from Huffman's algorithm (two queues over the sorted counts), limited to
  *     MAX_LEN = 11 bits by halving the counts and building again (the classic JPEG-style limit;
- *     the loss is nil at these distributions);
+ *     exponent planes seldom need it: their codes are 2-10 bits long);
  *   - codes are canonical (shorter first, then by symbol value; Deflate's rule, RFC 1951 §3.2.2),
  *     written least significant bit first, so a reader rebuilds them from the 256 lengths alone;
  *   - the encoder looks two symbols up at once (a 65,536-entry table of code pairs); the decoder
@@ -471,10 +472,11 @@ static PyObject *huff_encode(PyObject *self, PyObject *args) {
     int whole = 0;
     if (!PyArg_ParseTuple(args, "y*w*w*w*|p:encode", &src, &dst, &work, &alpha, &whole)) return NULL;
     PyObject *res = NULL;
-    if (dst.len < bound(src.len) || work.len < (Py_ssize_t)WORK_BYTES || src.len < 4 || alpha.len != 32) {
+    if (dst.len < bound(src.len) || work.len < (Py_ssize_t)WORK_BYTES || src.len < 4 || alpha.len != 32
+        || src.len > ((Py_ssize_t)1 << 31)) {  /* a stream's u32 length and the u32 counts must not wrap */
         PyErr_Format(PyExc_ValueError,
-                     "encode: dst (%zd bytes) must hold %zd, work (%zd bytes) %u, src (%zd bytes) 4, alphabet (%zd bytes) 32",
-                     dst.len, bound(src.len), work.len, WORK_BYTES, src.len, alpha.len);
+                     "encode: dst (%zd bytes) must hold %zd, work (%zd bytes) %u, src (%zd bytes) 4 to 2 GiB, "
+                     "alphabet (%zd bytes) 32", dst.len, bound(src.len), work.len, WORK_BYTES, src.len, alpha.len);
         goto done;
     }
     Py_ssize_t n;
@@ -526,7 +528,7 @@ static PyMethodDef huff_methods[] = {
 };
 
 static struct PyModuleDef huff_module = {
-    PyModuleDef_HEAD_INIT, "_huff", "Huffman coding of one byte plane (docs/FORMAT.md, bytegroup/1).", -1,
+    PyModuleDef_HEAD_INIT, "_huff", "Huffman coding of one byte plane (docs/FORMAT.md, Codec stages: bytegroup/2).", -1,
     huff_methods,
 };
 
