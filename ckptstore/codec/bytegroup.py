@@ -199,9 +199,12 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf
 
 
-def _split(x: np.ndarray, width: int, transform: int, out: np.ndarray | None = None) -> np.ndarray:
+def _split(x: np.ndarray, width: int, transform: int, out: np.ndarray | None = None, nonfinite: int = 0,
+           counted: list | None = None) -> np.ndarray:
     """``x``: 1-D little-endian uint array of ``count`` elements → ``(width, count)`` uint8 planes
-    (in ``out``, a byte buffer of at least ``width * count``, when given)."""
+    (in ``out``, a byte buffer of at least ``width * count``, when given). With ``nonfinite`` and
+    ``counted``, the C split also counts the non-finite elements and appends the count (see
+    :func:`encode_parts`); the numpy split appends nothing."""
     count = x.shape[0]
     if out is None:
         planes = np.empty((width, count), dtype=np.uint8)
@@ -210,7 +213,10 @@ def _split(x: np.ndarray, width: int, transform: int, out: np.ndarray | None = N
     if count == 0:
         return planes
     if _native is not None:
-        _native.split(np.ascontiguousarray(x), planes, width, transform)
+        exp = nonfinite if counted is not None and width > 1 else 0
+        got = _native.split(np.ascontiguousarray(x), planes, width, transform, exp)
+        if exp:
+            counted.append(got)
         return planes
     return _split_numpy(x, width, transform, planes)
 
@@ -416,12 +422,7 @@ def encode_parts(raw, width: int, cell: PlanCell | None = None, *, scratch: bool
         plan = Plan(transform, tuple(c == CODEC_ZSTD for c, _ in sample_planes))
         if cell is not None:
             cell.plan = plan
-    out_buf = _scratch(n) if scratch else None
-    if nonfinite and counted is not None and _native is not None and width > 1 and count:
-        planes = out_buf[: width * count].reshape(width, count) if out_buf is not None else np.empty((width, count), np.uint8)
-        counted.append(_native.split(np.ascontiguousarray(x), planes, width, plan.transform, nonfinite))
-    else:
-        planes = _split(x, width, plan.transform, out_buf)
+    planes = _split(x, width, plan.transform, _scratch(n) if scratch else None, nonfinite, counted)
     keep = 1.0 - MIN_SAVING
     cctx = _cctx()
     out = []
