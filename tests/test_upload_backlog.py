@@ -62,3 +62,38 @@ def test_saves_faster_than_uploads_stage_the_newest_version(tmp_path, s3_url):
     empty = [str(tmp_path / "e0"), str(tmp_path / "e1")]
     got = run_ranks(roots_ranks.load, 2, empty, None, s3_url, **FAST)
     assert [g["version"] for g in got] == [f"v{n}"] * 2 and all(g["ok"] for g in got)
+
+
+@pytest.mark.s3
+def test_versions_superseded_during_an_outage_are_skipped_not_reported_at_close(tmp_path, s3_url, seaweed):
+    """S3 down for five saves of one writer: every upload fails and waits for a retry. S3 back, then
+    ``close()``: the newest ``UPLOAD_BACKLOG`` versions are uploaded, the older ones are skipped
+    (``skipped_uploads``) and ``close()`` raises nothing (docs/FORMAT.md, Save rule 8) — before, the
+    older versions' failures from the outage were reported as uploads that did not complete."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    n = 5
+    writer = ckptstore.StorageWriter(str(tmp_path / "root"), remote=s3_url,
+                                     remote_options={"endpoint_url": os.environ.get("AWS_ENDPOINT_URL")})
+    seaweed.stop()
+    try:
+        for i in range(1, n + 1):
+            dcp.save({"w": torch.full((64,), float(i))}, checkpoint_id=f"v{i}", storage_writer=writer, no_dist=True)
+        up = writer._up._uploader
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # every upload of the outage has failed and waits for a retry
+            with up._lock:
+                if all(f.done() for _w, f in up._pending):
+                    break
+            time.sleep(0.2)
+    finally:
+        seaweed.start()
+    writer.close(120.0)  # raises UploadError when anything is reported as not uploaded
+    listed = {r.version for r in ckptstore.Store(None, remote=s3_url).versions()}
+    newest = {f"v{i}" for i in range(n - upload.UPLOAD_BACKLOG + 1, n + 1)}
+    assert newest <= listed, listed
+    assert listed | set(writer.skipped_uploads) == {f"v{i}" for i in range(1, n + 1)}, (listed, writer.skipped_uploads)

@@ -39,6 +39,7 @@ class RemoteStage(OwnLock):
         self.remote = remote
         self.guard = guard
         self._uploader = None
+        self.skipped_before: list[str] = []  # the skipped versions of uploaders dropped (close())
         self._caught_up = False  # the restage comparison ran (see restage_plan)
         self._futs: dict[str, cf.Future] = {}
 
@@ -231,6 +232,7 @@ class RemoteStage(OwnLock):
         with self._lock:
             up, self._uploader = self._uploader, None
         if up is not None:
+            self.skipped_before = (self.skipped_before + [v for v in up.skipped if v not in self.skipped_before])[-1000:]
             up.shutdown()
             self.remote.close()
 

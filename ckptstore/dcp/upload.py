@@ -372,8 +372,12 @@ class Uploader:
             version = args[0] if k == "object" else args[0].version
             attempt = (args[1].name.split("/")[1]) if k == "object" else args[0].attempt
             if self.superseded(version):
-                with self._lock:
-                    self._retry.pop(what, None)  # newer versions took its place in the queue
+                with self._lock:  # newer versions took its place in the queue: skipped, not a failure
+                    self._retry.pop(what, None)
+                    self._pending = [(w, f) for w, f in self._pending if not (w == what and f.done())]
+                    if version not in self.skipped:
+                        self.skipped.append(version)
+                        del self.skipped[:-1000]
                 continue
             try:
                 if k == "object":

@@ -616,9 +616,11 @@ class StorageWriter(_DCPStorageWriter):
     def skipped_uploads(self) -> list[str]:
         """Versions committed locally that this writer did not stage to the remote tier because
         :data:`~ckptstore.dcp.upload.UPLOAD_BACKLOG` newer versions were submitted before their upload
-        or remote commit finished (docs/FORMAT.md, Save rule 8), oldest first (the last 1,000)."""
+        or remote commit finished (docs/FORMAT.md, Save rule 8), oldest first (the last 1,000; also
+        after :meth:`close`)."""
         up = self._up._uploader
-        return list(up.skipped) if up is not None else []
+        now = list(up.skipped) if up is not None else []
+        return (self._up.skipped_before + [v for v in now if v not in self._up.skipped_before])[-1000:]
 
     def pruned(self) -> list[dict]:
         """What automatic retention deleted after this writer's commits since the last call (one
