@@ -37,8 +37,9 @@ What it does (docs/torchft.md; docs/FORMAT.md, "torchft"):
   (``loader-g<G>-<N>``, under the group's *stable* index ``group``, not torchft's per-restart uuid) at
   the first step after a start and at every due step, asynchronously, on its own manager (never on
   torchft's process group), with its own retention (:data:`KeepLast` of ``positions_keep``). Each
-  such save holds the last ``positions_keep`` positions, so one skipped while the previous still ran
-  loses no step.
+  such save holds, of the last ``positions_keep`` positions, the one of each due step and the newest
+  (:func:`._torchft_store.due_positions`), so one skipped while the previous still ran
+  loses no position a restore asks for.
 * **Cold start only.** :meth:`resume` asks the lighthouse (its ``/status`` page) whether a live job
   exists: then torchft heals this group from a peer and the durable tier's main version is not
   read (the group's loader continues from its own newest position, its journal's); otherwise the whole job is
@@ -80,7 +81,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import io
 import logging
 import os
 import random
@@ -286,10 +286,6 @@ def _enabled(enabled: bool | None) -> bool:
     return os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
 def _check_group_world(group_world: int, rank: int) -> None:
     """A replica group of several ranks runs as its own ``torch.distributed`` job (``torchrun`` per
     group, as torchtitan and torchft's examples do): its default process group is the group's ranks."""
@@ -329,8 +325,9 @@ class DurableTier:
         remote: ``"s3://bucket/prefix"``; its client's timeouts are set below ``timeout_s``.
         interval_steps: the main version is written at steps ``N % interval_steps == 0``.
         retention: a :class:`ckptstore.retention.RetentionPolicy` of the main versions (default: keep all).
-        positions_keep: positions kept per group: versions (retention ``KeepLast``) and the history in
-            each (default ``2 * interval_steps + 2``).
+        positions_keep: positions kept per group: versions (retention ``KeepLast``), the journal's
+            records, and the history a positions version keeps the due steps' positions and the newest
+            of (default ``2 * interval_steps + 2``).
         positions_every_s: also save the positions every this many seconds (a positions version of
             the group, when the previous one has finished). Default None: positions versions are
             saved at the first step after a start and at every due step, and each rank's journal
@@ -691,7 +688,7 @@ class DurableTier:
         while True:
             if it is None or self._rewind:
                 if self._rewind and self._loader_blob is not None:
-                    self.loader.load_state_dict(torch.load(io.BytesIO(self._loader_blob), weights_only=True)["loader"])
+                    self.loader.load_state_dict(_st.unpack_blob(self._loader_blob)["loader"])
                 self._rewind = False
                 it = iter(self.loader)
             try:
@@ -878,7 +875,8 @@ class DurableTier:
             return
 
         def save():
-            started = self._positions.save(step, {"positions": _Positions(_st.pack_history(self._history))}, force=True)
+            kept = _st.due_positions(self._history, self.interval_steps)
+            started = self._positions.save(step, {"positions": _Positions(_st.pack_history(kept))}, force=True)
             if started:
                 self._positions_saved = step
                 self._positions_t = now
@@ -894,9 +892,7 @@ class DurableTier:
             return False
 
     def _capture(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save({"loader": self.loader.state_dict(), "rng": _rng_state()}, buf)
-        return buf.getvalue()
+        return _st.pack_blob(self.loader.state_dict(), torch.get_rng_state(), random.getstate())
 
     def _guard(self, which: str, fn: Callable[[], Any]) -> None:
         """Run a save call; its failure is counted and logged, never raised (docs/FORMAT.md, Save rule 9)."""
@@ -1142,7 +1138,7 @@ class DurableTier:
         """The loader (and, ``own``, the RNG) at ``pos``. An own position also starts the history and
         is recorded in the journal, so that the next positions version and the journal hold this
         rank's position of the steps it was away for (the greatest step ≤ any of them is ``pos``)."""
-        got = torch.load(io.BytesIO(pos.blob), weights_only=True)
+        got = _st.unpack_blob(pos.blob)
         self.loader.load_state_dict(got["loader"])
         if own:
             _set_rng(got["rng"])
