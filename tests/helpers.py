@@ -87,3 +87,18 @@ def forge_metadata(root: str, version: str, blob: bytes) -> None:
     m.metadata_object = ObjectEntry(name, len(data), f"{xxh3(head):016x}", 1, None, len(blob))
     with open(tier.local_path(layout.manifest_key(version)), "wb") as f:
         f.write(m.to_bytes(None))
+
+
+def mutated(draw, blob: bytes, changes: tuple[int, int]) -> bytes:
+    """``blob`` with a drawn number (``changes``: least, most) of its bytes set to drawn values, then
+    cut at a drawn length or not: a decoder's hostile input for hypothesis (``draw``: ``data.draw``
+    or a composite strategy's ``draw``)."""
+    from hypothesis import strategies as st
+
+    b = bytearray(blob)
+    for _ in range(draw(st.integers(*changes))):
+        if b:
+            b[draw(st.integers(0, len(b) - 1))] = draw(st.integers(0, 255))
+    if draw(st.booleans()):
+        b = b[: draw(st.integers(0, len(b)))]
+    return bytes(b)

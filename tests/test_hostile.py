@@ -40,7 +40,7 @@ from ckptstore.manifest.schema import parse
 from ckptstore.tiers import LocalTier
 
 import crash_ranks
-from helpers import forge_metadata
+from helpers import forge_metadata, mutated
 
 FULL = os.environ.get("CKPTSTORE_FULL") == "1"
 N_EXAMPLES = int(os.environ.get("CKPTSTORE_FUZZ_EXAMPLES", "5000" if FULL else "300"))
@@ -771,13 +771,7 @@ def frames(draw):
         buf = head + payload
     except (UnicodeEncodeError, struct.error):
         buf = _header(index=index % (1 << 64), raw_len=raw_len, payload=payload, chain=chain)
-    for _ in range(draw(st.integers(min_value=0, max_value=3))):
-        if buf:
-            i = draw(st.integers(min_value=0, max_value=len(buf) - 1))
-            buf = buf[:i] + bytes([draw(st.integers(0, 255))]) + buf[i + 1 :]
-    if draw(st.booleans()):
-        buf = buf[: draw(st.integers(min_value=0, max_value=len(buf)))]
-    return buf
+    return mutated(draw, buf, (0, 3))
 
 
 @FUZZ

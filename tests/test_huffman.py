@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from ckptstore.codec import bytegroup, stages
 from ckptstore.errors import IntegrityError
+from helpers import mutated
 
 huff = bytegroup._huff
 pytestmark = pytest.mark.skipif(huff is None, reason="ckptstore.codec._huff not built (no C compiler at install)")
@@ -194,13 +195,8 @@ def test_property_mutated_planes_agree(data):
     """Random byte changes and cuts: the C and numpy decoders refuse the same inputs and decode the
     others to the same bytes (never a crash, never a wrong length)."""
     plane = _MUTATE_PLANE
-    b = bytearray(_MUTATE_CODED)
-    for _ in range(data.draw(st.integers(1, 4))):
-        i = data.draw(st.integers(0, len(b) - 1))
-        b[i] = data.draw(st.integers(0, 255))
-    if data.draw(st.booleans()):
-        b = b[: data.draw(st.integers(0, len(b)))]
-    c, n = decode_both(bytes(b), plane.shape[0])
+    b = mutated(data.draw, _MUTATE_CODED, (1, 4))
+    c, n = decode_both(b, plane.shape[0])
     assert (isinstance(c, bytes)) == (isinstance(n, bytes))
     if isinstance(c, bytes):
         assert c == n and len(c) == plane.shape[0]

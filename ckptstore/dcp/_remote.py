@@ -57,6 +57,13 @@ class RemoteStage(OwnLock):
                 )
             return self._uploader
 
+    def skipped(self) -> list[str]:
+        """Versions not staged because newer ones took their place (Save rule 8), oldest first, the last
+        1,000: this writer's dropped uploaders' and the current one's."""
+        up = self._uploader
+        now = list(up.skipped) if up is not None else []
+        return (self.skipped_before + [v for v in now if v not in self.skipped_before])[-1000:]
+
     @property
     def current(self):
         """The uploader if one was made (None otherwise); makes none."""
@@ -230,9 +237,9 @@ class RemoteStage(OwnLock):
     def drop(self) -> None:
         """Shut the uploader down and close the remote tier's pool and client (made again at next use)."""
         with self._lock:
+            self.skipped_before = self.skipped()
             up, self._uploader = self._uploader, None
         if up is not None:
-            self.skipped_before = (self.skipped_before + [v for v in up.skipped if v not in self.skipped_before])[-1000:]
             up.shutdown()
             self.remote.close()
 

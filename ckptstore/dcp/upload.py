@@ -294,6 +294,12 @@ class Uploader:
                 return False
             return sum(1 for s in self._order.values() if s > seq) >= self.backlog
 
+    def _mark_skipped(self, version: str) -> None:
+        """``version`` goes into :attr:`skipped` (the last 1,000); the caller holds ``_lock``."""
+        if version not in self.skipped:
+            self.skipped.append(version)
+            del self.skipped[:-1000]
+
     def _skip_if_superseded(self, version: str, what: str) -> None:
         if self.superseded(version):
             with self._lock:
@@ -375,9 +381,7 @@ class Uploader:
                 with self._lock:  # newer versions took its place in the queue: skipped, not a failure
                     self._retry.pop(what, None)
                     self._pending = [(w, f) for w, f in self._pending if not (w == what and f.done())]
-                    if version not in self.skipped:
-                        self.skipped.append(version)
-                        del self.skipped[:-1000]
+                    self._mark_skipped(version)
                 continue
             try:
                 if k == "object":
@@ -621,10 +625,9 @@ class Uploader:
         def done(f, what=what):
             e = f.exception() if not f.cancelled() else None
             if isinstance(e, Superseded):
-                with self._lock:
-                    if version is not None and version not in self.skipped:
-                        self.skipped.append(version)
-                        del self.skipped[:-1000]
+                if version is not None:
+                    with self._lock:
+                        self._mark_skipped(version)
                 log.info("ckptstore: %s", e)
                 return
             if e is not None:

@@ -618,9 +618,7 @@ class StorageWriter(_DCPStorageWriter):
         :data:`~ckptstore.dcp.upload.UPLOAD_BACKLOG` newer versions were submitted before their upload
         or remote commit finished (docs/FORMAT.md, Save rule 8), oldest first (the last 1,000; also
         after :meth:`close`)."""
-        up = self._up._uploader
-        now = list(up.skipped) if up is not None else []
-        return (self._up.skipped_before + [v for v in now if v not in self._up.skipped_before])[-1000:]
+        return self._up.skipped()
 
     def pruned(self) -> list[dict]:
         """What automatic retention deleted after this writer's commits since the last call (one
