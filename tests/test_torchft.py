@@ -58,6 +58,29 @@ def test_choose_main_needs_every_active_groups_position(mains, newest, want, nsk
         assert "were not saved" in skipped[0]
 
 
+def test_choose_main_takes_a_lagging_group_that_was_not_in_the_steps_quorum():
+    """Group 2 saved its newest position at step 7 and left; step-10 was taken by groups 0 and 1
+    alone (its writer counted 2 participants, both saved a participating position at 10): group 2's
+    position at 10 is its newest, so step-10 is restored. Without the proof (no count, or a count
+    the saved positions do not account for) step-10 is passed over, as before."""
+    newest = {0: 11, 1: 10, 2: 7}
+    assert st.lagging_groups(10, newest, 5) == [2]
+    at10 = {0: _pos(10, 10), 1: _pos(10, 10)}
+    assert st.absent_from_quorum(2, at10)
+    assert not st.absent_from_quorum(3, at10)  # group 2 was in the quorum: its position at 10 died with it
+    assert not st.absent_from_quorum(None, at10)  # a main version written before the count was recorded
+    assert not st.absent_from_quorum(2, {0: _pos(10, 10), 1: _pos(10, 9, part=False)})  # group 1 was healing
+    assert not st.absent_from_quorum(2, {0: _pos(10, 10), 1: None})
+
+    def proof(n):
+        return lambda s, lagging: ("counted" if s == 10 and st.absent_from_quorum(n, at10) else None)
+
+    assert st.choose_main([5, 10], newest, 5, proof(2)) == (10, [])
+    got, skipped = st.choose_main([5, 10], newest, 5, proof(3))
+    assert got == 5 and "group(s) 2" in skipped[0]
+    assert st.choose_main([5, 10], newest, 5) == (5, skipped)  # no proof asked: as before
+
+
 def test_loader_plan_three_to_two_groups_and_two_to_three():
     at = {0: _pos(10, 10), 1: _pos(10, 9), 2: _pos(10, 8)}
     # 3 -> 2: each remaining group continues its own position; group 2's is orphaned (reported)
@@ -131,9 +154,24 @@ def _loader():
     return StatefulDataLoader(list(range(100)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
 
 
-def test_a_position_blob_brings_back_the_loader_and_both_rngs():
+def _plain_loader():
+    """A loader whose state is plain counters (torchft's ``DistributedSampler``, as the groups use)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchft.data import DistributedSampler
+
+    data = tg.Samples(400)
+    sampler = DistributedSampler(data, replica_rank=1, num_replica_groups=3, group_rank=0, num_replicas=2,
+                                 shuffle=True, seed=7, drop_last=True)
+    return StatefulDataLoader(data, batch_size=4, sampler=sampler)
+
+
+@pytest.mark.parametrize("make, encoding", [(_loader, 0), (_plain_loader, 1)], ids=["tensor-state", "plain-state"])
+def test_a_position_blob_brings_back_the_loader_and_both_rngs(make, encoding):
+    """Both loader-state encodings: a state holding the sampler's generator (a tensor: ``torch.save``)
+    and a plain one (JSON), with a pending ``gauss_next`` in Python's state."""
     import random
 
+    _loader = make
     loader = _loader()
     it = iter(loader)
     for _ in range(5):
@@ -142,14 +180,51 @@ def test_a_position_blob_brings_back_the_loader_and_both_rngs():
     random.seed(12)
     random.gauss(0, 1)  # a pending gauss_next is part of Python's state
     blob = st.pack_blob(loader.state_dict(), torch.get_rng_state(), random.getstate())
-    want = ([next(it).tolist() for _ in range(3)], torch.rand(4).tolist(), random.random(), random.gauss(0, 1))
+    assert blob[:6] == b"CKLP\x03" + bytes((encoding,))
+    want = ([_ids(next(it)) for _ in range(3)], torch.rand(4).tolist(), random.random(), random.gauss(0, 1))
     got = st.unpack_blob(blob)
     again = _loader()
     again.load_state_dict(got["loader"])
+    it2 = iter(again)  # before the RNG is set: a loader without a generator draws its base seed (as DurableTier.batches)
     torch.set_rng_state(got["rng"]["torch"])
     random.setstate(got["rng"]["python"])
-    it2 = iter(again)
-    assert ([next(it2).tolist() for _ in range(3)], torch.rand(4).tolist(), random.random(), random.gauss(0, 1)) == want
+    assert ([_ids(next(it2)) for _ in range(3)], torch.rand(4).tolist(), random.random(), random.gauss(0, 1)) == want
+
+
+def _ids(batch):
+    return (batch[0] if isinstance(batch, (list, tuple)) else batch).tolist()
+
+
+_JSONISH = hst.recursive(
+    hst.none() | hst.booleans() | hst.integers() | hst.floats() | hst.text(max_size=5)
+    | hst.tuples(hst.integers()),
+    lambda inner: hst.lists(inner, max_size=4) | hst.dictionaries(hst.text(max_size=4) | hst.integers(), inner,
+                                                                  max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(state=_JSONISH)
+def test_a_position_blob_gives_back_any_loader_state_with_its_types(state):
+    """Whatever the loader state holds — plain values (JSON), or a tuple, an int key, NaN or
+    infinity (``torch.save``) — it comes back equal and of the same types."""
+    import math
+    import random
+
+    got = st.unpack_blob(st.pack_blob(state, torch.get_rng_state(), random.getstate()))["loader"]
+
+    def same(a, b):
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, float) and math.isnan(a):
+            return math.isnan(b)
+        return a == b
+
+    assert same(state, got), (state, got)
 
 
 def test_a_position_blob_of_the_earlier_layout_is_still_read():
@@ -170,6 +245,13 @@ def test_a_position_blob_of_the_earlier_layout_is_still_read():
     assert [next(it2).tolist() for _ in range(3)] == want
     assert torch.equal(got["rng"]["torch"], torch.get_rng_state())
     assert got["rng"]["python"] == random.getstate()
+    # the layout before the encoding byte (CKLP\x02: the loader state always a torch.save)
+    blob = st.pack_blob(_loader().state_dict(), torch.get_rng_state(), random.getstate())
+    assert blob[5] == 0
+    old = b"CKLP\x02" + blob[6:]
+    assert torch.equal(st.unpack_blob(old)["loader"]["_sampler_iter_state"]["sampler_iter_state"]["generator"],
+                       st.unpack_blob(blob)["loader"]["_sampler_iter_state"]["sampler_iter_state"]["generator"])
+    assert st.unpack_blob(old)["rng"]["python"] == random.getstate()
 
 
 def test_a_malformed_position_blob_raises_integrity_error():
@@ -177,12 +259,14 @@ def test_a_malformed_position_blob_raises_integrity_error():
 
     from ckptstore.errors import IntegrityError
 
-    blob = st.pack_blob(_loader().state_dict(), torch.get_rng_state(), random.getstate())
-    bad = [blob[:n] for n in (0, 3, 5, 8, 40, len(blob) // 2, len(blob) - 9, len(blob) - 1)]
-    bad += [blob + b"\0", blob[:-9] + b"\x02" + blob[-8:], b"PK\x03\x04garbage"]
-    for b in bad:
-        with pytest.raises(IntegrityError):
-            st.unpack_blob(b)
+    for loader in (_loader(), _plain_loader()):
+        blob = st.pack_blob(loader.state_dict(), torch.get_rng_state(), random.getstate())
+        bad = [blob[:n] for n in (0, 3, 5, 6, 8, 40, len(blob) // 2, len(blob) - 9, len(blob) - 1)]
+        bad += [blob + b"\0", blob[:-9] + b"\x02" + blob[-8:], b"PK\x03\x04garbage", blob[:5] + b"\x07" + blob[6:],
+                blob[:5] + bytes((1 - blob[5],)) + blob[6:]]  # an unknown encoding; the other one's reader
+        for b in bad:
+            with pytest.raises(IntegrityError):
+                st.unpack_blob(b)
 
 
 def test_job_is_live_from_the_lighthouse_status_page():
@@ -333,13 +417,47 @@ def test_whole_job_killed_mid_step_restarts_from_ckptstore_exactly(tmp_path):
         resumed.append(r1["step"])
         again = {r["step"]: r for r in job.lines(g) if r.get("committed") and r["launch"] == "1"}
         assert min(again) == r1["step"] + 1 and max(again) == 9
-        for s in sorted(set(again) & set(first[g])):  # the steps trained twice: the same loss, the same batch
-            assert (again[s]["loss"], again[s]["ids"]) == (first[g][s]["loss"], first[g][s]["ids"]), (g, s)
+        for s in sorted(set(again) & set(first[g])):  # the steps trained twice: the same loss, batch and RNG draw
+            assert ((again[s]["loss"], again[s]["ids"], again[s]["rand"])
+                    == (first[g][s]["loss"], first[g][s]["ids"], first[g][s]["rand"])), (g, s)
         assert sorted(_timeline(job, g)) == list(range(1, 10))
     assert resumed == [5, 5]
     _check_exact_samples(job, range(2), shards)
     REPORT.append(f"whole-job restart (2 groups): resumed at step 5, launch to 9 steps done in {restart_s:.1f} s; "
                   f"resume itself {max(_resumes(job, g)[1]['seconds'] for g in range(2)):.2f} s")
+
+
+def test_a_whole_job_loss_restores_the_step_a_departed_group_took_no_part_in(tmp_path):
+    """2 groups, a main version every 5. Group 1 is killed before its allreduce at step 8 and not
+    launched again; group 0 trains on alone and writes step-10 (its writer counts 1 participant), then
+    is killed mid-step at 12: the whole job is lost. Group 1's newest saved position is step 7, within
+    one interval of step 10. Both groups start again: every group restores step-10 — the writer's
+    count, matched by group 0's position at 10, proves group 1 took no part in step 10 — and group 1
+    continues from its own position of step 7. Every group's batches are its shard's, in order, none
+    twice, none skipped. Before: the cold start passed over step-10 and restored step-5 (5 more
+    steps lost)."""
+    root = tmp_path / "root"
+    job = tg.Job(tmp_path, root, name="away", steps=14, interval=5, num_groups=2, min_replicas=1, settle=True,
+                 kill={"1": [8, "before-allreduce"], "0": [12, "mid-step"]})
+    job.start_lighthouse()
+    try:
+        job.start()
+        codes = job.wait(240)
+        assert codes == {0: -9, 1: -9}, (codes, job.tails())
+        assert _manifest_user(root, "step-10")["participants"] == 1
+        job.start()
+        codes = job.wait(240)
+        assert codes == {0: 0, 1: 0}, (codes, job.tails())
+    finally:
+        job.close()
+    for g in range(2):
+        r = _resumes(job, g)[1]
+        assert r["kind"] == "cold-start" and r["version"] == "step-10" and r["skipped"] == [], (g, r)
+        assert r["loader"]["how"] == "own", (g, r)
+    away = _resumes(job, 1)[1]["loader"]
+    assert away["step"] == 7 and "took no part" in away["reason"], away
+    _check_exact_samples(job, range(2), {g: tg.shard_order(g) for g in range(2)})
+    assert max(_timeline(job, 1)) == 14 and sorted(_timeline(job, 0)) == list(range(1, 15))
 
 
 def _launch_repeats(job, g, r=0, ranks=1) -> list[int]:

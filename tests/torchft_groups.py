@@ -12,7 +12,9 @@ across groups; the cross-group allreduce runs on each rank's local shard of the 
 ``python tests/torchft_groups.py CONFIG GROUP LAUNCH [RANK]`` runs one rank of one group
 (``CONFIG``: a JSON file, see :func:`config`); it appends one JSON line per step to
 ``OUT/g<GROUP>.jsonl`` (rank 0; ``OUT/g<GROUP>.r<RANK>.jsonl`` for the others: the step, its loss as
-``float.hex``, the sample ids of its batch, whether its batch counted, the step's seconds) and a
+``float.hex``, the sample ids of its batch, a ``torch.rand`` drawn at the step's start (``rand``: equal
+to the uninterrupted run's when the RNG was restored exactly), whether its batch counted, the step's
+seconds) and a
 ``final`` line, and ends through :func:`ckptstore._groups.exit_process`. The test side
 (:class:`Job`) starts the lighthouse and the groups, kills and restarts them, and reads the lines.
 
@@ -244,9 +246,12 @@ def _write_resume(out, launch, rank, report, **extra) -> None:
 
 
 def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> None:
+    import torch
+
     for ids, x, y in tier.batches():
         t0 = time.perf_counter()
         before = manager.current_step()
+        drawn = float(torch.rand(()))  # a random op of the step: equal to the uninterrupted run's when the RNG is restored
         optim.zero_grad()
         loss = crit(ddp(x), y)
         loss.backward()
@@ -273,7 +278,7 @@ def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> Non
         dt_s = time.perf_counter() - t0
         out.write(json.dumps({"launch": launch, "step": manager.current_step(), "committed": committed,
                               "counted": bool(committed and counted), "loss": float(loss.detach()).hex(),
-                              "ids": [int(i) for i in ids], "dt": dt_s, "sd": dt_s - (t_sd - t0)}) + "\n")
+                              "ids": [int(i) for i in ids], "rand": drawn.hex(), "dt": dt_s, "sd": dt_s - (t_sd - t0)}) + "\n")
         if cfg["pace_s"] and (cfg.get("pace_always") or manager.num_participants() < cfg["num_groups"]):
             time.sleep(cfg["pace_s"])  # a group is away: slow down until it is back
         if manager.current_step() >= cfg["steps"]:

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
+import math
 import re
 import struct
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 MAIN_PREFIX = "step-"
 _LOADER = re.compile(r"loader-g(\d+)-(\d+)")
@@ -54,42 +56,68 @@ class Position:
     blob: bytes
 
 
-_BLOB_MAGIC = b"CKLP\x02"  # a position blob (docs/FORMAT.md, "torchft")
+_BLOB_MAGIC = b"CKLP\x03"  # a position blob (docs/FORMAT.md, "torchft")
+_BLOB_MAGIC_2 = b"CKLP\x02"  # the layout before: no loader-encoding byte (a torch.save), still read
 _U32 = struct.Struct("<I")
 _PYRNG_HEAD = struct.Struct("<iI")
 _PYRNG_TAIL = struct.Struct("<Bd")
+_LOADER_TORCH, _LOADER_JSON = 0, 1  # how the loader state is encoded
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
+_WORDS: dict[int, struct.Struct] = {}  # "<NI" by N: Python's Mersenne Twister state is 625 words
+
+
+def _plain(obj: Any) -> bool:
+    """Whether ``obj`` comes back from JSON as it is: dicts with str keys, lists, str, int, bool,
+    None and finite floats (a tuple, an int key, a tensor or a numpy scalar would not)."""
+    t = type(obj)
+    if t is dict:
+        return all(type(k) is str and _plain(v) for k, v in obj.items())
+    if t is list:
+        return all(_plain(v) for v in obj)
+    if t is float:
+        return math.isfinite(obj)
+    return t is str or t is int or t is bool or obj is None
 
 
 def pack_blob(loader_state: Any, torch_rng: Any, python_rng: tuple) -> bytes:
     """A position's ``blob``: the loader's ``state_dict()`` and the RNG states after a step, laid out
-    as docs/FORMAT.md ("torchft") gives it: ``CKLP\\x02``, the loader state as a ``torch.save`` of
-    pickle protocol 2 (read back with ``weights_only=True``) after its u32 length, the torch RNG state
-    (``torch.get_rng_state()``, uint8) after its u32 length, then Python's ``random.getstate()`` as
-    i32 version, u32 count, that many u32 words, u8 "has gauss_next", f64 gauss_next. About 0.1 ms a
-    step against 0.6-0.8 ms for one ``torch.save`` of the whole (its zip container and a tensor's
-    storage record dominate at this size)."""
-    import torch
+    as docs/FORMAT.md ("torchft") gives it: ``CKLP\\x03``; the loader state's encoding (u8: 1 = JSON,
+    when the state is plain — :func:`_plain`, the common case of a sampler's counters; 0 = a
+    ``torch.save`` of pickle protocol 2, read back with ``weights_only=True``: a state holding a
+    tensor, a tuple, ...) and its bytes after their u32 length; the torch RNG state
+    (``torch.get_rng_state()``, uint8) after its u32 length; then Python's ``random.getstate()`` as
+    i32 version, u32 count, that many u32 words, u8 "has gauss_next", f64 gauss_next. About 15 µs
+    a step with a plain loader state (a ``torch.save`` of it alone: 19 µs; of the whole, zip
+    container: 0.6-0.8 ms)."""
+    if _plain(loader_state):
+        kind, loader = _LOADER_JSON, _JSON.encode(loader_state).encode()
+    else:
+        import torch
 
-    buf = io.BytesIO()
-    torch.save(loader_state, buf, _use_new_zipfile_serialization=False)
-    loader = buf.getvalue()
+        buf = io.BytesIO()
+        torch.save(loader_state, buf, _use_new_zipfile_serialization=False)
+        kind, loader = _LOADER_TORCH, buf.getvalue()
     rng = torch_rng.numpy().tobytes()
     version, words, gauss = python_rng
-    return b"".join((_BLOB_MAGIC, _U32.pack(len(loader)), loader, _U32.pack(len(rng)), rng,
-                     _PYRNG_HEAD.pack(int(version), len(words)), struct.pack(f"<{len(words)}I", *words),
+    packer = _WORDS.get(len(words))
+    if packer is None:
+        packer = _WORDS[len(words)] = struct.Struct(f"<{len(words)}I")
+    return b"".join((_BLOB_MAGIC, bytes((kind,)), _U32.pack(len(loader)), loader, _U32.pack(len(rng)), rng,
+                     _PYRNG_HEAD.pack(int(version), len(words)), packer.pack(*words),
                      _PYRNG_TAIL.pack(gauss is not None, 0.0 if gauss is None else float(gauss))))
 
 
 def unpack_blob(blob: bytes) -> dict:
     """Inverse of :func:`pack_blob`: ``{"loader": state, "rng": {"torch": uint8 tensor, "python":
-    tuple}}``; also reads the earlier layout (one ``torch.save`` of that dict, zip container).
-    Raises :class:`~ckptstore.errors.IntegrityError` when ``blob`` is neither."""
+    tuple}}``; also reads the layouts before (``CKLP\\x02``: no encoding byte, the loader state a
+    ``torch.save``; one ``torch.save`` of that dict, zip container). Raises
+    :class:`~ckptstore.errors.IntegrityError` when ``blob`` is none of them."""
     import torch
 
     from ..errors import IntegrityError
 
     blob = bytes(blob)
-    if not blob.startswith(_BLOB_MAGIC):
+    if not blob.startswith((_BLOB_MAGIC, _BLOB_MAGIC_2)):
         try:
             got = torch.load(io.BytesIO(blob), weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable blob is the same error
@@ -99,9 +127,20 @@ def unpack_blob(blob: bytes) -> dict:
         return got
     try:
         at = len(_BLOB_MAGIC)
+        kind = _LOADER_TORCH
+        if blob.startswith(_BLOB_MAGIC):
+            kind = blob[at]
+            at += 1
         (n,) = _U32.unpack_from(blob, at)
         at += 4
-        loader = torch.load(io.BytesIO(blob[at : at + n]), weights_only=True)
+        if at + n > len(blob):
+            raise ValueError("truncated loader state")
+        if kind == _LOADER_JSON:
+            loader = json.loads(blob[at : at + n])
+        elif kind == _LOADER_TORCH:
+            loader = torch.load(io.BytesIO(blob[at : at + n]), weights_only=True)
+        else:
+            raise ValueError(f"unknown loader state encoding {kind}")
         at += n
         (n,) = _U32.unpack_from(blob, at)
         at += 4
@@ -191,19 +230,42 @@ def position_at(positions: Iterable[Position], step: int) -> Position | None:
     return best
 
 
-def choose_main(main_steps: Iterable[int], newest_position: dict[int, int], window: int) -> tuple[int | None, list[str]]:
+def lagging_groups(step: int, newest_position: dict[int, int], window: int) -> list[int]:
+    """The groups active around main step ``step`` whose newest saved position is older than it
+    (``step - window <= newest < step``): their position at ``step`` may have died with them."""
+    return sorted(g for g, n in newest_position.items() if step - window <= n < step)
+
+
+def absent_from_quorum(participants: int | None, at_step: dict[int, Position | None]) -> bool:
+    """Whether the groups that saved no position at a main step were not in that step's quorum:
+    ``participants`` is the number of groups the main version's writer counted in the quorum
+    (its manifest's ``torchft.participants``; None: not recorded), ``at_step`` the position at that
+    step of every group that saved one at or after it (:func:`position_at`). When as many of them
+    *participated* at exactly that step as the quorum had participants, every participant is one of
+    them: no other group took that step, so each other group's position there is its own newest
+    (it took no step since it left). Never true without the writer's count."""
+    if participants is None or participants < 1:
+        return False
+    took = sum(1 for p in at_step.values() if p is not None and p.participated)
+    return took == participants
+
+
+def choose_main(main_steps: Iterable[int], newest_position: dict[int, int], window: int,
+                absent: Callable[[int, list[int]], str | None] | None = None) -> tuple[int | None, list[str]]:
     """The main step a cold start restores, and why newer ones were passed over.
 
     ``main_steps``: the committed main versions' steps; ``newest_position``: ``{group: N}`` the newest
     step each group saved its position at; ``window``: steps (the save interval). A step ``S`` is
     chosen when every group *active around it* (newest position ≥ ``S - window``) has a position at
     or after ``S`` — otherwise that group's position at ``S`` may have died with it, and restoring
-    ``S`` would replay (or skip) its batches. A group whose newest position is older than
+    ``S`` would replay (or skip) its batches — unless ``absent(S, lagging)`` proves those groups
+    were not in ``S``'s quorum (:func:`absent_from_quorum`; it returns why, or None): a group away
+    at ``S`` continues from its own newest position. A group whose newest position is older than
     ``S - window`` was gone at ``S``: its position then is its newest one."""
     skipped: list[str] = []
     for s in sorted(set(main_steps), reverse=True):
-        lagging = sorted(g for g, n in newest_position.items() if s - window <= n < s)
-        if not lagging:
+        lagging = lagging_groups(s, newest_position, window)
+        if not lagging or (absent is not None and absent(s, lagging)):
             return s, skipped
         skipped.append(f"{MAIN_PREFIX}{s}: the positions of group(s) {', '.join(map(str, lagging))} at that step "
                        f"were not saved (newest: " + ", ".join(f"g{g} step {newest_position[g]}" for g in lagging) + ")")

@@ -681,7 +681,9 @@ class DurableTier:
         group's batch was not committed (torchft's ``should_commit`` said no, or the group was healing):
         the loader goes back to its position after the last batch that counted, so every sample of the
         group's shard goes into exactly one committed step (torchft #309's gap). With the tier off: the
-        loader as it is."""
+        loader as it is. Making an iterator leaves torch's RNG as it was (a loader without a generator
+        of its own draws its base seed from it), so a restored run's random ops draw what the
+        uninterrupted run's drew."""
         if self.loader is None:
             raise CkptStoreError("DurableTier.batches() needs loader=")
         it = None
@@ -690,7 +692,11 @@ class DurableTier:
                 if self._rewind and self._loader_blob is not None:
                     self.loader.load_state_dict(_st.unpack_blob(self._loader_blob)["loader"])
                 self._rewind = False
+                # a loader without its own generator draws its iterator's base seed from torch's RNG: not
+                # from the RNG a restore just set (the position's, after its step), which the next step uses
+                rng = torch.get_rng_state()
                 it = iter(self.loader)
+                torch.set_rng_state(rng)
             try:
                 batch = next(it)
             except StopIteration:
@@ -977,9 +983,13 @@ class DurableTier:
                 log.warning("ckptstore: the remote tier was not consulted for the restore: %s", e)
         self._attempts: dict[str, set] = collections.defaultdict(set)
         self._worlds: dict[str, int] = {}
+        self._participants: dict[str, int] = {}  # main versions: the groups in its step's quorum (its writer's count)
         for r in recs:
             self._attempts[r.version].add(r.attempt)
             self._worlds[r.version] = max(self._worlds.get(r.version, 0), int(r.world_size or 1))
+            ft = (r.user or {}).get("torchft") if isinstance(r.user, dict) else None
+            if isinstance(ft, dict) and isinstance(ft.get("participants"), int):
+                self._participants[r.version] = ft["participants"]
         return sorted(self._attempts)
 
     def _supersede_positions(self, names: list[str], step: int) -> None:
@@ -1006,11 +1016,12 @@ class DurableTier:
             dcp.load(sd, storage_reader=reader, no_dist=True)
         return _st.unpack_history(bytes(sd[key]["data"]))
 
-    def _positions_at(self, names: list[str], step: int) -> tuple[dict[tuple[int, int], _st.Position | None],
-                                                                   dict[int, int]]:
+    def _positions_at(self, names: list[str], step: int, ranks: int | None = None) -> tuple[
+            dict[tuple[int, int], _st.Position | None], dict[int, int]]:
         """Every stored rank's position at ``step`` (the greatest ≤ ``step``), ``{(group, rank): position}``,
         and ``{group: ranks}`` of the positions save read: per group, the oldest positions save at or
-        after ``step`` (its history reaches back), else the newest before it; each of its ranks read."""
+        after ``step`` (its history reaches back), else the newest before it; each of its ranks read
+        (its first ``ranks`` when given)."""
         by_group: dict[int, list[int]] = collections.defaultdict(list)
         for n in names:
             gv = _st.parse_loader_version(n)
@@ -1025,36 +1036,74 @@ class DurableTier:
             tries = after[:1] + before[-1:]
             for s in tries:
                 name = f"{_st.loader_prefix(g)}{s}"
-                ranks = max(1, self._worlds.get(name, 1))
+                saved = max(1, self._worlds.get(name, 1))
                 got: dict[tuple[int, int], _st.Position | None] = {}
                 try:
-                    for r in range(ranks):
+                    for r in range(saved if ranks is None else min(ranks, saved)):
                         got[(g, r)] = _st.position_at(self._read_positions(name, r), step)
                 except Exception as e:  # noqa: BLE001 - the next candidate
                     log.warning("ckptstore: positions %s unreadable: %s", name, e)
                     continue
                 if any(p is not None for p in got.values()):
                     out.update(got)
-                    worlds[g] = ranks
+                    worlds[g] = saved
                     break
             else:
                 out.setdefault((g, 0), None)
         return out, worlds
 
+    def _absent_proofs(self, names: list[str], newest: dict[int, int]) -> dict[int, tuple[list[int], str]]:
+        """For each main step some group's saved positions lag behind (:func:`~._torchft_store.lagging_groups`):
+        ``{step: (lagging groups, why)}`` when its writer's quorum count proves those groups were not
+        in that step's quorum (:func:`~._torchft_store.absent_from_quorum`: the groups that saved a
+        position at or after it account for every participant). Reads rank 0's positions of each group
+        ahead of such a step (a handful of small versions: only steps within one interval of a group's
+        newest position lag)."""
+        proofs: dict[int, tuple[list[int], str]] = {}
+        for name in names:
+            s = _st.main_step(name)
+            lagging = [] if s is None else _st.lagging_groups(s, newest, self.interval_steps)
+            if not lagging:
+                continue
+            n = self._participants.get(name)
+            ahead = sorted(g for g, k in newest.items() if k >= s)
+            if n is None or len(ahead) < n:
+                continue
+            at, _worlds = self._positions_at([v for v in names if (_st.parse_loader_version(v) or (-1,))[0] in ahead],
+                                             s, ranks=1)
+            at_s = {g: (p if p is not None and p.step == s else None) for (g, _r), p in at.items()}
+            if _st.absent_from_quorum(n, at_s):
+                took = sorted(g for g, p in at_s.items() if p is not None and p.participated)
+                why = (f"{_st.MAIN_PREFIX}{s}'s quorum had {n} participant(s), group(s) {', '.join(map(str, took))}: "
+                       f"group(s) {', '.join(map(str, lagging))} took no part in that step")
+                proofs[s] = (lagging, why)
+        return proofs
+
     def _cold_start(self, why: str) -> RestoreReport:
         # the group's rank 0 lists the store, every rank of the group takes its listing (one choice)
-        listing = self._bcast((self._store_versions(), dict(self._attempts), dict(self._worlds)) if self.rank == 0
-                              else None)
-        names, attempts, self._worlds = listing
+        def listing():
+            names = self._store_versions()
+            return names, dict(self._attempts), dict(self._worlds), self._absent_proofs(names, _newest(names))
+
+        def _newest(names):
+            newest: dict[int, int] = {}
+            for n in names:
+                gv = _st.parse_loader_version(n)
+                if gv is not None:
+                    newest[gv[0]] = max(newest.get(gv[0], -1), gv[1])
+            return newest
+
+        names, attempts, self._worlds, proofs = self._bcast(listing() if self.rank == 0 else None)
         self._attempts = collections.defaultdict(set, attempts)
         journal = self._journal_positions() if self.loader is not None else []  # before the reset below
         main_steps = [s for s in (_st.main_step(n) for n in names) if s is not None]
-        newest: dict[int, int] = {}
-        for n in names:
-            gv = _st.parse_loader_version(n)
-            if gv is not None:
-                newest[gv[0]] = max(newest.get(gv[0], -1), gv[1])
-        chosen, skipped = _st.choose_main(main_steps, newest, self.interval_steps)
+        newest = _newest(names)
+
+        def absent(s: int, lagging: list[int]) -> str | None:
+            proof = proofs.get(s)
+            return proof[1] if proof is not None and set(lagging) <= set(proof[0]) else None
+
+        chosen, skipped = _st.choose_main(main_steps, newest, self.interval_steps, absent)
         version = None
         while chosen is not None:
             version = f"{_st.MAIN_PREFIX}{chosen}"
@@ -1064,7 +1113,7 @@ class DurableTier:
             except CkptStoreError as e:
                 skipped.append(f"{version}: {type(e).__name__}: {e}")
                 log.warning("ckptstore: %s could not be restored (%s); trying an older one", version, e)
-                chosen, more = _st.choose_main([s for s in main_steps if s < chosen], newest, self.interval_steps)
+                chosen, more = _st.choose_main([s for s in main_steps if s < chosen], newest, self.interval_steps, absent)
                 skipped.extend(more)
                 version = None
         self._journal_do(lambda j: j.reset(), "reset")  # the timeline restarts (at the chosen step, or 0)
@@ -1091,6 +1140,14 @@ class DurableTier:
                 worlds[self.group] = self.group_world
             choice, pos, r.orphaned = _st.rank_loader_plan(self.group, self.rank, self.num_groups, self.group_world,
                                                            at, worlds)
+            proof = proofs.get(chosen)
+            if proof is not None and self.group in proof[0] and choice.how.startswith("own"):
+                # this group was away at the chosen step: its position there is its newest
+                src = ("its journal" if pos is mine else
+                       "its newest positions version; its journal is not in this root, so batches it drew after that "
+                       "step and before it left are drawn again")
+                choice = dataclasses.replace(choice, reason=f"{proof[1]}: this group continues from its own newest "
+                                                            f"position (step {choice.step}, {src})")
             r.loader = choice
             if pos is not None:
                 self._apply(pos, own=choice.how == "own")
