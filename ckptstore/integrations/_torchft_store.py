@@ -230,6 +230,16 @@ def position_at(positions: Iterable[Position], step: int) -> Position | None:
     return best
 
 
+def newest_positions(names: Iterable[str]) -> dict[int, int]:
+    """``{group: N}``: the newest step of each group's positions versions among ``names``."""
+    newest: dict[int, int] = {}
+    for n in names:
+        gv = parse_loader_version(n)
+        if gv is not None:
+            newest[gv[0]] = max(newest.get(gv[0], -1), gv[1])
+    return newest
+
+
 def lagging_groups(step: int, newest_position: dict[int, int], window: int) -> list[int]:
     """The groups active around main step ``step`` whose newest saved position is older than it
     (``step - window <= newest < step``): their position at ``step`` may have died with them."""

@@ -1058,7 +1058,8 @@ class DurableTier:
         in that step's quorum (:func:`~._torchft_store.absent_from_quorum`: the groups that saved a
         position at or after it account for every participant). Reads rank 0's positions of each group
         ahead of such a step (a handful of small versions: only steps within one interval of a group's
-        newest position lag)."""
+        newest position lag). Called by every rank of the group alike: in a group of several ranks a
+        load is a collective of its ranks (the reader exchanges what each root holds)."""
         proofs: dict[int, tuple[list[int], str]] = {}
         for name in names:
             s = _st.main_step(name)
@@ -1081,23 +1082,14 @@ class DurableTier:
 
     def _cold_start(self, why: str) -> RestoreReport:
         # the group's rank 0 lists the store, every rank of the group takes its listing (one choice)
-        def listing():
-            names = self._store_versions()
-            return names, dict(self._attempts), dict(self._worlds), self._absent_proofs(names, _newest(names))
-
-        def _newest(names):
-            newest: dict[int, int] = {}
-            for n in names:
-                gv = _st.parse_loader_version(n)
-                if gv is not None:
-                    newest[gv[0]] = max(newest.get(gv[0], -1), gv[1])
-            return newest
-
-        names, attempts, self._worlds, proofs = self._bcast(listing() if self.rank == 0 else None)
+        listing = ((self._store_versions(), dict(self._attempts), dict(self._worlds), dict(self._participants))
+                   if self.rank == 0 else None)
+        names, attempts, self._worlds, self._participants = self._bcast(listing)
         self._attempts = collections.defaultdict(set, attempts)
         journal = self._journal_positions() if self.loader is not None else []  # before the reset below
         main_steps = [s for s in (_st.main_step(n) for n in names) if s is not None]
-        newest = _newest(names)
+        newest = _st.newest_positions(names)
+        proofs = self._bcast(self._absent_proofs(names, newest))  # every rank reads; rank 0's answer is taken
 
         def absent(s: int, lagging: list[int]) -> str | None:
             proof = proofs.get(s)
