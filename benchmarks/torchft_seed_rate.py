@@ -13,9 +13,16 @@ Four runs of the same STEPS steps:
 * ``faults-off``: the same schedule with the tier off (torchft alone: after the whole-job loss the job
   starts again from step 0).
 
-Reported: goodput = fault-free seconds / run seconds (the same steps), against the fault-free run and
+The fault-free pair runs ``--fault-free-reps`` times (default 2) in ABBA order (on, off, off, on):
+the baseline is the mean of each kind, and the spread between runs of one kind (``tier_step_cost.noise``:
+largest over smallest) is the noise the tier's cost is read against.
+
+Reported: goodput = fault-free seconds / run seconds (the same steps), against the fault-free runs and
 ``faults`` against ``faults-off``; the steps lost at the whole-job loss (the step reached minus the
-step restored); the faults injected; step-time p50/p99 of the fault-free runs, tier on vs off.
+step restored); the faults injected; the tier's cost in the fault-free runs, on vs off: wall, CPU,
+step-time p50 and p99 ratios of the means (``tier_step_cost``), and the tier's share of step time
+within each fault-free run (``tier_share_within_run``, :func:`tier_share`: the due steps' excess over
+the run's own baseline plus ``step_done()``; the figure a drifting machine does not blur).
 
 The lighthouse runs with ``--heartbeat_timeout_ms 1000 --join_timeout_ms 2000`` (``--heartbeat-timeout-ms``,
 ``--join-timeout-ms``; torchft's defaults are 5000 and 60000): with a fault every 15 s, every kill
@@ -174,6 +181,40 @@ def run(tmp: Path, name: str, *, steps: int, interval: int, enabled: bool, fault
     return out
 
 
+def tier_share(run_dir: Path, interval: int, window: int = 10) -> dict:
+    """The tier's share of step time *within* one fault-free run, robust to a machine whose speed
+    drifts between runs (on this VM identical runs differ by 5-15 %): the steps of every rank away from
+    a due step (``step % interval >= window``) give the baseline (median); the first ``window`` steps
+    of each interval pay the due step's saves (the excess of their medians over the baseline, per due
+    step); every other step pays ``step_done()`` (``sd`` in the step lines, its median). Share =
+    (excess × due steps + step_done median × other steps) / the ranks' mean summed step time. Reads
+    about 0 for a run with the tier off (the method's own error)."""
+    by: dict[int, list[float]] = {}
+    sds: list[float] = []
+    total: dict[str, float] = {}
+    steps = 0
+    for f in sorted(run_dir.glob("g*.jsonl")):
+        for line in f.read_text().splitlines():
+            x = json.loads(line)
+            if "dt" not in x or x["step"] <= 2:
+                continue
+            k = x["step"] % interval
+            by.setdefault(min(k, window), []).append(x["dt"])
+            if k >= window:
+                sds.append(x["sd"])
+            total[f.name] = total.get(f.name, 0.0) + x["dt"]
+            steps = max(steps, x["step"])
+    if not sds or window not in by:
+        return {}
+    base = statistics.median(by[window])
+    excess = sum(statistics.median(by[k]) - base for k in range(window) if k in by)
+    dues = steps // interval
+    sd = statistics.median(sds)
+    cost = excess * dues + sd * (steps - dues * window)
+    return {"share": round(cost / statistics.mean(total.values()), 4), "base_step_ms": round(base * 1e3, 2),
+            "excess_per_due_step_ms": round(excess * 1e3, 1), "step_done_median_ms": round(sd * 1e3, 3)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=800)
@@ -188,6 +229,9 @@ def main() -> int:
     ap.add_argument("--join-timeout-ms", type=int, default=2000,
                     help="the lighthouse's --join_timeout_ms: how long the live groups wait for a relaunched group "
                          "that heartbeats but has not asked for a quorum yet (torchft's default: 60000)")
+    ap.add_argument("--fault-free-reps", type=int, default=2,
+                    help="fault-free pairs (tier on, tier off), run in ABBA order; their means are the baseline and "
+                         "their spread the noise")
     ap.add_argument("--out", default=None)
     ap.add_argument("--reuse", action="store_true", help="reuse the runs an earlier invocation left in --out")
     a = ap.parse_args()
@@ -205,8 +249,21 @@ def main() -> int:
         cached.write_text(json.dumps(got))
         return got
 
-    ff = once("fault-free", enabled=True, faults=None)
-    ff_off = once("fault-free-off", enabled=False, faults=None)
+    # the fault-free pairs in ABBA order (on, off, off, on, ...): a machine that drifts faster or slower
+    # over the runs weighs on both alike, and the spread between runs of one kind is the noise
+    ons, offs = [], []
+    for i in range(a.fault_free_reps):
+        sfx = f"-{i + 1}" if i else ""
+        pair = [("fault-free" + sfx, True), ("fault-free-off" + sfx, False)]
+        for name, en in (pair if i % 2 == 0 else pair[::-1]):
+            (ons if en else offs).append(once(name, enabled=en, faults=None))
+    def mean_of(rs: list) -> dict:  # the first run's record, its times the runs' means
+        out = dict(rs[0], seconds=round(statistics.mean(r["seconds"] for r in rs), 1))
+        if all(r.get("first_done_s") for r in rs):
+            out["first_done_s"] = round(statistics.mean(r["first_done_s"] for r in rs), 1)
+        return out
+
+    ff, ff_off = mean_of(ons), mean_of(offs)
     sched = {"every": a.fault_every, "whole_at": a.whole_at * ff["seconds"], "sigterm_at": a.sigterm_at * ff["seconds"]}
     on = once("faults", enabled=True, faults=sched)
     off = once("faults-off", enabled=False, faults=sched)
@@ -221,9 +278,25 @@ def main() -> int:
             "faults_vs_fault_free": round(ff["first_done_s"] / on["first_done_s"], 3),
             "faults_off_vs_fault_free": round(ff_off["first_done_s"] / off["first_done_s"], 3),
             "faults_vs_faults_off": round(off["first_done_s"] / on["first_done_s"], 3)}
-    if "step_ms" in ff and "step_ms" in ff_off:
-        res["tier_step_cost"] = {"p50_ratio": round(ff["step_ms"]["p50"] / ff_off["step_ms"]["p50"], 3),
-                                 "p99_ratio": round(ff["step_ms"]["p99"] / ff_off["step_ms"]["p99"], 3)}
+    res["fault_free_runs"] = {"on": [{k: r.get(k) for k in ("seconds", "cpu_s", "step_ms")} for r in ons],
+                              "off": [{k: r.get(k) for k in ("seconds", "cpu_s", "step_ms")} for r in offs]}
+    names = [f"fault-free{'-' + str(i + 1) if i else ''}" for i in range(a.fault_free_reps)]
+    res["tier_share_within_run"] = {
+        "on": [tier_share(tmp / n, a.interval) for n in names],
+        "off (the method's error)": [tier_share(tmp / n.replace("fault-free", "fault-free-off"), a.interval)
+                                     for n in names]}
+    if all("step_ms" in r for r in ons + offs):
+        def ratio(f):
+            return round(statistics.mean(f(r) for r in ons) / statistics.mean(f(r) for r in offs), 3)
+
+        def spread(rs, f):  # the noise: the largest over the smallest of one kind's runs
+            return round(max(f(r) for r in rs) / min(f(r) for r in rs), 3)
+
+        res["tier_step_cost"] = {
+            "wall_ratio": ratio(lambda r: r["seconds"]), "cpu_ratio": ratio(lambda r: r["cpu_s"]),
+            "p50_ratio": ratio(lambda r: r["step_ms"]["p50"]), "p99_ratio": ratio(lambda r: r["step_ms"]["p99"]),
+            "noise": {kind: {"wall": spread(rs, lambda r: r["seconds"]), "p50": spread(rs, lambda r: r["step_ms"]["p50"]),
+                             "p99": spread(rs, lambda r: r["step_ms"]["p99"])} for kind, rs in (("on", ons), ("off", offs))}}
     text = json.dumps(res, indent=1)
     (tmp / "summary.json").write_text(text)
     print(text)
