@@ -207,7 +207,7 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
             return why
 
         tier._main._writer.commit_check = holding_check
-    if cfg.get("barrier") and launch == "0":
+    if cfg.get("barrier"):  # every group of a start() begins together (a relaunch finds the barrier passed)
         _barrier(cfg["barrier"], f"{group}.{rank}", cfg["num_groups"] * ranks)
     report = tier.resume()
     _write_resume(out, launch, rank, report)
