@@ -251,12 +251,14 @@ def main() -> int:
 
     # the fault-free pairs in ABBA order (on, off, off, on, ...): a machine that drifts faster or slower
     # over the runs weighs on both alike, and the spread between runs of one kind is the noise
-    ons, offs = [], []
+    ons, offs, names = [], [], []  # names: (tier on, tier off) of each pair
     for i in range(a.fault_free_reps):
         sfx = f"-{i + 1}" if i else ""
         pair = [("fault-free" + sfx, True), ("fault-free-off" + sfx, False)]
+        names.append((pair[0][0], pair[1][0]))
         for name, en in (pair if i % 2 == 0 else pair[::-1]):
             (ons if en else offs).append(once(name, enabled=en, faults=None))
+
     def mean_of(rs: list) -> dict:  # the first run's record, its times the runs' means
         out = dict(rs[0], seconds=round(statistics.mean(r["seconds"] for r in rs), 1))
         if all(r.get("first_done_s") for r in rs):
@@ -280,11 +282,9 @@ def main() -> int:
             "faults_vs_faults_off": round(off["first_done_s"] / on["first_done_s"], 3)}
     res["fault_free_runs"] = {"on": [{k: r.get(k) for k in ("seconds", "cpu_s", "step_ms")} for r in ons],
                               "off": [{k: r.get(k) for k in ("seconds", "cpu_s", "step_ms")} for r in offs]}
-    names = [f"fault-free{'-' + str(i + 1) if i else ''}" for i in range(a.fault_free_reps)]
-    res["tier_share_within_run"] = {
-        "on": [tier_share(tmp / n, a.interval) for n in names],
-        "off (the method's error)": [tier_share(tmp / n.replace("fault-free", "fault-free-off"), a.interval)
-                                     for n in names]}
+    res["tier_share_within_run"] = {"on": [tier_share(tmp / on_name, a.interval) for on_name, _ in names],
+                                    "off (the method's error)": [tier_share(tmp / off_name, a.interval)
+                                                                 for _, off_name in names]}
     if all("step_ms" in r for r in ons + offs):
         def ratio(f):
             return round(statistics.mean(f(r) for r in ons) / statistics.mean(f(r) for r in offs), 3)

@@ -171,8 +171,7 @@ def test_a_position_blob_brings_back_the_loader_and_both_rngs(make, encoding):
     and a plain one (JSON), with a pending ``gauss_next`` in Python's state."""
     import random
 
-    _loader = make
-    loader = _loader()
+    loader = make()
     it = iter(loader)
     for _ in range(5):
         next(it)
@@ -183,7 +182,7 @@ def test_a_position_blob_brings_back_the_loader_and_both_rngs(make, encoding):
     assert blob[:6] == b"CKLP\x03" + bytes((encoding,))
     want = ([_ids(next(it)) for _ in range(3)], torch.rand(4).tolist(), random.random(), random.gauss(0, 1))
     got = st.unpack_blob(blob)
-    again = _loader()
+    again = make()
     again.load_state_dict(got["loader"])
     it2 = iter(again)  # before the RNG is set: a loader without a generator draws its base seed (as DurableTier.batches)
     torch.set_rng_state(got["rng"]["torch"])
@@ -429,8 +428,9 @@ def test_whole_job_killed_mid_step_restarts_from_ckptstore_exactly(tmp_path):
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["groups-of-1", "hsdp-groups-of-2"])
 def test_a_whole_job_loss_restores_the_step_a_departed_group_took_no_part_in(tmp_path, ranks):
-    """2 groups (of 1 rank; of 2 FSDP2 ranks), a main version every 5. Group 1 is killed before its allreduce at step 8 and not
-    launched again; group 0 trains on alone and writes step-10 (its writer counts 1 participant), then
+    """2 groups (of 1 rank; of 2 FSDP2 ranks), a main version every 5. Group 1 is killed before its
+    allreduce at step 8 and not launched again; group 0 trains on alone and writes step-10 (its writer
+    counts 1 participant), then
     is killed mid-step at 12: the whole job is lost. Group 1's newest saved position is step 7, within
     one interval of step 10. Both groups start again: every group restores step-10 — the writer's
     count, matched by group 0's position at 10, proves group 1 took no part in step 10 — and group 1
