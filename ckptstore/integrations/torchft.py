@@ -983,13 +983,13 @@ class DurableTier:
                 log.warning("ckptstore: the remote tier was not consulted for the restore: %s", e)
         self._attempts: dict[str, set] = collections.defaultdict(set)
         self._worlds: dict[str, int] = {}
-        self._participants: dict[str, int] = {}  # main versions: the groups in its step's quorum (its writer's count)
+        self._writers: dict[str, dict] = {}  # main versions: their manifest's ``torchft`` entry (docs/FORMAT.md)
         for r in recs:
             self._attempts[r.version].add(r.attempt)
             self._worlds[r.version] = max(self._worlds.get(r.version, 0), int(r.world_size or 1))
             ft = (r.user or {}).get("torchft") if isinstance(r.user, dict) else None
-            if isinstance(ft, dict) and isinstance(ft.get("participants"), int):
-                self._participants[r.version] = ft["participants"]
+            if isinstance(ft, dict):
+                self._writers[r.version] = ft
         return sorted(self._attempts)
 
     def _supersede_positions(self, names: list[str], step: int) -> None:
@@ -1066,7 +1066,8 @@ class DurableTier:
             lagging = [] if s is None else _st.lagging_groups(s, newest, self.interval_steps)
             if not lagging:
                 continue
-            n = self._participants.get(name)
+            n = self._writers.get(name, {}).get("participants")
+            n = n if isinstance(n, int) else None
             ahead = sorted(g for g, k in newest.items() if k >= s)
             if n is None or len(ahead) < n:
                 continue
@@ -1082,9 +1083,9 @@ class DurableTier:
 
     def _cold_start(self, why: str) -> RestoreReport:
         # the group's rank 0 lists the store, every rank of the group takes its listing (one choice)
-        listing = ((self._store_versions(), dict(self._attempts), dict(self._worlds), dict(self._participants))
+        listing = ((self._store_versions(), dict(self._attempts), dict(self._worlds), dict(self._writers))
                    if self.rank == 0 else None)
-        names, attempts, self._worlds, self._participants = self._bcast(listing)
+        names, attempts, self._worlds, self._writers = self._bcast(listing)
         self._attempts = collections.defaultdict(set, attempts)
         journal = self._journal_positions() if self.loader is not None else []  # before the reset below
         main_steps = [s for s in (_st.main_step(n) for n in names) if s is not None]
@@ -1115,13 +1116,7 @@ class DurableTier:
             r = RestoreReport("fresh", why=why, skipped=skipped)
             r.loader = _st.LoaderChoice(self.group, "initial", reason="no main version is restored", rank=self.rank)
             return r
-        try:
-            from ..manifest import catalogue
-
-            writer = (catalogue.read_manifest(self._main._writer._tier, version).manifest.user or {}).get("torchft")
-        except Exception:  # noqa: BLE001 - the report's detail only
-            writer = None
-        r = RestoreReport("cold-start", version=version, why=why, writer=writer, skipped=skipped)
+        r = RestoreReport("cold-start", version=version, why=why, writer=self._writers.get(version), skipped=skipped)
         self._supersede_positions(names, chosen)
         if self.loader is not None:
             at, worlds = self._positions_at(names, chosen)
