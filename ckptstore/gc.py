@@ -61,6 +61,7 @@ import dataclasses
 import datetime as _dt
 import logging
 import re
+import time
 from typing import Callable, Iterable, Mapping
 
 from . import _faults
@@ -603,7 +604,8 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     ``{version: reason}`` to keep.
 
     Never raises for storage trouble (the save is already committed): failures are logged as
-    warnings. Returns the decisions (empty when the policy has no rule for the tier).
+    warnings. Returns the decisions about the versions in the policy's scope (empty when the policy
+    has no rule for the tier).
     """
     if policy is None:
         return []
@@ -614,7 +616,10 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     try:
         entries = catalogue.scan(tier)
         mine = order_key(committed.step, committed.seq, committed.created, committed.version)
-        recs = [r for r in catalogue.merge({name: entries}) if r.order <= mine]
+        # the versions in the policy's scope only: the others are kept whatever it decides (a root
+        # that several managers share: one save does not build records of every other series)
+        scoped = entries if policy.match is None else {v: e for v, e in entries.items() if policy.in_scope(v)}
+        recs = [r for r in catalogue.merge({name: scoped}) if r.order <= mine]
         other_recs = {n: _records_or_none(t, n) for n, t in (others or {}).items() if t is not None}
         recs, cross = across_tiers(name, recs, other_recs, in_flight=in_flight)
         keep = {**cross, **(protect or {}), committed.version: "just committed"}
@@ -685,6 +690,7 @@ def reclaim_failed_attempt(tier: Tier, version: str, attempt: str) -> int | None
     (it did commit). Best effort, without a grace period (the save is over); returns how many
     objects went. Without it, every save that failed on a full disk left its objects there, and the
     disk stayed full after the cause went away (the chaos run)."""
+    _reclaim_looked.pop(tier.url, None)  # a failed save (a full disk?) makes the next one look for killed writers
     try:
         if catalogue.read_manifest(tier, version).manifest.attempt == attempt:
             return None
@@ -705,6 +711,24 @@ def reclaim_failed_attempt(tier: Tier, version: str, attempt: str) -> int | None
     return n
 
 
+#: the save path looks for killed writers' attempts at its first save in a root, then at most once
+#: per this many seconds (docs/FORMAT.md, Delete rule 15): a look costs a few ``stat`` calls per
+#: version of the root, too much for every save of a root of thousands of versions
+RECLAIM_EVERY_S = 60.0
+_reclaim_looked: dict[str, float] = {}
+
+
+def reclaim_dead_writers_due(tier: Tier) -> int:
+    """:func:`reclaim_dead_writers` for the save path: at this process's first save in ``tier``, then
+    at most once per :data:`RECLAIM_EVERY_S` (0 when not due)."""
+    now = time.monotonic()
+    last = _reclaim_looked.get(tier.url)
+    if last is not None and now - last < RECLAIM_EVERY_S:
+        return 0
+    _reclaim_looked[tier.url] = now
+    return reclaim_dead_writers(tier)
+
+
 def reclaim_dead_writers(tier: Tier) -> int:
     """Delete the objects of every attempt in ``tier`` whose coordinator is provably dead
     (docs/FORMAT.md, Delete rule 15; ``manifest.writers``) and that no manifest of the tier names:
@@ -714,10 +738,14 @@ def reclaim_dead_writers(tier: Tier) -> int:
     objects went."""
     try:
         keys = []
-        _files, vdirs = tier.list_dir(layout.VERSIONS + "/")
-        for vd in vdirs:
-            _f, adirs = tier.list_dir(vd + layout.ATTEMPTS + "/")
-            keys.extend(ad + layout.WRITER_RECORD for ad in adirs if tier.exists(ad + layout.WRITER_RECORD))
+        for vd in catalogue.version_dirs(tier, held=True).values():
+            # the attempt a manifest commits is passed over at once (its coordinator removed the
+            # record at the commit; were it left, the manifest protects the attempt): in a large
+            # root of committed versions this costs a stat or two per version (catalogue._Settled)
+            done = catalogue.committed_attempt(tier, vd)
+            for ad in catalogue.attempt_dirs(tier, vd):
+                if (done is None or ad.rsplit("/", 2)[-2] != done) and tier.exists(ad + layout.WRITER_RECORD):
+                    keys.append(ad + layout.WRITER_RECORD)
         dead = writers.dead_attempts(tier, keys)  # before the manifests are read (see collect)
         if not dead:
             return 0

@@ -424,7 +424,8 @@ class RetentionPolicy:
             why = (f"outside this policy's scope (names matching {self.match!r})",)
             out += [Decision(r.version, True, why, r.created, r.step, r.attempt, r.pinned, r.damaged)
                     for r in versions if not self.in_scope(r.version)]
-            out.sort(key=lambda d: next(r.order for r in versions if r.version == d.version))
+            order = {r.version: r.order for r in versions}
+            out.sort(key=lambda d: order[d.version])
         return out
 
     def describe(self, tier: str | None = None) -> str:

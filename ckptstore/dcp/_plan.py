@@ -151,7 +151,7 @@ class Planner:
 
         # housekeeping first: what killed saves left in this root goes now, not after the grace period
         # (docs/FORMAT.md, Delete rule 15), so a root that killed writers filled has room for this save
-        gc.reclaim_dead_writers(self.tier)
+        gc.reclaim_dead_writers_due(self.tier)
         attempt = layout.new_attempt()
         # before any rank writes anything: a key service that refuses fails the save here (docs/FORMAT.md, Save rule 10)
         w = self.keys.draw(s.version, attempt)

@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import threading
+import time
+from typing import Any, Callable, Iterable
 
 from .._names import decode_version
 from ..errors import (
@@ -146,14 +148,85 @@ class VersionDir:
 _LIST_THREADS = 16
 
 
-def version_dirs(tier: Tier) -> dict[str, VersionDir]:
+class _Settled:
+    """What was read from local directories and files, held while their ``stat`` is unchanged.
+
+    Committing, un-committing, pinning and marking a version each add, rename or remove an entry of
+    its directory (docs/FORMAT.md, "Layout by example"), which sets the directory's mtime and
+    ctime; a file rewritten in place sets its own. So a listing or a manifest read earlier is still
+    what a read now returns while the same paths show the same ``(device, inode, size, mtime, ctime)``
+    — except for a change made within the file system's timestamp granularity (a kernel tick) of
+    the earlier read. Hence the rule git's index follows for "racily clean" entries: a value is held
+    only for paths whose timestamps are older than :attr:`SETTLE_NS`, and a path touched since is
+    read again. The save path's housekeeping (retention after each commit, the commit-sequence hint,
+    the reclaim of killed writers' attempts) thus costs a ``stat`` or two per version of a large root
+    instead of a listing and a manifest read and parse. Local tiers only; bounded (LRU)."""
+
+    SETTLE_NS = 1_000_000_000
+    LIMIT = 1 << 16
+
+    def __init__(self) -> None:
+        self._held: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, paths: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()``, or what it returned before for ``key`` while ``paths`` are unchanged and
+        settled. A path that does not exist is a stamp of its own (compute decides what it means)."""
+        stamp = []
+        settled_before = time.time_ns() - self.SETTLE_NS
+        settled = True
+        for p in paths:
+            try:
+                st = os.stat(p)
+            except FileNotFoundError:
+                stamp.append(None)
+                continue
+            stamp.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+            settled = settled and max(st.st_mtime_ns, st.st_ctime_ns) < settled_before
+        stamp = tuple(stamp)
+        with self._lock:
+            hit = self._held.get(key)
+            if hit is not None and hit[0] == stamp and settled:
+                self._held.move_to_end(key)
+                return hit[1]
+        value = compute()  # after the stat: a change made meanwhile changes the stamp seen next time
+        with self._lock:
+            if settled:
+                self._held[key] = (stamp, value)
+                self._held.move_to_end(key)
+                while len(self._held) > self.LIMIT:
+                    self._held.popitem(last=False)
+            else:
+                self._held.pop(key, None)
+        return value
+
+
+    def peek(self, key: tuple) -> Any:
+        """What is held for ``key`` (no check: for a value :meth:`get` returned in the same pass), or None."""
+        with self._lock:
+            hit = self._held.get(key)
+        return None if hit is None else hit[1]
+
+
+_settled = _Settled()
+
+
+def version_dirs(tier: Tier, only: Iterable[str] | None = None, *, held: bool = False) -> dict[str, VersionDir]:
     """``{encoded name: VersionDir}`` of every directory under ``versions/``: one listing of
     ``versions/`` and one of each version directory, both one level deep (``Tier.list_dir``: the object store's
     ``Delimiter="/"``) — never the objects of the attempts (docs/FORMAT.md, "Restore choice"). On
     an object store that is 1 + V small requests (the directories' listings run concurrently) instead of one page
-    per 1,000 objects of every version."""
-    _files, dirs = tier.list_dir(layout.VERSIONS + "/")
-    encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
+    per 1,000 objects of every version. ``only``: these encoded names instead of every one.
+    ``held``: on a local tier, each directory's entry is held while it is unchanged
+    (:class:`_Settled`; for the listings a process repeats: :func:`scan`, the save path's), so a
+    listing of a large root costs a ``listdir`` and two ``stat`` calls per version; a one-time
+    listing (a restore's root report) passes False and makes no ``stat`` call."""
+    if only is None:
+        _files, dirs = tier.list_dir(layout.VERSIONS + "/")
+        encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
+    else:  # these encoded names, those that are directories (max_seq: the ones it has not read)
+        top = tier.local_path(layout.VERSIONS)
+        encs = [e for e in only if top is None or os.path.isdir(os.path.join(top, e))]
 
     def one(enc: str) -> VersionDir:
         files, sub = tier.list_dir(f"{layout.VERSIONS}/{enc}/")
@@ -161,7 +234,13 @@ def version_dirs(tier: Tier) -> dict[str, VersionDir]:
         return VersionDir(enc, names.get(layout.MANIFEST), layout.PINNED in names, layout.DAMAGED in names,
                           f"{layout.VERSIONS}/{enc}/{layout.ATTEMPTS}/" in sub)
 
-    if tier.local_path(layout.VERSIONS) is not None or len(encs) <= 1:
+    root = tier.local_path(layout.VERSIONS) if held else None
+    if root is not None:
+        # one entry per version, [VersionDir, TierEntry or None], held while the directory and its
+        # manifest are unchanged; _entry fills the second slot
+        found = [_settled.get(("v", root, e), (os.path.join(root, e), os.path.join(root, e, layout.MANIFEST)),
+                              lambda e=e: [one(e), None])[0] for e in encs]
+    elif tier.local_path(layout.VERSIONS) is not None or len(encs) <= 1:
         found = [one(e) for e in encs]
     else:
         import concurrent.futures as cf
@@ -169,6 +248,30 @@ def version_dirs(tier: Tier) -> dict[str, VersionDir]:
         with cf.ThreadPoolExecutor(min(_LIST_THREADS, len(encs)), thread_name_prefix="ckptstore-list") as ex:
             found = list(ex.map(one, encs))
     return {d.enc: d for d in found}
+
+
+def attempt_dirs(tier: Tier, vd: VersionDir) -> list[str]:
+    """The keys (``versions/<v>/attempts/<attempt>/``) of the attempt directories of a listed version
+    directory: one listing (held while unchanged on a local tier, :class:`_Settled`)."""
+    if not vd.attempts:
+        return []
+    prefix = f"{layout.VERSIONS}/{vd.enc}/{layout.ATTEMPTS}/"
+    root = tier.local_path(layout.VERSIONS)
+    if root is None:
+        return tier.list_dir(prefix)[1]
+    return _settled.get(("attempts", root, vd.enc), (os.path.join(root, vd.enc, layout.ATTEMPTS),),
+                        lambda: tier.list_dir(prefix)[1])
+
+
+def committed_attempt(tier: Tier, vd: VersionDir) -> str | None:
+    """The attempt the manifest of a listed version directory commits; None when it has no valid
+    manifest (quietly: :func:`scan` reports invalid ones)."""
+    if vd.manifest is None:
+        return None
+    try:
+        return _entry(tier, vd, decode_version(vd.enc), tier.local_path(layout.VERSIONS)).manifest.attempt
+    except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
+        return None
 
 
 def manifest_keys(tier: Tier) -> list[str]:
@@ -241,14 +344,14 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
     version.
     """
     out: dict[str, TierEntry] = {}
-    for vd in version_dirs(tier).values():
+    root = tier.local_path(layout.VERSIONS)
+    for vd in version_dirs(tier, held=True).values():
         if vd.manifest is None:
             continue
         key = vd.manifest_key
         try:
             version = decode_version(vd.enc)
-            data = tier.get(key)
-            parsed = _parsed.parse(data, version)
+            entry = _entry(tier, vd, version, root)
         except ObjectNotFoundError:
             continue  # un-committed while we listed
         except (ManifestError, UnsupportedFormatError, InvalidNameError) as e:
@@ -256,9 +359,25 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
             if problems is not None:
                 problems.append((tier.name, key, str(e)))
             continue
-        damaged = vd.damaged and _mark_applies(tier, f"{layout.VERSIONS}/{vd.enc}/{layout.DAMAGED}", parsed.manifest.attempt)
-        out[version] = TierEntry(parsed.manifest, parsed, vd.pinned, damaged, hashlib.md5(data, usedforsecurity=False).hexdigest())
+        out[version] = dataclasses.replace(entry)  # a copy: the held one is shared
     return out
+
+
+def _entry(tier: Tier, vd: VersionDir, version: str, root: str | None) -> TierEntry:
+    """The :class:`TierEntry` of one listed version directory (raises as :func:`scan` expects);
+    ``root``: the local path of ``versions/`` (the entry is then held with the listing's
+    :class:`VersionDir`, while the directory and its manifest are unchanged: a damage mark or a pin
+    is added, replaced or removed by a rename or an unlink in the directory, :class:`_Settled`), or None."""
+    if root is not None:
+        held = _settled.peek(("v", root, vd.enc))
+        if held is not None and held[0] is vd:  # the listing just returned this one: same stamp
+            if held[1] is None:
+                held[1] = _entry(tier, vd, version, None)
+            return held[1]
+    data = tier.get(vd.manifest_key)
+    parsed = _parsed.parse(data, version)
+    damaged = vd.damaged and _mark_applies(tier, f"{layout.VERSIONS}/{vd.enc}/{layout.DAMAGED}", parsed.manifest.attempt)
+    return TierEntry(parsed.manifest, parsed, vd.pinned, damaged, hashlib.md5(data, usedforsecurity=False).hexdigest())
 
 
 def _mark_applies(tier: Tier, key: str, attempt: str) -> bool:
@@ -338,25 +457,33 @@ def copy_of(m: Manifest, *, remote: bool = False) -> dict:
             "created": m.created}
 
 
-def max_seq(tier: Tier, newest: int = 4) -> int | None:
-    """The highest commit sequence among the ``newest`` most recently modified manifests of ``tier``
-    (a hint for :func:`order.next_seq`; reading every manifest of a large root at every save would
-    cost more than the hint is worth). None when it holds none with a sequence."""
+def max_seq(tier: Tier) -> int | None:
+    """The highest commit sequence among the manifests of a local ``tier``: a hint for
+    :func:`order.next_seq`, taken at every save. One listing of ``versions/``; a manifest this
+    process has read before (:class:`_Settled`) is not looked at again (an overwrite of an old name
+    is seen at the next :func:`scan`, which retention runs after each commit), so a large root costs
+    a dictionary lookup per version. None when it holds none with a sequence, and for a tier that is
+    not local (the hint is not worth a listing there)."""
     root = tier.local_path(layout.VERSIONS)
     if root is None:
         return None
-    stamped = []
-    for key in manifest_keys(tier):
-        try:
-            stamped.append((os.stat(tier.local_path(key)).st_mtime_ns, key))
-        except FileNotFoundError:
-            continue
+    try:
+        encs = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
     best = None
-    for _t, key in sorted(stamped, reverse=True)[:newest]:
-        try:
-            m = parse(tier.get(key)).manifest
-        except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
-            continue
+    for enc in encs:
+        held = _settled.peek(("v", root, enc))
+        if held is None or held[1] is None:  # not read yet, changed lately, or no manifest then
+            vds = version_dirs(tier, (enc,), held=True)
+            if not vds or vds[enc].manifest is None:
+                continue
+            try:
+                m = _entry(tier, vds[enc], decode_version(enc), root).manifest
+            except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
+                continue
+        else:
+            m = held[1].manifest
         if m.seq is not None and (best is None or m.seq > best):
             best = m.seq
     return best

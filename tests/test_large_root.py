@@ -1,0 +1,149 @@
+"""A root of many versions: a save does not re-read the versions that did not change, and what did
+change in an old version (a pin, an un-commit, a damage mark, a manifest rewritten in place, one
+committed by another process) is seen by the next listing and the next retention pass
+(ckptstore/manifest/catalogue.py, ``_Settled``; docs/FORMAT.md, "Listing a local root")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+import ckptstore
+from ckptstore import gc as G
+from ckptstore.manifest import catalogue, layout
+from ckptstore.retention import KeepLast, RetentionPolicy
+from ckptstore.tiers.local import LocalTier
+
+SETTLE_S = catalogue._Settled.SETTLE_NS / 1e9 + 0.2
+
+
+def _manager(root, **kw):
+    return ckptstore.CheckpointManager(root, {"w": torch.nn.Linear(4, 4)}, interval_steps=1, save_rng=False,
+                                       save_on_signal=None, event_log=False, **kw)
+
+
+def _manifest_reads(monkeypatch):
+    """The manifest keys read through any LocalTier from now on."""
+    reads = []
+    get = LocalTier.get
+
+    def counted(self, key, *a, **kw):
+        if key.endswith("/" + layout.MANIFEST):
+            reads.append(key)
+        return get(self, key, *a, **kw)
+
+    monkeypatch.setattr(LocalTier, "get", counted)
+    return reads
+
+
+def test_a_save_reads_no_manifest_of_old_versions(tmp_path, monkeypatch):
+    """40 versions of another series and 6 of this one, settled: a save with retention (keep-last 3)
+    and its housekeeping read the manifest it commits and the one retention deletes, none of the 44
+    others, and a listing after it reads only the new one (on main every
+    save read every manifest of the root up to three times: the commit-sequence hint, the killed
+    writers' look, retention)."""
+    root = str(tmp_path / "root")
+    other = _manager(root, prefix="other-")
+    for s in range(1, 41):
+        other.save(s)
+        other.wait()
+    other.close()
+    m = _manager(root, prefix="step-", retention=RetentionPolicy(rules=(KeepLast(3),)))
+    for s in range(1, 7):
+        m.save(s)
+        m.wait()
+    assert [r.version for r in ckptstore.Store(root).versions() if r.version.startswith("step-")] == ["step-4", "step-5", "step-6"]
+    time.sleep(SETTLE_S)
+    assert len(ckptstore.Store(root).versions()) == 43  # this process's listing reads them once
+    reads = _manifest_reads(monkeypatch)
+    m.save(7)
+    m.wait()
+    m.close()
+    # the one it commits, and the one retention deletes (un-committed after a check of its manifest)
+    old = [k for k in reads if k not in (layout.manifest_key("step-7"), layout.manifest_key("step-4"))]
+    assert not old, old
+    n = len(reads)
+    recs = ckptstore.Store(root).versions()
+    assert [r.version for r in recs if r.version.startswith("step-")] == ["step-5", "step-6", "step-7"] and len(recs) == 43
+    assert reads[n:] == [layout.manifest_key("step-7")]  # the listing: only the one not settled yet
+
+
+def test_changes_to_settled_versions_are_seen(tmp_path):
+    """After a listing held the versions' entries: a pin, an un-commit, a damage mark, a manifest
+    rewritten in place (a flipped byte) and a version committed by another process are all seen by
+    the next listing; retention then keeps the pinned version."""
+    root = str(tmp_path / "root")
+    m = _manager(root)
+    for s in range(1, 6):
+        m.save(s)
+        m.wait()
+    m.close()
+    time.sleep(SETTLE_S)
+    st = ckptstore.Store(root)
+    assert [r.version for r in st.versions()] == [f"step-{s}" for s in range(1, 6)]
+    assert not any(r.pinned or r.damaged for r in st.versions())
+    tier = st.tier("local")
+    st.pin("step-1")
+    tier.delete(layout.manifest_key("step-2"))  # an un-commit (what gc does first)
+    tier.put(layout.damaged_key("step-3"), json.dumps({"attempt": st.get("step-3").attempt, "reason": "test"}).encode())
+    path = tier.local_path(layout.manifest_key("step-4"))
+    with open(path, "r+b") as f:  # a flipped byte, in place: the manifest's checksum fails
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x20]))
+    code = ("import sys, torch, ckptstore\n"
+            "m = ckptstore.CheckpointManager(sys.argv[1], {'w': torch.nn.Linear(4, 4)}, interval_steps=1, save_rng=False,"
+            " save_on_signal=None, event_log=False)\n"
+            "m.save(6); m.wait(); m.close()\n")
+    subprocess.run([sys.executable, "-c", code, root], check=True, timeout=120)
+    st = ckptstore.Store(root)
+    recs = {r.version: r for r in st.versions()}
+    assert sorted(recs) == ["step-1", "step-3", "step-5", "step-6"]
+    assert recs["step-1"].pinned and recs["step-3"].damaged and not recs["step-5"].damaged
+    assert [p[1] for p in st.problems] == [layout.manifest_key("step-4")]
+    # retention (keep-last 1) after the next commit keeps the pinned one, and the newest
+    m = _manager(root, retention=RetentionPolicy(rules=(KeepLast(1),)))
+    m.save(7)
+    m.wait()
+    m.close()
+    left = [r.version for r in ckptstore.Store(root).versions()]
+    assert "step-1" in left and "step-7" in left and "step-5" not in left and "step-6" not in left
+
+
+def test_killed_writers_look_is_rate_limited_and_renewed(tmp_path, monkeypatch):
+    """The save path looks for killed writers' attempts at its first save in a root, then at most once
+    per ``RECLAIM_EVERY_S``, and again right after a failed save: a killed save's attempt made in
+    between waits for the next look, then goes without gc's grace period."""
+    root = str(tmp_path / "root")
+    monkeypatch.setattr(G, "_reclaim_looked", {})
+    m = _manager(root)
+    m.save(1)
+    m.wait()
+    tier = ckptstore.Store(root).tier("local")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    from ckptstore.manifest import writers
+
+    attempt = layout.new_attempt()
+    tier.put(layout.object_key("killed", layout.shard_name(attempt, 0)), b"x" * 1000)
+    tier.put(layout.object_key("killed", layout.writer_record_name(attempt)),
+             json.dumps({**writers.identity(), "pid": dead.pid}).encode())
+
+    def left():
+        return [i.key for i in tier.list(layout.version_dir("killed") + "/")]
+
+    m.save(2)
+    m.wait()
+    assert len(left()) == 2  # within RECLAIM_EVERY_S of the first look: not looked at again
+    monkeypatch.setattr(G, "RECLAIM_EVERY_S", 0.0)
+    m.save(3)
+    m.wait()
+    assert left() == []
+    m.close()
+    assert [r.version for r in ckptstore.Store(root).versions()] == ["step-1", "step-2", "step-3"]
