@@ -147,3 +147,32 @@ def test_killed_writers_look_is_rate_limited_and_renewed(tmp_path, monkeypatch):
     assert left() == []
     m.close()
     assert [r.version for r in ckptstore.Store(root).versions()] == ["step-1", "step-2", "step-3"]
+
+
+def test_held_entries_are_bounded_by_the_bytes_read(tmp_path, monkeypatch):
+    """What a process holds of a root is bounded by the bytes of the files it was read from (the
+    least recently used go first): a root of many large manifests does not fill memory."""
+    monkeypatch.setattr(catalogue._Settled, "LIMIT_BYTES", 64 << 10)
+    held = catalogue._Settled()
+    paths = []
+    for i in range(20):
+        p = tmp_path / f"m{i}"
+        p.write_bytes(b"x" * 7000)
+        paths.append(str(p))
+    time.sleep(SETTLE_S)
+    calls = []
+
+    def read(i):
+        return lambda: calls.append(i) or i
+
+    assert [held.get(("k", i), (p,), read(i)) for i, p in enumerate(paths)] == list(range(20))
+    assert held._bytes <= 64 << 10 and len(held._held) == (64 << 10) // (7000 + 256)
+    calls.clear()
+    assert [held.get(("k", i), (p,), read(i)) for i, p in enumerate(paths)][-3:] == [17, 18, 19]
+    assert calls[:3] == [0, 1, 2]  # the oldest were let go and are read again
+    p = tmp_path / "m19"
+    p.write_bytes(b"y" * 7000)  # rewritten: read again, and not held until it settles
+    calls.clear()
+    held.get(("k", 19), (str(p),), read(19))
+    held.get(("k", 19), (str(p),), read(19))
+    assert calls == [19, 19]

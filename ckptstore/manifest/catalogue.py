@@ -163,10 +163,14 @@ class _Settled:
     instead of a listing and a manifest read and parse. Local tiers only; bounded (LRU)."""
 
     SETTLE_NS = 1_000_000_000
+    #: held values at most, and at most this many bytes of the files they were read from (the
+    #: manifests: their parses are held, as by :class:`_ParseCache`)
     LIMIT = 1 << 16
+    LIMIT_BYTES = 32 << 20
 
     def __init__(self) -> None:
         self._held: collections.OrderedDict = collections.OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, key: tuple, paths: tuple, compute: Callable[[], Any]) -> Any:
@@ -190,16 +194,17 @@ class _Settled:
                 self._held.move_to_end(key)
                 return hit[1]
         value = compute()  # after the stat: a change made meanwhile changes the stamp seen next time
+        weight = 256 + sum(st[2] for st in stamp if st is not None)
         with self._lock:
-            if settled:
-                self._held[key] = (stamp, value)
-                self._held.move_to_end(key)
-                while len(self._held) > self.LIMIT:
-                    self._held.popitem(last=False)
-            else:
-                self._held.pop(key, None)
+            old = self._held.pop(key, None)
+            if old is not None:
+                self._bytes -= old[2]
+            if settled and weight <= self.LIMIT_BYTES // 8:
+                self._held[key] = (stamp, value, weight)
+                self._bytes += weight
+                while len(self._held) > self.LIMIT or self._bytes > self.LIMIT_BYTES:
+                    self._bytes -= self._held.popitem(last=False)[1][2]
         return value
-
 
     def peek(self, key: tuple) -> Any:
         """What is held for ``key`` (no check: for a value :meth:`get` returned in the same pass), or None."""
