@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 import ckptstore
@@ -176,3 +177,38 @@ def test_held_entries_are_bounded_by_the_bytes_read(tmp_path, monkeypatch):
     held.get(("k", 19), (str(p),), read(19))
     held.get(("k", 19), (str(p),), read(19))
     assert calls == [19, 19]
+
+
+@pytest.mark.s3
+def test_a_remote_listing_fetches_only_manifests_it_has_not_read(tmp_path, s3_url, monkeypatch):
+    """On S3 (whose listing carries each manifest's MD5, docs/FORMAT.md "Tiers" rule 3) a second
+    listing of the bucket's versions fetches no manifest: each is known by its listed MD5. A pin
+    made meanwhile is seen, and a manifest replaced under the same name is fetched again."""
+    from ckptstore.tiers.s3.tier import S3Tier
+
+    m = _manager(str(tmp_path / "root"), remote=s3_url, durability="remote")
+    for s in range(1, 4):
+        m.save(s)
+        m.wait()
+    m.close()
+    gets = []
+    real = S3Tier.get
+
+    def counted(self, key, *a, **kw):
+        if key.endswith("/" + layout.MANIFEST):
+            gets.append(key)
+        return real(self, key, *a, **kw)
+
+    monkeypatch.setattr(S3Tier, "get", counted)
+    st = ckptstore.Store(None, remote=s3_url)
+    assert [r.version for r in st.versions()] == ["step-1", "step-2", "step-3"]
+    gets.clear()
+    st.pin("step-2")
+    recs = {r.version: r for r in ckptstore.Store(None, remote=s3_url).versions()}
+    assert sorted(recs) == ["step-1", "step-2", "step-3"] and recs["step-2"].pinned and not recs["step-1"].pinned
+    assert gets == []
+    remote = st.remote
+    remote.put(layout.manifest_key("step-3"), real(remote, layout.manifest_key("step-1")))  # another manifest's bytes
+    problems: list = []
+    assert sorted(catalogue.scan(remote, problems)) == ["step-1", "step-2"]
+    assert gets == [layout.manifest_key("step-3")] and len(problems) == 1

@@ -160,7 +160,10 @@ class _Settled:
     only for paths whose timestamps are older than :attr:`SETTLE_NS`, and a path touched since is
     read again. The save path's housekeeping (retention after each commit, the commit-sequence hint,
     the reclaim of killed writers' attempts) thus costs a ``stat`` or two per version of a large root
-    instead of a listing and a manifest read and parse. Local tiers only; bounded (LRU)."""
+    instead of a listing and a manifest read and parse. On a remote tier whose listing carries each
+    manifest's MD5 (docs/FORMAT.md, "Tiers", rule 3) a parse is held by that MD5 instead
+    (:meth:`hold`, :meth:`recall`): a listing still asks for each version directory, but fetches only
+    the manifests it has not read. Bounded (LRU, count and bytes)."""
 
     SETTLE_NS = 1_000_000_000
     #: held values at most, and at most this many bytes of the files they were read from (the
@@ -194,17 +197,36 @@ class _Settled:
                 self._held.move_to_end(key)
                 return hit[1]
         value = compute()  # after the stat: a change made meanwhile changes the stamp seen next time
-        weight = 256 + sum(st[2] for st in stamp if st is not None)
+        if settled:
+            self.hold(key, stamp, value, 256 + sum(st[2] for st in stamp if st is not None))
+        else:
+            with self._lock:
+                old = self._held.pop(key, None)
+                if old is not None:
+                    self._bytes -= old[2]
+        return value
+
+    def recall(self, key: tuple, stamp: Any) -> Any:
+        """What :meth:`hold` put for ``key`` with this very ``stamp`` (a stamp the caller vouches for:
+        a listed MD5), or None."""
+        with self._lock:
+            hit = self._held.get(key)
+            if hit is None or hit[0] != stamp:
+                return None
+            self._held.move_to_end(key)
+            return hit[1]
+
+    def hold(self, key: tuple, stamp: Any, value: Any, weight: int) -> None:
+        """Hold ``value`` for ``key`` while the caller sees ``stamp`` (bounded as :meth:`get`)."""
         with self._lock:
             old = self._held.pop(key, None)
             if old is not None:
                 self._bytes -= old[2]
-            if settled and weight <= self.LIMIT_BYTES // 8:
+            if weight <= self.LIMIT_BYTES // 8:
                 self._held[key] = (stamp, value, weight)
                 self._bytes += weight
                 while len(self._held) > self.LIMIT or self._bytes > self.LIMIT_BYTES:
                     self._bytes -= self._held.popitem(last=False)[1][2]
-        return value
 
     def peek(self, key: tuple) -> Any:
         """What is held for ``key`` (no check: for a value :meth:`get` returned in the same pass), or None."""
@@ -379,6 +401,21 @@ def _entry(tier: Tier, vd: VersionDir, version: str, root: str | None) -> TierEn
             if held[1] is None:
                 held[1] = _entry(tier, vd, version, None)
             return held[1]
+    elif tier.listing_md5 and vd.manifest is not None and vd.manifest.md5:
+        # a remote tier whose listing carries each manifest's MD5 (docs/FORMAT.md, "Tiers", rule 3):
+        # a manifest listed with the MD5 of one already read and parsed is not fetched again
+        key = ("md5", tier.url, vd.enc)
+        parsed = _settled.recall(key, vd.manifest.md5)
+        if parsed is None:
+            data = tier.get(vd.manifest_key)
+            md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
+            parsed = _parsed.parse(data, version)
+            if md5 == vd.manifest.md5:  # else it changed since the listing: the next scan reads it again
+                _settled.hold(key, md5, parsed, 256 + len(data))
+        else:
+            md5 = vd.manifest.md5
+        damaged = vd.damaged and _mark_applies(tier, f"{layout.VERSIONS}/{vd.enc}/{layout.DAMAGED}", parsed.manifest.attempt)
+        return TierEntry(parsed.manifest, parsed, vd.pinned, damaged, md5)
     data = tier.get(vd.manifest_key)
     parsed = _parsed.parse(data, version)
     damaged = vd.damaged and _mark_applies(tier, f"{layout.VERSIONS}/{vd.enc}/{layout.DAMAGED}", parsed.manifest.attempt)
