@@ -151,8 +151,10 @@ def test_killed_writers_look_is_rate_limited_and_renewed(tmp_path, monkeypatch):
 
 
 def test_held_entries_are_bounded_by_the_bytes_read(tmp_path, monkeypatch):
-    """What a process holds of a root is bounded by the bytes of the files it was read from (the
-    least recently used go first): a root of many large manifests does not fill memory."""
+    """What a process holds of a root is bounded by the bytes of the files it was read from: a root of
+    many large manifests does not fill memory, and a listing pass over a root larger than the bound
+    keeps the part held that fits (a plain LRU would evict, on every pass, what the next pass needs);
+    entries unused for ``IDLE_S`` make room."""
     monkeypatch.setattr(catalogue._Settled, "LIMIT_BYTES", 64 << 10)
     held = catalogue._Settled()
     paths = []
@@ -166,11 +168,17 @@ def test_held_entries_are_bounded_by_the_bytes_read(tmp_path, monkeypatch):
     def read(i):
         return lambda: calls.append(i) or i
 
-    assert [held.get(("k", i), (p,), read(i)) for i, p in enumerate(paths)] == list(range(20))
-    assert held._bytes <= 64 << 10 and len(held._held) == (64 << 10) // (7000 + 256)
+    fits = (64 << 10) // (7000 + 256)
+    for _ in range(2):
+        calls.clear()
+        assert [held.get(("k", i), (p,), read(i)) for i, p in enumerate(paths)] == list(range(20))
+        assert held._bytes <= 64 << 10 and len(held._held) == fits
+    assert calls == list(range(fits, 20))  # the second pass: the first ones held, the rest read
+    monkeypatch.setattr(catalogue._Settled, "IDLE_S", 0.0)  # now every entry counts as unused
     calls.clear()
-    assert [held.get(("k", i), (p,), read(i)) for i, p in enumerate(paths)][-3:] == [17, 18, 19]
-    assert calls[:3] == [0, 1, 2]  # the oldest were let go and are read again
+    held.get(("k", 19), (paths[19],), read(19))
+    held.get(("k", 19), (paths[19],), read(19))
+    assert calls == [19] and ("k", 0) not in held._held  # the oldest made room
     p = tmp_path / "m19"
     p.write_bytes(b"y" * 7000)  # rewritten: read again, and not held until it settles
     calls.clear()
@@ -212,3 +220,47 @@ def test_a_remote_listing_fetches_only_manifests_it_has_not_read(tmp_path, s3_ur
     problems: list = []
     assert sorted(catalogue.scan(remote, problems)) == ["step-1", "step-2"]
     assert gets == [layout.manifest_key("step-3")] and len(problems) == 1
+
+
+def test_the_newest_save_stays_latest_after_an_overwrite_and_a_clock_step(tmp_path, monkeypatch):
+    """Versions saved without a step order by commit sequence (docs/FORMAT.md, "Order"): after `b` is
+    overwritten by another process, a save made while this host's clock stands 10 minutes behind
+    still orders after it — the commit-sequence hint sees the overwritten manifest, though this
+    process held `b`'s first one."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import _plan
+    from ckptstore.manifest import order
+
+    root = str(tmp_path / "root")
+
+    def save(v, **kw):
+        dcp.save({"w": torch.ones(4)}, storage_writer=ckptstore.StorageWriter(root, version=v, **kw))
+
+    for v in ("a", "b", "c"):
+        save(v)
+    time.sleep(SETTLE_S)
+    save("d")  # its hint reads and holds a, b, c
+    code = ("import sys, torch, torch.distributed.checkpoint as dcp, ckptstore\n"
+            "dcp.save({'w': torch.zeros(4)}, storage_writer=ckptstore.StorageWriter(sys.argv[1], version='b', overwrite=True))\n")
+    subprocess.run([sys.executable, "-c", code, root], check=True, timeout=120)
+    real = order.next_seq
+    monkeypatch.setattr(_plan, "next_seq", lambda hints: real(hints, now_us=int(time.time() * 1e6) - 600_000_000))
+    save("e")
+    recs = ckptstore.Store(root).versions()
+    assert [r.version for r in recs][-2:] == ["b", "e"] and ckptstore.Store(root).latest().version == "e"
+
+
+def test_a_directory_that_is_not_a_version_does_not_stop_saves_or_listings(tmp_path):
+    """``versions/a copy`` (a file manager's copy; not a valid encoded name): saves go on, the
+    listing shows the versions, the stray directory is left alone."""
+    root = str(tmp_path / "root")
+    m = _manager(root)
+    m.save(1)
+    m.wait()
+    os.makedirs(os.path.join(root, "versions", "a copy", "attempts"))
+    m.save(2)
+    m.wait()
+    m.close()
+    assert [r.version for r in ckptstore.Store(root).versions()] == ["step-1", "step-2"]
+    assert os.path.isdir(os.path.join(root, "versions", "a copy"))

@@ -14,9 +14,10 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from .._names import decode_version
 from ..errors import (
@@ -170,6 +171,8 @@ class _Settled:
     #: manifests: their parses are held, as by :class:`_ParseCache`)
     LIMIT = 1 << 16
     LIMIT_BYTES = 32 << 20
+    #: when full, an entry unused this long (seconds) makes room; a listing pass touches every live one
+    IDLE_S = 60.0
 
     def __init__(self) -> None:
         self._held: collections.OrderedDict = collections.OrderedDict()
@@ -182,6 +185,7 @@ class _Settled:
         stamp = []
         settled_before = time.time_ns() - self.SETTLE_NS
         settled = True
+        weight = 256  # an entry's own cost, plus the bytes of the files (not directories) it was read from
         for p in paths:
             try:
                 st = os.stat(p)
@@ -190,15 +194,18 @@ class _Settled:
                 continue
             stamp.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
             settled = settled and max(st.st_mtime_ns, st.st_ctime_ns) < settled_before
+            if stat.S_ISREG(st.st_mode):
+                weight += st.st_size
         stamp = tuple(stamp)
         with self._lock:
             hit = self._held.get(key)
             if hit is not None and hit[0] == stamp and settled:
+                self._held[key] = (*hit[:3], time.monotonic())
                 self._held.move_to_end(key)
                 return hit[1]
         value = compute()  # after the stat: a change made meanwhile changes the stamp seen next time
         if settled:
-            self.hold(key, stamp, value, 256 + sum(st[2] for st in stamp if st is not None))
+            self.hold(key, stamp, value, weight)
         else:
             with self._lock:
                 old = self._held.pop(key, None)
@@ -213,20 +220,28 @@ class _Settled:
             hit = self._held.get(key)
             if hit is None or hit[0] != stamp:
                 return None
+            self._held[key] = (*hit[:3], time.monotonic())
             self._held.move_to_end(key)
             return hit[1]
 
     def hold(self, key: tuple, stamp: Any, value: Any, weight: int) -> None:
-        """Hold ``value`` for ``key`` while the caller sees ``stamp`` (bounded as :meth:`get`)."""
+        """Hold ``value`` for ``key`` while the caller sees ``stamp``. When full, the entries unused for
+        :attr:`IDLE_S` go first (least recently used); if that is not enough the new one is not held:
+        a root larger than the bound keeps the part held that fits, instead of every listing's
+        sequential pass evicting what the next pass needs (a plain LRU would hold nothing useful)."""
+        now = time.monotonic()
         with self._lock:
             old = self._held.pop(key, None)
             if old is not None:
                 self._bytes -= old[2]
+            while self._held and (len(self._held) >= self.LIMIT or self._bytes + weight > self.LIMIT_BYTES):
+                first = next(iter(self._held.values()))
+                if now - first[3] < self.IDLE_S:
+                    return  # full of entries in use
+                self._bytes -= self._held.popitem(last=False)[1][2]
             if weight <= self.LIMIT_BYTES // 8:
-                self._held[key] = (stamp, value, weight)
+                self._held[key] = (stamp, value, weight, now)
                 self._bytes += weight
-                while len(self._held) > self.LIMIT or self._bytes > self.LIMIT_BYTES:
-                    self._bytes -= self._held.popitem(last=False)[1][2]
 
     def peek(self, key: tuple) -> Any:
         """What is held for ``key`` (no check: for a value :meth:`get` returned in the same pass), or None."""
@@ -237,32 +252,58 @@ class _Settled:
 
 _settled = _Settled()
 
+#: file systems whose timestamps this host sets itself at the change, at most 1 s coarse, and whose
+#: ``stat`` is never served from a cache of another host's attributes: the ones :class:`_Settled`
+#: trusts. A root elsewhere (NFS, Lustre, GPFS, CIFS, a FUSE mount such as gcsfuse or s3fs, whose
+#: attributes may be cached for seconds or set by another clock) is listed and read every time.
+_HELD_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "zfs", "f2fs", "bcachefs", "overlay", "ramfs", "jfs"})
 
-def version_dirs(tier: Tier, only: Iterable[str] | None = None, *, held: bool = False) -> dict[str, VersionDir]:
+
+@functools.lru_cache(maxsize=256)
+def _holds(path: str) -> bool:
+    """Whether ``path`` lies on a file system of :data:`_HELD_FS` (the longest mount point of
+    ``/proc/self/mounts`` above it); False where that cannot be told."""
+    try:
+        real = os.path.realpath(path)
+        best, kind = "", None
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, fields[2]
+        return kind in _HELD_FS
+    except OSError:
+        return False
+
+
+def version_dirs(tier: Tier, *, held: bool = False) -> dict[str, VersionDir]:
     """``{encoded name: VersionDir}`` of every directory under ``versions/``: one listing of
     ``versions/`` and one of each version directory, both one level deep (``Tier.list_dir``: the object store's
     ``Delimiter="/"``) — never the objects of the attempts (docs/FORMAT.md, "Restore choice"). On
     an object store that is 1 + V small requests (the directories' listings run concurrently) instead of one page
-    per 1,000 objects of every version. ``only``: these encoded names instead of every one.
-    ``held``: on a local tier, each directory's entry is held while it is unchanged
+    per 1,000 objects of every version. A directory whose name is not a valid key is listed
+    empty. ``held``: on a local tier, each directory's entry is held while it is unchanged
     (:class:`_Settled`; for the listings a process repeats: :func:`scan`, the save path's), so a
     listing of a large root costs a ``listdir`` and two ``stat`` calls per version; a one-time
     listing (a restore's root report) passes False and makes no ``stat`` call."""
-    if only is None:
-        _files, dirs = tier.list_dir(layout.VERSIONS + "/")
-        encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
-    else:  # these encoded names, those that are directories (max_seq: the ones it has not read)
-        top = tier.local_path(layout.VERSIONS)
-        encs = [e for e in only if top is None or os.path.isdir(os.path.join(top, e))]
+    _files, dirs = tier.list_dir(layout.VERSIONS + "/")
+    encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
 
     def one(enc: str) -> VersionDir:
-        files, sub = tier.list_dir(f"{layout.VERSIONS}/{enc}/")
+        try:
+            files, sub = tier.list_dir(f"{layout.VERSIONS}/{enc}/")
+        except InvalidNameError:  # not a version's directory ("versions/a copy"): nothing committed there
+            return VersionDir(enc, None, False, False, False)
         names = {i.key.rsplit("/", 1)[-1]: i for i in files}
         return VersionDir(enc, names.get(layout.MANIFEST), layout.PINNED in names, layout.DAMAGED in names,
                           f"{layout.VERSIONS}/{enc}/{layout.ATTEMPTS}/" in sub)
 
     root = tier.local_path(layout.VERSIONS) if held else None
-    if root is not None:
+    if root is not None and _holds(root):
         # one entry per version, [VersionDir, TierEntry or None], held while the directory and its
         # manifest are unchanged; _entry fills the second slot
         found = [_settled.get(("v", root, e), (os.path.join(root, e), os.path.join(root, e, layout.MANIFEST)),
@@ -396,7 +437,7 @@ def _entry(tier: Tier, vd: VersionDir, version: str, root: str | None) -> TierEn
     :class:`VersionDir`, while the directory and its manifest are unchanged: a damage mark or a pin
     is added, replaced or removed by a rename or an unlink in the directory, :class:`_Settled`), or None."""
     if root is not None:
-        held = _settled.peek(("v", root, vd.enc))
+        held = _settled.peek(("v", root, vd.enc))  # what version_dirs(held=True) just returned
         if held is not None and held[0] is vd:  # the listing just returned this one: same stamp
             if held[1] is None:
                 held[1] = _entry(tier, vd, version, None)
@@ -499,33 +540,44 @@ def copy_of(m: Manifest, *, remote: bool = False) -> dict:
             "created": m.created}
 
 
-def max_seq(tier: Tier) -> int | None:
+def max_seq(tier: Tier, newest: int = 4) -> int | None:
     """The highest commit sequence among the manifests of a local ``tier``: a hint for
-    :func:`order.next_seq`, taken at every save. One listing of ``versions/``; a manifest this
-    process has read before (:class:`_Settled`) is not looked at again (an overwrite of an old name
-    is seen at the next :func:`scan`, which retention runs after each commit), so a large root costs
-    a dictionary lookup per version. None when it holds none with a sequence, and for a tier that is
-    not local (the hint is not worth a listing there)."""
+    :func:`order.next_seq`, taken at every save. Where the root's entries are held
+    (:class:`_Settled`), every manifest counts, at two ``stat`` calls per version; elsewhere the
+    ``newest`` most recently modified ones (reading every manifest of a large root at every save
+    would cost more than the hint is worth). None when it holds none with a sequence, and for a
+    tier that is not local (the hint is not worth a listing there). Never raises for what it
+    finds in the root (a directory that is not a version's, a manifest that does not parse)."""
     root = tier.local_path(layout.VERSIONS)
     if root is None:
         return None
-    try:
-        encs = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
     best = None
-    for enc in encs:
-        held = _settled.peek(("v", root, enc))
-        if held is None or held[1] is None:  # not read yet, changed lately, or no manifest then
-            vds = version_dirs(tier, (enc,), held=True)
-            if not vds or vds[enc].manifest is None:
+    if _holds(root):
+        try:
+            vds = version_dirs(tier, held=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        for vd in vds.values():
+            if vd.manifest is None:
                 continue
             try:
-                m = _entry(tier, vds[enc], decode_version(enc), root).manifest
+                m = _entry(tier, vd, decode_version(vd.enc), root).manifest
             except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
                 continue
-        else:
-            m = held[1].manifest
+            if m.seq is not None and (best is None or m.seq > best):
+                best = m.seq
+        return best
+    stamped = []
+    for key in manifest_keys(tier):
+        try:
+            stamped.append((os.stat(tier.local_path(key)).st_mtime_ns, key))
+        except FileNotFoundError:
+            continue
+    for _t, key in sorted(stamped, reverse=True)[:newest]:
+        try:
+            m = parse(tier.get(key)).manifest
+        except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
+            continue
         if m.seq is not None and (best is None or m.seq > best):
             best = m.seq
     return best
