@@ -540,33 +540,76 @@ def copy_of(m: Manifest, *, remote: bool = False) -> dict:
             "created": m.created}
 
 
+#: per local root (path of ``versions/``): ``{encoded name: (directory stamp, commit sequence)}`` of
+#: the manifests :func:`max_seq` read (:class:`_Settled`'s rule: held only while settled)
+_seqs: dict[str, dict[str, tuple]] = {}
+_seqs_lock = threading.Lock()
+
+
+def _seq_of(tier: Tier, enc: str) -> int | None:
+    try:
+        return _parsed.parse(tier.get(f"{layout.VERSIONS}/{enc}/{layout.MANIFEST}"), decode_version(enc)).manifest.seq
+    except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
+        return None
+
+
 def max_seq(tier: Tier, newest: int = 4) -> int | None:
     """The highest commit sequence among the manifests of a local ``tier``: a hint for
-    :func:`order.next_seq`, taken at every save. Where the root's entries are held
-    (:class:`_Settled`), every manifest counts, at two ``stat`` calls per version; elsewhere the
-    ``newest`` most recently modified ones (reading every manifest of a large root at every save
-    would cost more than the hint is worth). None when it holds none with a sequence, and for a
-    tier that is not local (the hint is not worth a listing there). Never raises for what it
-    finds in the root (a directory that is not a version's, a manifest that does not parse)."""
+    :func:`order.next_seq`, taken at every save. Where a root's entries may be held
+    (:func:`_holds`), every manifest counts: one ``scandir`` of ``versions/`` and the ``stat`` it
+    makes of each version directory, and a manifest is read again only when its directory changed
+    (a commit links it in, an overwrite renames it in: both set the directory's timestamps);
+    elsewhere the ``newest`` most recently modified ones (reading every manifest of a large root at
+    every save would cost more than the hint is worth). None when it holds none with a sequence, and
+    for a tier that is not local. Never raises for what it finds in the root."""
     root = tier.local_path(layout.VERSIONS)
     if root is None:
         return None
     best = None
     if _holds(root):
+        with _seqs_lock:
+            held = dict(_seqs.get(root, {}))
+        now: dict[str, tuple] = {}
+        settled_before = time.time_ns() - _Settled.SETTLE_NS
         try:
-            vds = version_dirs(tier, held=True)
+            with os.scandir(root) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if not stat.S_ISDIR(st.st_mode):
+                        continue
+                    stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+                    h = held.get(e.name)
+                    settled = max(st.st_mtime_ns, st.st_ctime_ns) < settled_before
+                    if h is not None and h[0] == stamp and settled:
+                        seq = h[1]
+                    else:
+                        seq = _seq_of(tier, e.name)
+                    if settled:
+                        now[e.name] = (stamp, seq)
+                    if seq is not None and (best is None or seq > best):
+                        best = seq
         except (FileNotFoundError, NotADirectoryError):
             return None
-        for vd in vds.values():
-            if vd.manifest is None:
-                continue
-            try:
-                m = _entry(tier, vd, decode_version(vd.enc), root).manifest
-            except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
-                continue
-            if m.seq is not None and (best is None or m.seq > best):
-                best = m.seq
+        with _seqs_lock:
+            _seqs[root] = now  # the directories gone since are dropped
         return best
+    stamped = []
+    for key in manifest_keys(tier):
+        try:
+            stamped.append((os.stat(tier.local_path(key)).st_mtime_ns, key))
+        except FileNotFoundError:
+            continue
+    for _t, key in sorted(stamped, reverse=True)[:newest]:
+        try:
+            m = parse(tier.get(key)).manifest
+        except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
+            continue
+        if m.seq is not None and (best is None or m.seq > best):
+            best = m.seq
+    return best
     stamped = []
     for key in manifest_keys(tier):
         try:
