@@ -179,16 +179,20 @@ class _Settled:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, key: tuple, paths: tuple, compute: Callable[[], Any]) -> Any:
+    def get(self, key: tuple, paths: tuple, compute: Callable[[], Any], *, first: os.stat_result | None = None,
+            settled_before: int | None = None) -> Any:
         """``compute()``, or what it returned before for ``key`` while ``paths`` are unchanged and
-        settled. A path that does not exist is a stamp of its own (compute decides what it means)."""
+        settled. A path that does not exist is a stamp of its own (compute decides what it means).
+        ``first``: the ``stat`` of ``paths[0]`` when the caller has it (a ``scandir`` entry's);
+        ``settled_before``: the cut-off (ns) of one listing pass."""
         stamp = []
-        settled_before = time.time_ns() - self.SETTLE_NS
+        if settled_before is None:
+            settled_before = time.time_ns() - self.SETTLE_NS
         settled = True
         weight = 256  # an entry's own cost, plus the bytes of the files (not directories) it was read from
-        for p in paths:
+        for i, p in enumerate(paths):
             try:
-                st = os.stat(p)
+                st = first if i == 0 and first is not None else os.stat(p)
             except FileNotFoundError:
                 stamp.append(None)
                 continue
@@ -200,7 +204,7 @@ class _Settled:
         with self._lock:
             hit = self._held.get(key)
             if hit is not None and hit[0] == stamp and settled:
-                self._held[key] = (*hit[:3], time.monotonic())
+                hit[3] = time.monotonic()
                 self._held.move_to_end(key)
                 return hit[1]
         value = compute()  # after the stat: a change made meanwhile changes the stamp seen next time
@@ -220,7 +224,7 @@ class _Settled:
             hit = self._held.get(key)
             if hit is None or hit[0] != stamp:
                 return None
-            self._held[key] = (*hit[:3], time.monotonic())
+            hit[3] = time.monotonic()
             self._held.move_to_end(key)
             return hit[1]
 
@@ -240,7 +244,7 @@ class _Settled:
                     return  # full of entries in use
                 self._bytes -= self._held.popitem(last=False)[1][2]
             if weight <= self.LIMIT_BYTES // 8:
-                self._held[key] = (stamp, value, weight, now)
+                self._held[key] = [stamp, value, weight, now]
                 self._bytes += weight
 
     def peek(self, key: tuple) -> Any:
@@ -290,9 +294,6 @@ def version_dirs(tier: Tier, *, held: bool = False) -> dict[str, VersionDir]:
     (:class:`_Settled`; for the listings a process repeats: :func:`scan`, the save path's), so a
     listing of a large root costs a ``listdir`` and two ``stat`` calls per version; a one-time
     listing (a restore's root report) passes False and makes no ``stat`` call."""
-    _files, dirs = tier.list_dir(layout.VERSIONS + "/")
-    encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
-
     def one(enc: str) -> VersionDir:
         try:
             files, sub = tier.list_dir(f"{layout.VERSIONS}/{enc}/")
@@ -305,10 +306,28 @@ def version_dirs(tier: Tier, *, held: bool = False) -> dict[str, VersionDir]:
     root = tier.local_path(layout.VERSIONS) if held else None
     if root is not None and _holds(root):
         # one entry per version, [VersionDir, TierEntry or None], held while the directory and its
-        # manifest are unchanged; _entry fills the second slot
-        found = [_settled.get(("v", root, e), (os.path.join(root, e), os.path.join(root, e, layout.MANIFEST)),
-                              lambda e=e: [one(e), None])[0] for e in encs]
-    elif tier.local_path(layout.VERSIONS) is not None or len(encs) <= 1:
+        # manifest are unchanged (_entry fills the second slot): one scandir, and the stat of each
+        # directory it makes and of its manifest
+        cut = time.time_ns() - _Settled.SETTLE_NS
+        found = []
+        try:
+            with os.scandir(root) as it:
+                for e in it:
+                    try:
+                        if not e.is_dir():
+                            continue
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    found.append(_settled.get(("v", root, e.name), (e.path, os.path.join(e.path, layout.MANIFEST)),
+                                              lambda e=e.name: [one(e), None], first=st, settled_before=cut)[0])
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {d.enc: d for d in sorted(found, key=lambda d: d.enc)}
+    _files, dirs = tier.list_dir(layout.VERSIONS + "/")
+    encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
+
+    if tier.local_path(layout.VERSIONS) is not None or len(encs) <= 1:
         found = [one(e) for e in encs]
     else:
         import concurrent.futures as cf
@@ -427,7 +446,7 @@ def scan(tier: Tier, problems: list | None = None) -> dict[str, TierEntry]:
             if problems is not None:
                 problems.append((tier.name, key, str(e)))
             continue
-        out[version] = dataclasses.replace(entry)  # a copy: the held one is shared
+        out[version] = TierEntry(entry.manifest, entry.parsed, entry.pinned, entry.damaged, entry.md5)  # the held one is shared
     return out
 
 
