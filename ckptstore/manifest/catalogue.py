@@ -292,7 +292,7 @@ def version_dirs(tier: Tier, *, held: bool = False) -> dict[str, VersionDir]:
     per 1,000 objects of every version. A directory whose name is not a valid key is listed
     empty. ``held``: on a local tier, each directory's entry is held while it is unchanged
     (:class:`_Settled`; for the listings a process repeats: :func:`scan`, the save path's), so a
-    listing of a large root costs a ``listdir`` and two ``stat`` calls per version; a one-time
+    listing of a large root costs a ``scandir`` and two ``stat`` calls per version; a one-time
     listing (a restore's root report) passes False and makes no ``stat`` call."""
     def one(enc: str) -> VersionDir:
         try:
