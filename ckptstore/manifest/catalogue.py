@@ -17,9 +17,11 @@ import os
 import stat
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .._names import decode_version
+from ..codec import xxh128
 from ..errors import (
     InvalidNameError,
     ManifestError,
@@ -27,7 +29,6 @@ from ..errors import (
     UnsupportedFormatError,
     VersionNotFoundError,
 )
-from ..codec import xxh128
 from ..tiers.base import ObjectInfo, Tier
 from . import layout, order
 from .schema import Manifest, ParsedManifest, parse
@@ -615,20 +616,6 @@ def max_seq(tier: Tier, newest: int = 4) -> int | None:
         with _seqs_lock:
             _seqs[root] = now  # the directories gone since are dropped
         return best
-    stamped = []
-    for key in manifest_keys(tier):
-        try:
-            stamped.append((os.stat(tier.local_path(key)).st_mtime_ns, key))
-        except FileNotFoundError:
-            continue
-    for _t, key in sorted(stamped, reverse=True)[:newest]:
-        try:
-            m = parse(tier.get(key)).manifest
-        except (ObjectNotFoundError, ManifestError, UnsupportedFormatError, InvalidNameError):
-            continue
-        if m.seq is not None and (best is None or m.seq > best):
-            best = m.seq
-    return best
     stamped = []
     for key in manifest_keys(tier):
         try:
