@@ -578,7 +578,9 @@ def max_seq(tier: Tier, newest: int = 4) -> int | None:
     :func:`order.next_seq`, taken at every save. Where a root's entries may be held
     (:func:`_holds`), every manifest counts: one ``scandir`` of ``versions/`` and the ``stat`` it
     makes of each version directory, and a manifest is read again only when its directory changed
-    (a commit links it in, an overwrite renames it in: both set the directory's timestamps);
+    (a commit links it in, an overwrite renames it in: both set the directory's timestamps; unlike
+    :class:`_Settled`, without waiting for them to settle: a change within one timestamp tick of
+    the previous read may be missed, which only makes the hint lower);
     elsewhere the ``newest`` most recently modified ones (reading every manifest of a large root at
     every save would cost more than the hint is worth). None when it holds none with a sequence, and
     for a tier that is not local. Never raises for what it finds in the root."""
@@ -590,7 +592,6 @@ def max_seq(tier: Tier, newest: int = 4) -> int | None:
         with _seqs_lock:
             held = dict(_seqs.get(root, {}))
         now: dict[str, tuple] = {}
-        settled_before = time.time_ns() - _Settled.SETTLE_NS
         try:
             with os.scandir(root) as it:
                 for e in it:
@@ -602,13 +603,11 @@ def max_seq(tier: Tier, newest: int = 4) -> int | None:
                         continue
                     stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
                     h = held.get(e.name)
-                    settled = max(st.st_mtime_ns, st.st_ctime_ns) < settled_before
-                    if h is not None and h[0] == stamp and settled:
-                        seq = h[1]
-                    else:
-                        seq = _seq_of(tier, e.name)
-                    if settled:
-                        now[e.name] = (stamp, seq)
+                    # unlike a listing, the hint holds a directory not settled yet too: a change
+                    # within one timestamp tick of the read can be missed, which a hint may afford,
+                    # while reading every recent manifest at every save made quick saves quadratic
+                    seq = h[1] if h is not None and h[0] == stamp else _seq_of(tier, e.name)
+                    now[e.name] = (stamp, seq)
                     if seq is not None and (best is None or seq > best):
                         best = seq
         except (FileNotFoundError, NotADirectoryError):
