@@ -28,18 +28,18 @@ def _manager(root, **kw):
                                        save_on_signal=None, event_log=False, **kw)
 
 
-def _manifest_reads(monkeypatch):
-    """The manifest keys read through any LocalTier from now on."""
+def _manifest_reads(monkeypatch, cls=LocalTier):
+    """The manifest keys read through any ``cls`` tier from now on, and its uncounted ``get``."""
     reads = []
-    get = LocalTier.get
+    get = cls.get
 
     def counted(self, key, *a, **kw):
         if key.endswith("/" + layout.MANIFEST):
             reads.append(key)
         return get(self, key, *a, **kw)
 
-    monkeypatch.setattr(LocalTier, "get", counted)
-    return reads
+    monkeypatch.setattr(cls, "get", counted)
+    return reads, get
 
 
 def test_a_save_reads_no_manifest_of_old_versions(tmp_path, monkeypatch):
@@ -62,7 +62,7 @@ def test_a_save_reads_no_manifest_of_old_versions(tmp_path, monkeypatch):
     time.sleep(SETTLE_S)
     # this process's listing and commit-sequence hint read them once (a running job's saves do)
     assert len(ckptstore.Store(root).versions()) == 43 and catalogue.max_seq(LocalTier(root)) is not None
-    reads = _manifest_reads(monkeypatch)
+    reads, _get = _manifest_reads(monkeypatch)
     m.save(7)
     m.wait()
     m.close()
@@ -200,15 +200,7 @@ def test_a_remote_listing_fetches_only_manifests_it_has_not_read(tmp_path, s3_ur
         m.save(s)
         m.wait()
     m.close()
-    gets = []
-    real = S3Tier.get
-
-    def counted(self, key, *a, **kw):
-        if key.endswith("/" + layout.MANIFEST):
-            gets.append(key)
-        return real(self, key, *a, **kw)
-
-    monkeypatch.setattr(S3Tier, "get", counted)
+    gets, real = _manifest_reads(monkeypatch, S3Tier)
     st = ckptstore.Store(None, remote=s3_url)
     assert [r.version for r in st.versions()] == ["step-1", "step-2", "step-3"]
     gets.clear()

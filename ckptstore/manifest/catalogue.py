@@ -165,7 +165,7 @@ class _Settled:
     instead of a listing and a manifest read and parse. On a remote tier whose listing carries each
     manifest's MD5 (docs/FORMAT.md, "Tiers", rule 3) a parse is held by that MD5 instead
     (:meth:`hold`, :meth:`recall`): a listing still asks for each version directory, but fetches only
-    the manifests it has not read. Bounded (LRU, count and bytes)."""
+    the manifests it has not read. Bounded in count and bytes (:meth:`hold`)."""
 
     SETTLE_NS = 1_000_000_000
     #: held values at most, and at most this many bytes of the files they were read from (the
@@ -561,9 +561,10 @@ def copy_of(m: Manifest, *, remote: bool = False) -> dict:
 
 
 #: per local root (path of ``versions/``): ``{encoded name: (directory stamp, commit sequence)}`` of
-#: the manifests :func:`max_seq` read (:class:`_Settled`'s rule: held only while settled)
+#: the manifests :func:`max_seq` read, replaced whole by each pass; the roots most recently used
 _seqs: dict[str, dict[str, tuple]] = {}
 _seqs_lock = threading.Lock()
+_SEQS_ROOTS = 64
 
 
 def _seq_of(tier: Tier, enc: str) -> int | None:
@@ -590,7 +591,7 @@ def max_seq(tier: Tier, newest: int = 4) -> int | None:
     best = None
     if _holds(root):
         with _seqs_lock:
-            held = dict(_seqs.get(root, {}))
+            held = _seqs.get(root, {})  # never changed in place: a pass replaces it
         now: dict[str, tuple] = {}
         try:
             with os.scandir(root) as it:
@@ -613,7 +614,10 @@ def max_seq(tier: Tier, newest: int = 4) -> int | None:
         except (FileNotFoundError, NotADirectoryError):
             return None
         with _seqs_lock:
+            _seqs.pop(root, None)
             _seqs[root] = now  # the directories gone since are dropped
+            while len(_seqs) > _SEQS_ROOTS:
+                del _seqs[next(iter(_seqs))]
         return best
     stamped = []
     for key in manifest_keys(tier):
