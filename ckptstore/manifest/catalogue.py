@@ -322,9 +322,11 @@ def version_dirs(tier: Tier, *, held: bool = False) -> dict[str, VersionDir]:
                         continue
                     found.append(_settled.get(("v", root, e.name), (e.path, os.path.join(e.path, layout.MANIFEST)),
                                               lambda e=e.name: [one(e), None], first=st, settled_before=cut)[0])
+            return {d.enc: d for d in sorted(found, key=lambda d: d.enc)}
         except (FileNotFoundError, NotADirectoryError):
             return {}
-        return {d.enc: d for d in sorted(found, key=lambda d: d.enc)}
+        except OSError:
+            pass  # a refused stat or listing: the tier's own listing below raises it, typed
     _files, dirs = tier.list_dir(layout.VERSIONS + "/")
     encs = [d[len(layout.VERSIONS) + 1 : -1] for d in dirs]
 
