@@ -146,6 +146,14 @@ class CheckpointManager:
             torch's 30 minutes).
         raise_errors: True (default): a failed save raises from the next ``save()``/``wait()``/
             ``close()``; False: it is only reported (its save line, ``on_save``, the metrics).
+        background_nice: how far the thread that runs the saves (THREAD executor) lowers its CPU
+            priority, as a nice increment 0-19 (Linux; elsewhere ignored). Default 19 (the value
+            RocksDB gives its background compaction threads): where the training keeps every core
+            busy, a save takes the CPU time the training leaves idle instead of slowing the steps
+            after a due step; a save then takes longer on a saturated machine. The threads it starts
+            (frame encoders, uploads, replica copies) inherit it; the last save after a preemption
+            signal runs at the process's own priority. 0: saves compete with training as equals
+            (:mod:`ckptstore._manager.save_queue`, "Background priority").
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``remote_options``, ...); ``world_size`` defaults to the job's.
             Among them ``replicas``: replication factor F — every node's objects are also copied to
@@ -211,10 +219,13 @@ class CheckpointManager:
         on_busy: str = "wait",
         raise_errors: bool = True,
         group_timeout_s: float | None = None,
+        background_nice: int = 19,
         **writer_options: Any,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError("on_busy must be 'wait' or 'skip'")
+        if isinstance(background_nice, bool) or not isinstance(background_nice, int) or not 0 <= background_nice <= 19:
+            raise ValueError(f"background_nice must be an int from 0 to 19 (a nice increment), not {background_nice!r}")
         kind = _executor_kind(executor, interval_steps, max_pending, writer_options)
         if key_file is not None:
             from .codec.crypto import key_or_file
@@ -238,7 +249,8 @@ class CheckpointManager:
         self.last_restore: RestoreInfo | None = None
         self._open_rooms(key=key, retention=retention, durability=durability, kind=kind, max_pending=max_pending,
                          save_rng=save_rng, per_rank_keys=per_rank_keys, writer_options=writer_options,
-                         on_busy=on_busy, raise_errors=raise_errors, group_timeout_s=group_timeout_s)
+                         on_busy=on_busy, raise_errors=raise_errors, group_timeout_s=group_timeout_s,
+                         background_nice=background_nice)
         self._events = EventSink(rank=self.rank, world=self._job.world, root=self.root, remote=remote,
                                  writer=self._writer, event_log=event_log, on_event=on_event,
                                  metrics_file=metrics_file, progress_s=progress_s)
@@ -254,7 +266,7 @@ class CheckpointManager:
 
     def _open_rooms(self, *, key, retention, durability: str, kind: str, max_pending: int, save_rng: bool,
                     per_rank_keys, writer_options: dict, on_busy: str = "wait", raise_errors: bool = True,
-                    group_timeout_s: float | None = None) -> None:
+                    group_timeout_s: float | None = None, background_nice: int = 0) -> None:
         """The writer, then the manager's group (after any group the writer makes: every rank makes
         them in the same order), the save queue, the state dicts and the restorer."""
         from .choice import version_pattern
@@ -282,7 +294,7 @@ class CheckpointManager:
         self._states = StateDicts(self.rank, per_rank_keys, save_rng)
         self._saves = SaveQueue(writer=self._writer, job=self._job, remote=self.remote is not None, executor=kind,
                                 max_pending=max_pending, report=self._report, on_busy=on_busy,
-                                raise_errors=raise_errors)
+                                raise_errors=raise_errors, nice=background_nice)
         self._restorer = Restorer(writer=self._writer, job=self._job, states=self._states)
         self._last_call: tuple[int, float] | None = None
         self._step_time: float | None = None

@@ -18,14 +18,24 @@ caller that must never block a training step (under torchft, docs/FORMAT.md Save
 save while the queue is full (:meth:`SaveQueue.busy`; the save line says ``outcome: "skipped"``).
 With ``raise_errors=False`` a failed save is only reported (its save line, ``on_save``), never raised
 from a later call; a job that lost ranks still raises :class:`JobBrokenError`.
+
+**Background priority.** The worker thread lowers its own CPU priority by ``nice`` (Linux: the
+thread's nice value, ``setpriority(PRIO_PROCESS, tid, ...)``; the threads it starts — the frame
+encoders, upload and replica threads — inherit it), so that on a machine whose cores the training
+keeps busy a save runs in the time the training leaves idle instead of lengthening the steps after a
+due step. Default 19, the value RocksDB's ``Env::LowerThreadPoolCPUPriority(..., CpuPriority::kLow)``
+gives its background compaction threads. A save that must finish by a deadline (the last save after a
+preemption signal) runs on a new worker at the process's own priority, once the saves before it are
+done: an unprivileged thread cannot raise its priority back (``RLIMIT_NICE``).
 """
 
 from __future__ import annotations
 
 import copy
-
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from typing import Callable
@@ -50,8 +60,10 @@ class SaveQueue:
     :attr:`infos` lists every save's :class:`~.info.SaveInfo`, oldest first (guarded by ``lock``)."""
 
     def __init__(self, *, writer, job, remote: bool, executor: str, max_pending: int, report: Callable,
-                 on_busy: str = "wait", raise_errors: bool = True) -> None:
+                 on_busy: str = "wait", raise_errors: bool = True, nice: int = 0) -> None:
         self.executor = executor
+        #: how much the worker thread lowers its priority (the nice increment; 0: not at all)
+        self.nice = nice
         self.on_busy = on_busy
         self.raise_errors_later = raise_errors
         self._writer, self._job, self._remote, self._report = writer, job, remote, report
@@ -97,6 +109,8 @@ class SaveQueue:
             t_stage = time.monotonic()
             staged = self._writer.stage(sd)
             extra["stage_s"] = time.monotonic() - t_stage
+            if deadline is not None and self.nice:
+                self._full_priority(deadline)
             self._ensure_worker()
             try:  # blocks while max_pending saves wait (policy: wait)
                 self._queue.put((info, staged, t0), timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
@@ -125,7 +139,24 @@ class SaveQueue:
             self._worker = threading.Thread(target=self._run, name="ckptstore-manager", daemon=True)
             self._worker.start()
 
+    def _full_priority(self, deadline: float) -> None:
+        """Before a save with a deadline: once the saves queued before it are done (until
+        ``deadline``, monotonic; :class:`CkptStoreError` past it), replace the lowered worker with one
+        at the process's own priority (the one calling this)."""
+        q = self._queue
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CkptStoreError("the saves in flight did not finish within the grace period")
+                q.all_tasks_done.wait(left)
+        self.stop()
+        self._worker = None
+        self.nice = 0
+
     def _run(self) -> None:
+        if self.nice:
+            lower_priority(self.nice)
         while True:
             job = self._queue.get()
             try:
@@ -329,3 +360,19 @@ def _typed_cause(e: BaseException | None) -> CkptStoreError | None:
                 return exc
         e = e.__cause__ or e.__context__
     return None
+
+
+def lower_priority(nice: int) -> int | None:
+    """Lower the calling thread's CPU priority by ``nice`` (its nice value, capped at 19); returns the
+    new value, or None where it could not (not Linux — ``setpriority`` there acts on the whole process —
+    or the call refused: logged). Threads this thread starts afterwards inherit it (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        value = min(19, os.getpriority(os.PRIO_PROCESS, tid) + int(nice))
+        os.setpriority(os.PRIO_PROCESS, tid, value)
+    except OSError as e:
+        log.debug("ckptstore: the save thread keeps its priority (%s)", e)
+        return None
+    return value
