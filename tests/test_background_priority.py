@@ -30,14 +30,15 @@ def _observed(monkeypatch, tmp_path, **kw) -> tuple[list, list, int]:
     reported, encoded = [], []
     real = _frames._encode
 
-    def encode(*a, **k):  # the real encoder runs; only its thread's nice value is noted
-        encoded.append(_nice())
+    def encode(*a, **k):  # the real encoder runs; only its thread and nice value are noted
+        encoded.append((threading.current_thread().name.split("_")[0], _nice()))
         return real(*a, **k)
 
     monkeypatch.setattr(_frames, "_encode", encode)
     before = _nice()
+    # 16 KiB of weights in 4 KiB frames: the first frame is encoded by the save thread, the others by encoders
     m = ckptstore.CheckpointManager(str(tmp_path), {"w": torch.nn.Linear(64, 64)}, save_on_signal=None,
-                                    event_log=False, on_save=lambda info: reported.append(_nice()), **kw)
+                                    event_log=False, on_save=lambda info: reported.append(_nice()), frame_size=4096, **kw)
     try:
         for step in (1, 2):
             m.save(step)
@@ -46,7 +47,8 @@ def _observed(monkeypatch, tmp_path, **kw) -> tuple[list, list, int]:
     finally:
         m.close()
     assert [v.version for v in ckptstore.Store(str(tmp_path)).versions()] == ["step-1", "step-2"]
-    return reported, encoded, before
+    assert {t for t, _n in encoded} == {"ckptstore-manager", "ckptstore-enc"}, encoded
+    return reported, [n for _t, n in encoded], before
 
 
 @linux

@@ -159,33 +159,60 @@ class ObjectSink:
                 st.abort()
 
 
-def write_frames(sink: ObjectSink, codec: FrameCodec, name: str, chunks, pool=None, window: int = 0) -> None:
+def write_frames(sink: ObjectSink, codec: FrameCodec, name: str, chunks, pool=None, window: int = 0,
+                 inline_bytes: int = 0) -> None:
     """The one frame-writing loop: count and encode each (chunk, width, refs, cell, scan) — in ``pool``,
     at most ``window`` frames ahead — and append the frames to ``sink`` in order, recording a FrameRef
-    in ``refs`` and adding the frame's non-finite values to ``scan``."""
+    in ``refs`` and adding the frame's non-finite values to ``scan``. Frames are encoded in the calling
+    thread while the raw bytes so far stay within ``inline_bytes``: a small object costs no hand-off
+    (and with a :class:`LazyPool`, no thread is started for it)."""
     pending: collections.deque = collections.deque()
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
             refs, scan, index, raw_len, job = pending.popleft()
-            head, payload, h, bad = job.result() if pool is not None else job
+            head, payload, h, bad = job.result() if isinstance(job, cf.Future) else job
             refs.append(sink.append(head, payload, h, raw_len, index))
             if bad:
                 scan.count += bad
 
+    seen = 0
     try:
         for index, (chunk, width, refs, cell, scan) in enumerate(chunks):
-            if pool is not None:
+            seen += len(chunk)
+            if pool is not None and seen > inline_bytes:
                 job = pool.submit(_encode, codec, name, index, chunk, width, cell, scan)
-            else:
-                job = _encode(codec, name, index, chunk, width, cell, scan)
-            pending.append((refs, scan, index, len(chunk), job))
-            drain(window if pool is not None else 0)
+                pending.append((refs, scan, index, len(chunk), job))
+                drain(window)
+            else:  # the frames before it were inline too: nothing is pending
+                pending.append((refs, scan, index, len(chunk), _encode(codec, name, index, chunk, width, cell, scan)))
+                drain(0)
         drain(0)
     finally:
         for _refs, _s, _i, _n, job in pending:  # an error: do not leave encodes running
-            if pool is not None:
+            if isinstance(job, cf.Future):
                 job.cancel()
+
+
+class LazyPool:
+    """A ``ThreadPoolExecutor`` of ``threads`` threads started at its first ``submit`` (a save of a few
+    KiB starts none); shut down, waiting for its work, when the ``with`` block ends."""
+
+    def __init__(self, threads: int, prefix: str) -> None:
+        self._threads, self._prefix = threads, prefix
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    def submit(self, fn, *args) -> cf.Future:
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(self._threads, thread_name_prefix=self._prefix)
+        return self._pool.submit(fn, *args)
+
+    def __enter__(self) -> LazyPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def chain_of(head: bytes) -> str:
@@ -320,8 +347,8 @@ class ShardWriter:
 
         try:
             sink = ObjectSink(self.tier, layout.object_key(version, name), "write.frame", stream=stream)
-            with cf.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ckptstore-enc") as pool, sink:
-                write_frames(sink, codec, name, chunks(), pool, window=max(2, 2 * cfg.threads))
+            with LazyPool(cfg.threads, "ckptstore-enc") as pool, sink:  # the first frame: in this thread
+                write_frames(sink, codec, name, chunks(), pool, window=max(2, 2 * cfg.threads), inline_bytes=frame_size)
                 _faults.point("write.commit")
         except BaseException:
             if refs is not None:
