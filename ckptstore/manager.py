@@ -147,12 +147,15 @@ class CheckpointManager:
         raise_errors: True (default): a failed save raises from the next ``save()``/``wait()``/
             ``close()``; False: it is only reported (its save line, ``on_save``, the metrics).
         background_nice: how far the thread that runs the saves (THREAD executor) lowers its CPU
-            priority, as a nice increment 0-19 (Linux; elsewhere ignored). Default 19 (the value
+            priority, as a nice increment 0-19 (Linux; elsewhere ignored). Default (None): the
+            environment variable ``CKPTSTORE_BACKGROUND_NICE`` when set, else 19 (the value
             RocksDB gives its background compaction threads): where the training keeps every core
             busy, a save takes the CPU time the training leaves idle instead of slowing the steps
             after a due step; a save then takes longer on a saturated machine. The threads it starts
-            (frame encoders, uploads, replica copies) inherit it; the last save after a preemption
-            signal runs at the process's own priority. 0: saves compete with training as equals
+            (frame encoders, and the upload, replica and tier-client pools it starts first, which
+            persist) inherit it; the last save after a preemption signal runs at the process's own
+            priority. The GIL is not prioritised: a lowered thread holding it delays the training
+            thread until it gets a core. 0: saves compete with training as equals
             (:mod:`ckptstore._manager.save_queue`, "Background priority").
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``remote_options``, ...); ``world_size`` defaults to the job's.
@@ -219,11 +222,19 @@ class CheckpointManager:
         on_busy: str = "wait",
         raise_errors: bool = True,
         group_timeout_s: float | None = None,
-        background_nice: int = 19,
+        background_nice: int | None = None,
         **writer_options: Any,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError("on_busy must be 'wait' or 'skip'")
+        if background_nice is None:
+            env = os.environ.get("CKPTSTORE_BACKGROUND_NICE", "").strip()
+            try:
+                background_nice = int(env) if env else 19
+            except ValueError:
+                background_nice = -1
+            if not 0 <= background_nice <= 19:
+                raise ValueError(f"CKPTSTORE_BACKGROUND_NICE must be an int from 0 to 19 (a nice increment), not {env!r}")
         if isinstance(background_nice, bool) or not isinstance(background_nice, int) or not 0 <= background_nice <= 19:
             raise ValueError(f"background_nice must be an int from 0 to 19 (a nice increment), not {background_nice!r}")
         kind = _executor_kind(executor, interval_steps, max_pending, writer_options)
@@ -393,11 +404,12 @@ class CheckpointManager:
         return SaveInfo(int(step), version, 0.0), sd, extra
 
     def _start_save(self, step: int, state, metadata, t0: float, *, forced: bool = False,
-                    deadline: float | None = None) -> SaveInfo:
+                    deadline: float | None = None, urgent: bool = False) -> SaveInfo:
         """Stage and queue (THREAD) or hand to DCP's checkpoint subprocess (PROCESS) the save of
-        ``step``; with ``deadline`` (monotonic), waits for earlier saves only until then."""
+        ``step``; with ``deadline`` (monotonic), waits for earlier saves only until then; ``urgent``:
+        at the process's priority (the last save after a preemption signal)."""
         info, sd, extra = self._prepare(step, state, metadata, t0, forced)
-        self._saves.submit(info, sd, t0, extra, deadline)
+        self._saves.submit(info, sd, t0, extra, deadline, urgent=urgent)
         return info
 
     def _note_step(self, step: int, now: float) -> None:
@@ -429,7 +441,7 @@ class CheckpointManager:
             self._job.check()
             if self.executor == "process":
                 return self._save_here(step, state, metadata, t0, deadline)
-            return self._start_save(step, state, metadata, t0, forced=True, deadline=deadline)
+            return self._start_save(step, state, metadata, t0, forced=True, deadline=deadline, urgent=True)
 
         last = self._preempt.save_last(step, version, pre, start, lambda: self._committed_locally(version),
                                        self.remote is not None)

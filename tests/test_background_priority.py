@@ -70,17 +70,32 @@ def test_a_partial_increment_adds_to_the_process_nice_value(monkeypatch, tmp_pat
     assert reported == [min(19, before + 5)] * 2
 
 
+@linux
+def test_the_environment_sets_the_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("CKPTSTORE_BACKGROUND_NICE", "3")
+    reported, _enc, before = _observed(monkeypatch, tmp_path)
+    assert reported == [min(19, before + 3)] * 2
+
+
 @pytest.mark.parametrize("bad", [-1, 20, 2.5, True, "19"])
 def test_a_nice_increment_outside_0_to_19_is_refused(tmp_path, bad):
     with pytest.raises(ValueError, match="background_nice"):
         ckptstore.CheckpointManager(str(tmp_path), {"w": torch.zeros(2)}, save_on_signal=None, background_nice=bad)
 
 
+@pytest.mark.parametrize("bad", ["20", "low"])
+def test_a_bad_environment_value_is_refused(monkeypatch, tmp_path, bad):
+    monkeypatch.setenv("CKPTSTORE_BACKGROUND_NICE", bad)
+    with pytest.raises(ValueError, match="BACKGROUND_NICE"):
+        ckptstore.CheckpointManager(str(tmp_path), {"w": torch.zeros(2)}, save_on_signal=None)
+
+
 PREEMPTED = """
 import json, os, signal, sys, threading, torch, ckptstore
 nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 seen = []
-m = ckptstore.CheckpointManager(sys.argv[1], {"w": torch.nn.Linear(64, 64)}, interval_steps=2, grace_s=20,
+grace = None if sys.argv[2] == "none" else float(sys.argv[2])
+m = ckptstore.CheckpointManager(sys.argv[1], {"w": torch.nn.Linear(64, 64)}, interval_steps=2, grace_s=grace,
                                 on_save=lambda info: seen.append([info.step, nice()]))
 try:
     for step in range(1, 10):
@@ -96,12 +111,14 @@ except ckptstore.errors.Preempted as e:
 
 
 @linux
-def test_the_last_save_after_sigterm_runs_at_the_process_priority(tmp_path):
+@pytest.mark.parametrize("grace", ["20", "none"])
+def test_the_last_save_after_sigterm_runs_at_the_process_priority(tmp_path, grace):
     """Steps 2 and 4 save in the background (lowered); SIGTERM before step 5: step 5 is saved by a
-    thread at the training thread's own priority, and the process exits 143."""
+    thread at the training thread's own priority, and the process exits 143 — with a grace period
+    and without one (``grace_s=None``: no deadline)."""
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
-    p = subprocess.run([sys.executable, "-c", PREEMPTED, str(tmp_path)], env=env, capture_output=True, text=True,
-                       timeout=180)
+    p = subprocess.run([sys.executable, "-c", PREEMPTED, str(tmp_path), grace], env=env, capture_output=True,
+                       text=True, timeout=180)
     assert p.returncode == 143, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     main = got["main"]

@@ -20,13 +20,18 @@ With ``raise_errors=False`` a failed save is only reported (its save line, ``on_
 from a later call; a job that lost ranks still raises :class:`JobBrokenError`.
 
 **Background priority.** The worker thread lowers its own CPU priority by ``nice`` (Linux: the
-thread's nice value, ``setpriority(PRIO_PROCESS, tid, ...)``; the threads it starts — the frame
-encoders, upload and replica threads — inherit it), so that on a machine whose cores the training
-keeps busy a save runs in the time the training leaves idle instead of lengthening the steps after a
-due step. Default 19, the value RocksDB's ``Env::LowerThreadPoolCPUPriority(..., CpuPriority::kLow)``
-gives its background compaction threads. A save that must finish by a deadline (the last save after a
-preemption signal) runs on a new worker at the process's own priority, once the saves before it are
-done: an unprivileged thread cannot raise its priority back (``RLIMIT_NICE``).
+thread's nice value, ``setpriority(PRIO_PROCESS, tid, ...)``; elsewhere nothing is lowered). The
+threads it starts inherit it: the frame encoders, and the upload, replica and tier-client threads
+that it starts first — those pools persist and serve later uploads and reads at that priority too.
+On a machine whose cores the training keeps busy a save then runs in the time the training leaves
+idle instead of lengthening the steps after a due step. Default 19, the value RocksDB's
+``Env::LowerThreadPoolCPUPriority(..., CpuPriority::kLow)`` gives its background threads. Unlike
+RocksDB's, these threads share the GIL (and a few locks) with the training thread: while a lowered
+thread holds it and waits for a core, the training thread waits too, so on a machine with no idle
+core a save's Python work can still lengthen a step (measured: docs/DEMO.md, "torchft: the seed
+rate"). The last save after a preemption signal (``urgent``) runs on a new worker at the process's
+own priority, once the saves queued before it are done: an unprivileged thread cannot raise its
+priority back (``RLIMIT_NICE``), so the lowered worker is ended instead.
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ class SaveQueue:
     def __init__(self, *, writer, job, remote: bool, executor: str, max_pending: int, report: Callable,
                  on_busy: str = "wait", raise_errors: bool = True, nice: int = 0) -> None:
         self.executor = executor
-        #: how much the worker thread lowers its priority (the nice increment; 0: not at all)
-        self.nice = nice
+        #: how much the worker thread lowers its priority (the nice increment; 0: not at all; Linux only)
+        self.nice = nice if sys.platform.startswith("linux") else 0
         self.on_busy = on_busy
         self.raise_errors_later = raise_errors
         self._writer, self._job, self._remote, self._report = writer, job, remote, report
@@ -87,11 +92,13 @@ class SaveQueue:
             return f is not None and not f.done()
         return self._queue.full()
 
-    def submit(self, info, sd: dict, t0: float, extra: dict, deadline: float | None = None) -> None:
+    def submit(self, info, sd: dict, t0: float, extra: dict, deadline: float | None = None,
+               urgent: bool = False) -> None:
         """Stage ``sd`` and queue (THREAD) or hand to DCP's checkpoint subprocess (PROCESS) the save
         ``info`` (``save()`` called at monotonic ``t0``); with ``deadline`` (monotonic), waits for
-        earlier saves only until then (:class:`CkptStoreError` past it). Sets ``info.blocked_s`` and
-        ``extra["stage_s"]``."""
+        earlier saves only until then (:class:`CkptStoreError` past it). ``urgent``: the save runs at
+        the process's priority (the last save after a preemption signal; "Background priority"
+        above). Sets ``info.blocked_s`` and ``extra["stage_s"]``."""
         if self.executor == "process":
             if not self.wait_process(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 raise CkptStoreError("the save in flight did not finish within the grace period")
@@ -109,7 +116,7 @@ class SaveQueue:
             t_stage = time.monotonic()
             staged = self._writer.stage(sd)
             extra["stage_s"] = time.monotonic() - t_stage
-            if deadline is not None and self.nice:
+            if urgent and self.nice:
                 self._full_priority(deadline)
             self._ensure_worker()
             try:  # blocks while max_pending saves wait (policy: wait)
@@ -139,18 +146,20 @@ class SaveQueue:
             self._worker = threading.Thread(target=self._run, name="ckptstore-manager", daemon=True)
             self._worker.start()
 
-    def _full_priority(self, deadline: float) -> None:
-        """Before a save with a deadline: once the saves queued before it are done (until
-        ``deadline``, monotonic; :class:`CkptStoreError` past it), replace the lowered worker with one
-        at the process's own priority (the one calling this)."""
-        q = self._queue
+    def _full_priority(self, deadline: float | None) -> None:
+        """Before an urgent save: once the saves queued before it are done (until ``deadline``,
+        monotonic, :class:`CkptStoreError` past it; None: no bound), end the lowered worker; the next
+        one starts at the priority of the thread calling this (the training thread's)."""
+        q, w = self._queue, self._worker
         with q.all_tasks_done:
-            while q.unfinished_tasks:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while q.unfinished_tasks and w is not None and w.is_alive():  # a dead worker runs nothing
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise CkptStoreError("the saves in flight did not finish within the grace period")
-                q.all_tasks_done.wait(left)
-        self.stop()
+                q.all_tasks_done.wait(1.0 if left is None else min(1.0, left))
+        if w is not None and w.is_alive():
+            q.put(None)  # the worker is idle in get(): it takes this and returns
+            w.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._worker = None
         self.nice = 0
 

@@ -184,7 +184,7 @@ def write_frames(sink: ObjectSink, codec: FrameCodec, name: str, chunks, pool=No
                 job = pool.submit(_encode, codec, name, index, chunk, width, cell, scan)
                 pending.append((refs, scan, index, len(chunk), job))
                 drain(window)
-            else:  # the frames before it were inline too: nothing is pending
+            else:  # ``seen`` only grows: every frame before this one was inline and is written
                 pending.append((refs, scan, index, len(chunk), _encode(codec, name, index, chunk, width, cell, scan)))
                 drain(0)
         drain(0)
