@@ -1,7 +1,8 @@
-"""The priority of a CheckpointManager's saves (``background_nice``; ckptstore/_manager/save_queue.py,
-"Background priority"): the thread that runs the saves, and the frame encoders it starts, lower their
-own CPU priority; the training thread keeps its own; the last save after a preemption signal runs at
-the process's priority. Real saves, real threads, the kernel's nice values read back."""
+"""The priority of a CheckpointManager's saves (``background_nice``, off by default;
+ckptstore/_manager/save_queue.py, "Background priority"): when set, the thread that runs the saves, and
+the frame encoders it starts, lower their own CPU priority; the training thread keeps its own; the last
+save after a preemption signal runs at the process's priority. Real saves, real threads, the kernel's
+nice values read back."""
 
 from __future__ import annotations
 
@@ -53,14 +54,16 @@ def _observed(monkeypatch, tmp_path, **kw) -> tuple[list, list, int]:
 
 @linux
 def test_saves_run_at_the_lowest_priority_and_training_keeps_its_own(monkeypatch, tmp_path):
-    reported, encoded, before = _observed(monkeypatch, tmp_path)
+    reported, encoded, before = _observed(monkeypatch, tmp_path, background_nice=19)
     assert reported == [min(19, before + 19)] * 2
     assert encoded and set(encoded) == {min(19, before + 19)}  # the encoder threads inherit it
 
 
 @linux
-def test_background_nice_0_saves_at_the_process_priority(monkeypatch, tmp_path):
-    reported, encoded, before = _observed(monkeypatch, tmp_path, background_nice=0)
+@pytest.mark.parametrize("kw", [{}, {"background_nice": 0}], ids=["default", "0"])
+def test_by_default_and_with_0_saves_run_at_the_process_priority(monkeypatch, tmp_path, kw):
+    monkeypatch.delenv("CKPTSTORE_BACKGROUND_NICE", raising=False)
+    reported, encoded, before = _observed(monkeypatch, tmp_path, **kw)
     assert reported == [before] * 2 and set(encoded) == {before}
 
 
@@ -95,7 +98,7 @@ import json, os, signal, sys, threading, torch, ckptstore
 nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 seen = []
 grace = None if sys.argv[2] == "none" else float(sys.argv[2])
-m = ckptstore.CheckpointManager(sys.argv[1], {"w": torch.nn.Linear(64, 64)}, interval_steps=2, grace_s=grace,
+m = ckptstore.CheckpointManager(sys.argv[1], {"w": torch.nn.Linear(64, 64)}, interval_steps=2, grace_s=grace, background_nice=19,
                                 on_save=lambda info: seen.append([info.step, nice()]))
 try:
     for step in range(1, 10):

@@ -23,13 +23,14 @@ from a later call; a job that lost ranks still raises :class:`JobBrokenError`.
 thread's nice value, ``setpriority(PRIO_PROCESS, tid, ...)``; elsewhere nothing is lowered). The
 threads it starts inherit it: the frame encoders, and the upload, replica and tier-client threads
 that it starts first — those pools persist and serve later uploads and reads at that priority too.
-On a machine whose cores the training keeps busy a save then runs in the time the training leaves
-idle instead of lengthening the steps after a due step. Default 19, the value RocksDB's
-``Env::LowerThreadPoolCPUPriority(..., CpuPriority::kLow)`` gives its background threads. Unlike
-RocksDB's, these threads share the GIL (and a few locks) with the training thread: while a lowered
-thread holds it and waits for a core, the training thread waits too, so on a machine with no idle
-core a save's Python work can still lengthen a step (measured: docs/DEMO.md, "torchft: the seed
-rate"). The last save after a preemption signal (``urgent``) runs on a new worker at the process's
+On a machine whose cores the training keeps busy a save then takes more of its CPU from the time
+the training leaves idle (19 is what RocksDB's ``Env::LowerThreadPoolCPUPriority(...,
+CpuPriority::kLow)`` gives its background threads). Unlike RocksDB's, these threads share the GIL
+(and a few locks) with the training thread: while a lowered thread holds it and waits for a core,
+the training thread waits too. Measured on 6 training processes sharing 2 cores (docs/DEMO.md,
+"torchft: the seed rate"), 19 spread a due step's cost over two steps instead of one (the step
+after it +29 and +20 ms instead of +40 and +2) without lowering the p99 step time or the total, so
+:class:`ckptstore.CheckpointManager` leaves it off by default (0). The last save after a preemption signal (``urgent``) runs on a new worker at the process's
 own priority, once the saves queued before it are done: an unprivileged thread cannot raise its
 priority back (``RLIMIT_NICE``), so the lowered worker is ended instead.
 """
