@@ -154,8 +154,8 @@ class CheckpointManager:
             the upload, replica and tier-client pools it starts first, which persist) inherit it;
             the last save after a preemption signal runs at the process's own priority. The GIL is
             not prioritised: a lowered thread holding it delays the training thread until it gets a
-            core — measured, 19 spread a due step's cost over two steps without lowering the p99 step
-            time, hence off by default (:mod:`ckptstore._manager.save_queue`, "Background priority").
+            core; a due save waits for a lowered one still running (``on_busy="wait"``), hence off by
+            default (measured: :mod:`ckptstore._manager.save_queue`, "Background priority").
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``remote_options``, ...); ``world_size`` defaults to the job's.
             Among them ``replicas``: replication factor F — every node's objects are also copied to

@@ -858,6 +858,10 @@ def test_hsdp_groups_of_two_ranks_save_every_shard_and_cold_restart_exactly(tmp_
     recs = {v.version: v for v in _versions(root)}
     assert {"step-3", "step-6"} <= set(recs), sorted(recs)
     assert recs["step-3"].world_size == 2  # both ranks of the writing group saved their shards
+    for g in range(2):  # the tier's saves ran lowered (background_nice=19), the training thread did not
+        for r in range(2):
+            (end,) = [x for x in job.lines(g, r) if "save_nice" in x and x["launch"] == "1"]
+            assert end["save_nice"] == [min(19, end["main_nice"] + 19)] and end["main_nice"] < 19, end
     from ckptstore.manifest import catalogue
     from ckptstore.tiers.local import LocalTier
 

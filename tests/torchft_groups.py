@@ -37,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -283,6 +284,11 @@ def _loop(cfg, manager, tier, ddp, optim, sched, crit, out, launch, kill) -> Non
             time.sleep(cfg["pace_s"])  # a group is away: slow down until it is back
         if manager.current_step() >= cfg["steps"]:
             break
+    # the nice values of the threads that ran this rank's saves and of this (the training) thread
+    nice = lambda tid: os.getpriority(os.PRIO_PROCESS, tid)  # noqa: E731
+    out.write(json.dumps({"launch": launch, "main_nice": nice(threading.get_native_id()),
+                          "save_nice": sorted({nice(t.native_id) for t in threading.enumerate()
+                                               if t.name == "ckptstore-manager" and t.is_alive()})}) + "\n")
 
 
 # -- the test side ---------------------------------------------------------------------------------

@@ -349,7 +349,11 @@ class DurableTier:
         key: as :class:`ckptstore.CheckpointManager`.
         on_event: as :class:`ckptstore.CheckpointManager`.
         event_log: as :class:`ckptstore.CheckpointManager`.
-        **writer_options: as :class:`ckptstore.CheckpointManager`.
+        **writer_options: as :class:`ckptstore.CheckpointManager`. ``background_nice`` (the saves'
+            CPU priority) defaults to 19 here, where :class:`ckptstore.CheckpointManager` defaults to
+            0 (or ``CKPTSTORE_BACKGROUND_NICE`` when set): the tier's saves never block a step (a due
+            save while one runs is skipped), so a lowered save can only be skipped, never hold up
+            training, and a due step's cost spreads over more steps (docs/torchft.md).
     """
 
     def __init__(self, root: str | os.PathLike, manager: Any, state: dict[str, Any], *, group: int,
@@ -429,8 +433,11 @@ class DurableTier:
             remote = self._remote_tier(remote, writer_options.get("remote_options") or writer_options.get("endpoint_url"))
         self.remote = remote
         self._key = key
+        nice = writer_options.pop("background_nice", None)
+        if nice is None and not os.environ.get("CKPTSTORE_BACKGROUND_NICE", "").strip():
+            nice = 19  # a save here never blocks a step (on_busy="skip"): lowered, it can only be skipped
         common = dict(remote=remote, key=key, durability=durability, on_busy="skip", raise_errors=False,
-                      save_on_signal=None, group_timeout_s=self.timeout_s, save_rng=False)
+                      save_on_signal=None, group_timeout_s=self.timeout_s, save_rng=False, background_nice=nice)
         from .. import CheckpointManager
         from ..retention import KeepLast, RetentionPolicy
 
