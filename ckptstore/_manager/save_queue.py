@@ -30,11 +30,12 @@ CpuPriority::kLow)`` gives its background threads). Unlike RocksDB's, these thre
 the training thread waits too. Measured on 6 training processes sharing 2 cores (docs/DEMO.md,
 "torchft: the seed rate"), 19 spread a due step's cost over two steps instead of one (+30 and +22
 ms instead of +50) for the same total, and p99 read × 1.12 against × 1.24 over 11,000 steps (not
-beyond the noise over 3,000). A lowered save also takes longer, and :class:`ckptstore.CheckpointManager`
-(whose due save waits for the previous one) leaves it off by default (0); the torchft tier, whose due
-save is skipped instead, lowers its saves (19). The last save after a preemption signal (``urgent``) runs on a new worker at the process's
-own priority, once the saves queued before it are done: an unprivileged thread cannot raise its
-priority back (``RLIMIT_NICE``), so the lowered worker is ended instead.
+beyond the noise over 3,000). A lowered save also takes longer, and
+:class:`ckptstore.CheckpointManager` (whose due save waits for the previous one) leaves it off by
+default (0); the torchft tier, whose due save is skipped instead, lowers its saves (19). The last
+save after a preemption signal (``urgent``) runs on a new worker at the process's own priority, once
+the saves queued before it are done: an unprivileged thread cannot raise its priority back
+(``RLIMIT_NICE``), so the lowered worker is ended instead.
 """
 
 from __future__ import annotations
