@@ -13,7 +13,6 @@ package's typed errors. Example counts are printed at the end of the module (``-
 
 from __future__ import annotations
 
-import base64
 import collections
 import copy
 import dataclasses
@@ -403,7 +402,6 @@ def _metadata(root, version):
 
 def _loc_mutations(md, attempt):
     """(what, storage_data) with one ItemLocation made hostile."""
-    from ckptstore.dcp._types import ItemLocation
 
     items = [(k, v) for k, v in md.storage_data.items() if v.shape is not None and len(v.frames) >= 1]
     idx, loc = items[0]
