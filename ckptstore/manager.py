@@ -45,7 +45,7 @@ from ._manager.info import RestoreInfo, SaveInfo  # noqa: F401 - public here
 from ._manager.job import Job, world_size
 from ._manager.preempt import Preemption
 from ._manager.restore import Restorer, Source
-from ._manager.save_queue import SaveQueue
+from ._manager.save_queue import SaveQueue, resolve_nice
 from ._manager.sink import EventSink
 from ._manager.state import StateDicts
 from ._state_keys import canonical_fqn  # noqa: F401 - public here
@@ -226,16 +226,7 @@ class CheckpointManager:
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError("on_busy must be 'wait' or 'skip'")
-        if background_nice is None:
-            env = os.environ.get("CKPTSTORE_BACKGROUND_NICE", "").strip()
-            try:
-                background_nice = int(env) if env else 0
-            except ValueError:
-                background_nice = -1
-            if not 0 <= background_nice <= 19:
-                raise ValueError(f"CKPTSTORE_BACKGROUND_NICE must be an int from 0 to 19 (a nice increment), not {env!r}")
-        if isinstance(background_nice, bool) or not isinstance(background_nice, int) or not 0 <= background_nice <= 19:
-            raise ValueError(f"background_nice must be an int from 0 to 19 (a nice increment), not {background_nice!r}")
+        background_nice = resolve_nice(background_nice, 0)
         kind = _executor_kind(executor, interval_steps, max_pending, writer_options)
         if key_file is not None:
             from .codec.crypto import key_or_file

@@ -389,3 +389,19 @@ def lower_priority(nice: int) -> int | None:
         log.debug("ckptstore: the save thread keeps its priority (%s)", e)
         return None
     return value
+
+
+def resolve_nice(value: int | None, default: int) -> int:
+    """The nice increment of a manager's saves: ``value``, else ``CKPTSTORE_BACKGROUND_NICE`` when
+    set, else ``default``. Raises ``ValueError`` for anything but an int from 0 to 19."""
+    where = "background_nice"
+    if value is None:
+        env = os.environ.get("CKPTSTORE_BACKGROUND_NICE", "").strip()
+        where, value = "CKPTSTORE_BACKGROUND_NICE", env if env else default
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"{where} must be an int from 0 to 19 (a nice increment), not {env!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+        raise ValueError(f"{where} must be an int from 0 to 19 (a nice increment), not {value!r}")
+    return value

@@ -433,9 +433,10 @@ class DurableTier:
             remote = self._remote_tier(remote, writer_options.get("remote_options") or writer_options.get("endpoint_url"))
         self.remote = remote
         self._key = key
-        nice = writer_options.pop("background_nice", None)
-        if nice is None and not os.environ.get("CKPTSTORE_BACKGROUND_NICE", "").strip():
-            nice = 19  # a save here never blocks a step (on_busy="skip"): lowered, it can only be skipped
+        from .._manager.save_queue import resolve_nice
+
+        # a save here never blocks a step (on_busy="skip"): lowered, it can only be skipped
+        nice = resolve_nice(writer_options.pop("background_nice", None), 19)
         common = dict(remote=remote, key=key, durability=durability, on_busy="skip", raise_errors=False,
                       save_on_signal=None, group_timeout_s=self.timeout_s, save_rng=False, background_nice=nice)
         from .. import CheckpointManager
