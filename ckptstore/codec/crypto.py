@@ -30,6 +30,7 @@ import threading
 import dataclasses
 from typing import Any, Callable, Protocol, Union
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -305,16 +306,17 @@ class FrameCipher:
         nonce = secrets.token_bytes(NONCE)
         enc = Cipher(self._alg, modes.GCM(nonce)).encryptor()
         enc.authenticate_additional_data(aad)
-        out = bytearray(NONCE + total + TAG + 15)  # update_into wants len(part) + block - 1 of room
-        out[:NONCE] = nonce
-        mv = memoryview(out)
+        # update_into wants len(part) + block - 1 of room; fresh memory that is not zeroed first (every
+        # byte returned is written below: a bytearray's zero fill cost ~3 % of a save's CPU)
+        mv = memoryview(np.empty(NONCE + total + TAG + 15, np.uint8)).cast("B")
+        mv[:NONCE] = nonce
         pos = NONCE
         for p in parts:
             p = memoryview(p).cast("B")
             if len(p):
                 pos += enc.update_into(p, mv[pos:])
         enc.finalize()
-        out[pos : pos + TAG] = enc.tag
+        mv[pos : pos + TAG] = enc.tag
         return mv[: pos + TAG]
 
     def decrypt(self, blob, aad: bytes, what: str, scratch: bool = False, out=None):
