@@ -257,3 +257,38 @@ def test_a_directory_that_is_not_a_version_does_not_stop_saves_or_listings(tmp_p
     m.close()
     assert [r.version for r in ckptstore.Store(root).versions()] == ["step-1", "step-2"]
     assert os.path.isdir(os.path.join(root, "versions", "a copy"))
+
+
+def test_records_of_settled_versions_follow_every_change(tmp_path):
+    """The records a listing builds are reused while a version's entry is unchanged
+    (``catalogue._Records``): in one process, listings of the same settled root see a pin and its
+    removal, a damage mark and its removal, and an overwrite by another process (its new attempt,
+    seq and bytes), each in the very next listing."""
+    import torch.distributed.checkpoint as dcp
+
+    root = str(tmp_path / "root")
+    for v in ("a", "b"):
+        dcp.save({"w": torch.ones(4)}, storage_writer=ckptstore.StorageWriter(root, version=v))
+    time.sleep(SETTLE_S)
+    st = ckptstore.Store(root)
+
+    def rec(v):
+        return {r.version: r for r in ckptstore.Store(root).versions()}[v]
+
+    first = rec("a")
+    assert rec("a") is first  # unchanged: the same record
+    st.pin("a", "keep")
+    assert rec("a").pinned
+    st.unpin("a")
+    assert not rec("a").pinned
+    tier = st.tier("local")
+    tier.put(layout.damaged_key("a"), json.dumps({"attempt": first.attempt, "reason": "test"}).encode())
+    assert rec("a").damaged
+    tier.delete(layout.damaged_key("a"))
+    assert not rec("a").damaged
+    code = ("import sys, torch, torch.distributed.checkpoint as dcp, ckptstore\n"
+            "dcp.save({'w': torch.zeros(64)}, storage_writer=ckptstore.StorageWriter(sys.argv[1], version='a', overwrite=True))\n")
+    subprocess.run([sys.executable, "-c", code, root], check=True, timeout=120)
+    again = rec("a")
+    assert again.attempt != first.attempt and again.nbytes > first.nbytes and again.seq > first.seq
+    assert dict(again.supersedes).keys() == {first.attempt}
