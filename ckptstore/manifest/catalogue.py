@@ -519,7 +519,7 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
         shared = sum(o.size for o in m.all_objects() if layout.object_key(v, o.name) in held) if held else 0
         alone = len(holders) == 1 and not shared
         if alone:
-            hit = _records.get((t_best, v))
+            hit = _records.get((t_best, v, id(m)))  # the roots of one process each hold their own
             if hit is not None and hit[0] is m and hit[1] == (best.pinned, best.damaged):
                 recs.append(hit[2])
                 continue
@@ -550,7 +550,7 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
         )
         recs.append(rec)
         if alone:
-            _records.put((t_best, v), (m, (best.pinned, best.damaged), rec))
+            _records.put((t_best, v, id(m)), (m, (best.pinned, best.damaged), rec))
     recs.sort(key=lambda r: r.order)
     return recs
 
