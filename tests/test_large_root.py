@@ -292,3 +292,35 @@ def test_records_of_settled_versions_follow_every_change(tmp_path):
     again = rec("a")
     assert again.attempt != first.attempt and again.nbytes > first.nbytes and again.seq > first.seq
     assert dict(again.supersedes).keys() == {first.attempt}
+
+
+def test_records_die_with_their_manifests():
+    """A long run whose retention deletes old versions: the records merge reused for them are freed
+    with their manifests (nothing but the manifests' own caches bounds what is held), while a held
+    manifest's record is reused."""
+    import gc
+
+    from ckptstore.manifest.schema import Manifest, ObjectEntry
+
+    def manifest(i):
+        att = f"a{i:031x}"
+        return Manifest(version=f"step-{i}", attempt=att, created="2026-01-01T00:00:00.000000Z", world_size=1,
+                        objects=[ObjectEntry(f"attempts/{att}/rank-0.bin", 1 << 20, "0" * 16, 1, 0, 1 << 20)],
+                        metadata_object=ObjectEntry(f"attempts/{att}/metadata.bin", 1000, "0" * 16, 1, None, 1000),
+                        nbytes=1 << 20, stored_bytes=1 << 20, step=i, user={f"k{k}": k for k in range(100)}, seq=i)
+
+    gc.collect()
+    before = len(catalogue._records._held)
+    live = {}
+    for i in range(2000):
+        live[f"step-{i}"] = catalogue.TierEntry(manifest(i), None, False, False)
+        recs = catalogue.merge({"local": live})
+        while len(live) > 3:  # retention deleted the oldest
+            del live[next(iter(live))]
+    kept = {r.version: r for r in recs}
+    assert [r.version for r in catalogue.merge({"local": live})] == sorted(live, key=lambda v: int(v[5:]))
+    assert all(r is kept[r.version] for r in catalogue.merge({"local": live}) if r.version in kept)
+    live.clear()
+    recs = kept = None
+    gc.collect()
+    assert len(catalogue._records._held) <= before

@@ -17,6 +17,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -519,9 +520,9 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
         shared = sum(o.size for o in m.all_objects() if layout.object_key(v, o.name) in held) if held else 0
         alone = len(holders) == 1 and not shared
         if alone:
-            hit = _records.get((t_best, v, id(m)))  # the roots of one process each hold their own
-            if hit is not None and hit[0] is m and hit[1] == (best.pinned, best.damaged):
-                recs.append(hit[2])
+            hit = _records.get(m, (t_best, v))
+            if hit is not None and hit[0] == (best.pinned, best.damaged):
+                recs.append(hit[1])
                 continue
         tiers = frozenset(t for t, e in holders.items() if e.manifest.attempt == att)
         rec = (
@@ -550,7 +551,7 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
         )
         recs.append(rec)
         if alone:
-            _records.put((t_best, v, id(m)), (m, (best.pinned, best.damaged), rec))
+            _records.put(m, (t_best, v), ((best.pinned, best.damaged), rec))
     recs.sort(key=lambda r: r.order)
     return recs
 
@@ -560,33 +561,33 @@ class _Records:
     entry holds the same manifest object (a held listing returns the same parse while the directory
     is unchanged, :class:`_Settled`) with the same pin and damage marks and no other version
     references its objects: a save's retention pass then builds records only for what changed
-    (10.7 → 1.5 µs per version of a root of 852). Records are immutable. Bounded by the objects of
-    the manifests kept alive (a manifest's parse grows with its objects: one per rank), least
-    recently stored first."""
-
-    LIMIT_OBJECTS = 1 << 17
+    (10.7 → 1.5 µs per version of a root of 852). Records are immutable. A manifest's records live
+    as long as the manifest object (a weak reference: what holds the parses, :class:`_Settled` and
+    :class:`_ParseCache`, bounds them in bytes; a version deleted or rewritten takes its records
+    with its parse)."""
 
     def __init__(self) -> None:
-        self._held: dict = {}
-        self._weight = 0
+        self._held: dict = {}  # id(manifest) -> (weak reference to it, {(tier, version): (flags, record)})
         self._lock = threading.Lock()
 
-    def get(self, key: tuple):
-        return self._held.get(key)
+    def get(self, m: Manifest, key: tuple):
+        h = self._held.get(id(m))
+        return None if h is None or h[0]() is not m else h[1].get(key)
 
-    def put(self, key: tuple, value: tuple) -> None:
-        w = 1 + len(value[0].objects)
+    def put(self, m: Manifest, key: tuple, value: tuple) -> None:
         with self._lock:
-            old = self._held.pop(key, None)
-            if old is not None:
-                self._weight -= 1 + len(old[0].objects)
-            if w > self.LIMIT_OBJECTS // 8:
-                return
-            self._held[key] = value
-            self._weight += w
-            while self._weight > self.LIMIT_OBJECTS:
-                gone = self._held.pop(next(iter(self._held)))
-                self._weight -= 1 + len(gone[0].objects)
+            h = self._held.get(id(m))
+            if h is None or h[0]() is not m:
+                h = (weakref.ref(m, functools.partial(self._drop, id(m))), {})
+                self._held[id(m)] = h
+            h[1][key] = value
+
+    def _drop(self, ident: int, ref: weakref.ref) -> None:
+        # called by the collector at any point, maybe in a thread that holds the lock: no lock here;
+        # a racing put for a new object at the same address loses its entry (a later miss, no harm)
+        h = self._held.get(ident)
+        if h is not None and h[0] is ref:
+            self._held.pop(ident, None)
 
 
 _records = _Records()
