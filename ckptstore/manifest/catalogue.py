@@ -510,7 +510,8 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
     recs = []
     for v in names:
         holders = {t: e[v] for t, e in per_tier.items() if v in e}
-        if len(holders) == 1:  # one copy: it is the version (order.resolve's answer, without its inputs)
+        one = len(holders) == 1
+        if one:  # one copy: it is the version (order.resolve's answer, without its inputs)
             att = next(iter(holders.values())).manifest.attempt
         else:
             att = order.resolve([copy_of(e.manifest, remote=(t == "remote")) for t, e in holders.items()])
@@ -518,7 +519,7 @@ def merge(per_tier: dict[str, dict[str, TierEntry]]) -> list[VersionRecord]:
         m = best.manifest
         held = refs[t_best]
         shared = sum(o.size for o in m.all_objects() if layout.object_key(v, o.name) in held) if held else 0
-        alone = len(holders) == 1 and not shared
+        alone = one and not shared
         if alone:
             hit = _records.get(m, (t_best, v))
             if hit is not None and hit[0] == (best.pinned, best.damaged):
