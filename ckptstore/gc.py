@@ -64,7 +64,7 @@ import re
 import time
 from typing import Callable, Iterable, Mapping
 
-from . import _faults
+from . import _faults, _pace
 from ._gc_types import ABORT_UPLOAD, DELETE, RMDIR, UNCOMMIT, Action, GcPlan, GcResult, Survivor, TierSnapshot, Upload
 from .errors import CkptStoreError, ManifestError, ObjectNotFoundError, UnsupportedFormatError, VersionNotFoundError, version_not_found
 from .manifest import catalogue, layout, leases, placement, writers
@@ -614,7 +614,9 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     if not rules:
         return []
     try:
+        _pace.point()  # a paced save thread's pieces (ckptstore/_pace.py)
         entries = catalogue.scan(tier)
+        _pace.point()
         mine = order_key(committed.step, committed.seq, committed.created, committed.version)
         # the versions in the policy's scope only: the others are kept whatever it decides (a root
         # that several managers share: one save does not build records of every other series)
@@ -627,11 +629,13 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     except Exception as e:  # noqa: BLE001 - the save is committed; retention is best effort
         log.warning("retention after committing %r in the %s tier failed: %s", committed.version, name, e)
         return []
+    _pace.point()
     gone = {d.version for d in decisions if not d.keep and d.version in entries}
     kept_refs = catalogue.referenced(entries, exclude=gone)
     for d in decisions:
         if d.keep or d.version not in entries:
             continue
+        _pace.point()
         try:
             remove_version(tier, d.version, entries[d.version].manifest, tier_name=name, reason="; ".join(d.reasons),
                            referenced=kept_refs)

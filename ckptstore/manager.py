@@ -156,6 +156,18 @@ class CheckpointManager:
             not prioritised: a lowered thread holding it delays the training thread until it gets a
             core; a due save waits for a lowered one still running (``on_busy="wait"``), hence off by
             default (measured: :mod:`ckptstore._manager.save_queue`, "Background priority").
+        background_duty: the share of its wall time (0 < d <= 1) the thread that runs the saves
+            (THREAD executor) may spend on CPU in a save's bookkeeping — DCP's planning, the commit,
+            retention's listing: it first pauses a random 0-0.1 s, then between the pieces pauses in
+            proportion to the CPU each used (at most 0.2 s at a time; per save at most 2 s, a quarter
+            of ``group_timeout_s``, and a quarter of the time since the previous save was queued less
+            what that one took unpaused — the first save is not paced — and no pause once another save
+            is queued behind it), so their CPU is spread over more training steps instead of
+            lengthening the next one or two (:mod:`ckptstore._pace`). The bytes (frame encoders,
+            uploads) are never paced. Default None (1): unpaced; the last save after a preemption
+            signal is never paced. For loops whose cores the training keeps busy and whose saves are
+            small or skipped when busy (the torchft tier sets 0.02). ``SaveInfo.paused_s``: how long
+            a save paused.
         **writer_options: passed to :class:`ckptstore.StorageWriter` (``threads``, ``frame_size``,
             ``upload_timeout``, ``remote_options``, ...); ``world_size`` defaults to the job's.
             Among them ``replicas``: replication factor F — every node's objects are also copied to
@@ -222,11 +234,13 @@ class CheckpointManager:
         raise_errors: bool = True,
         group_timeout_s: float | None = None,
         background_nice: int | None = None,
+        background_duty: float | None = None,
         **writer_options: Any,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError("on_busy must be 'wait' or 'skip'")
         background_nice = resolve_nice(background_nice, 0)
+        background_duty = _check_duty(background_duty)
         kind = _executor_kind(executor, interval_steps, max_pending, writer_options)
         if key_file is not None:
             from .codec.crypto import key_or_file
@@ -251,7 +265,7 @@ class CheckpointManager:
         self._open_rooms(key=key, retention=retention, durability=durability, kind=kind, max_pending=max_pending,
                          save_rng=save_rng, per_rank_keys=per_rank_keys, writer_options=writer_options,
                          on_busy=on_busy, raise_errors=raise_errors, group_timeout_s=group_timeout_s,
-                         background_nice=background_nice)
+                         background_nice=background_nice, background_duty=background_duty)
         self._events = EventSink(rank=self.rank, world=self._job.world, root=self.root, remote=remote,
                                  writer=self._writer, event_log=event_log, on_event=on_event,
                                  metrics_file=metrics_file, progress_s=progress_s)
@@ -267,7 +281,8 @@ class CheckpointManager:
 
     def _open_rooms(self, *, key, retention, durability: str, kind: str, max_pending: int, save_rng: bool,
                     per_rank_keys, writer_options: dict, on_busy: str = "wait", raise_errors: bool = True,
-                    group_timeout_s: float | None = None, background_nice: int = 0) -> None:
+                    group_timeout_s: float | None = None, background_nice: int = 0,
+                    background_duty: float | None = None) -> None:
         """The writer, then the manager's group (after any group the writer makes: every rank makes
         them in the same order), the save queue, the state dicts and the restorer."""
         from .choice import version_pattern
@@ -295,7 +310,7 @@ class CheckpointManager:
         self._states = StateDicts(self.rank, per_rank_keys, save_rng)
         self._saves = SaveQueue(writer=self._writer, job=self._job, remote=self.remote is not None, executor=kind,
                                 max_pending=max_pending, report=self._report, on_busy=on_busy,
-                                raise_errors=raise_errors, nice=background_nice)
+                                raise_errors=raise_errors, nice=background_nice, duty=background_duty)
         self._restorer = Restorer(writer=self._writer, job=self._job, states=self._states)
         self._last_call: tuple[int, float] | None = None
         self._step_time: float | None = None
@@ -677,6 +692,15 @@ def _executor_kind(executor, interval_steps: int | None, max_pending: int, write
         raise ValueError("replicas= needs executor='thread': the copies travel between the trainers' processes, "
                          "which DCP's checkpoint subprocess is not")
     return kind
+
+
+def _check_duty(duty: float | None) -> float | None:
+    """``background_duty`` checked: None (unpaced) for None or 1; ``ValueError`` outside (0, 1]."""
+    if duty is None:
+        return None
+    if isinstance(duty, bool) or not isinstance(duty, (int, float)) or not 0 < duty <= 1:
+        raise ValueError(f"background_duty must be a share of one core's time in (0, 1] (or None), not {duty!r}")
+    return None if duty == 1 else float(duty)
 
 
 def _check_bounds(fall_back_after: int | None, grace_s: float | None, progress_s: float) -> None:

@@ -862,6 +862,11 @@ def test_hsdp_groups_of_two_ranks_save_every_shard_and_cold_restart_exactly(tmp_
         for r in range(2):
             (end,) = [x for x in job.lines(g, r) if "save_nice" in x and x["launch"] == "1"]
             assert end["save_nice"] == [min(19, end["main_nice"] + 19)] and end["main_nice"] < 19, end
+            # and paced (background_duty=0.02): every committed save after each manager's first (no cadence
+            # known yet) paused; positions were saved at the first step and at step 6
+            (final,) = [x for x in job.lines(g, r) if x.get("final") and x["launch"] == "1"]
+            p = final["paused"]
+            assert len(p["positions"]) >= 2 and all(p["positions"][1:]) and all(p["main"][1:]), final
     from ckptstore.manifest import catalogue
     from ckptstore.tiers.local import LocalTier
 

@@ -229,7 +229,11 @@ def run_group(cfg: dict, group: int, launch: str, rank: int = 0) -> None:
         while not os.path.exists(cfg["close_wait"]):
             time.sleep(0.05)
     tier.close()
-    out.write(json.dumps({"launch": launch, "final": True, "stats": tier.stats(),
+    # whether each committed save of the tier's two managers paused between the pieces of its bookkeeping
+    paused = {k: [i.paused_s > 0 for i in m._saves.infos if i.local_commit_s is not None]
+              for k, m in (("main", getattr(tier, "_main", None)), ("positions", getattr(tier, "_positions", None)))
+              if m is not None}
+    out.write(json.dumps({"launch": launch, "final": True, "stats": tier.stats(), "paused": paused,
                           "transport": dict(transport.stats) if transport is not None else None,
                           "close_s": time.perf_counter() - t_end}) + "\n")
     out.close()

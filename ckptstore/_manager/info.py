@@ -27,6 +27,9 @@ class SaveInfo:
     #: not made: ``replica_error`` names them; the version is committed on its own roots)
     replicas: str | None = None
     replica_error: str | None = None
+    #: seconds the thread that ran the save paused between the pieces of its bookkeeping
+    #: (``background_duty``, ckptstore/_pace.py; 0.0: not paced)
+    paused_s: float = 0.0
 
 
 @dataclasses.dataclass

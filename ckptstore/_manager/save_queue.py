@@ -36,6 +36,12 @@ default (0); the torchft tier, whose due save is skipped instead, lowers its sav
 save after a preemption signal (``urgent``) runs on a new worker at the process's own priority, once
 the saves queued before it are done: an unprivileged thread cannot raise its priority back
 (``RLIMIT_NICE``), so the lowered worker is ended instead.
+
+**Background pacing.** With ``duty`` (``background_duty``) the worker thread pauses between the
+pieces of a save's bookkeeping so that its own CPU stays at most that share of its wall time
+(:mod:`ckptstore._pace`): the CPU is spread over more training steps rather than taken from the next
+one or two, which priority alone does not do (measured there). ``SaveInfo.paused_s`` says how long a
+save paused. The last save after a preemption signal runs on a new, unpaced worker, as above.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import CkptStoreError, JobBrokenError
+from .. import _pace
 from .. import errors as _errors
 from .job import group_failure, short_cause
 
@@ -69,10 +76,16 @@ class SaveQueue:
     :attr:`infos` lists every save's :class:`~.info.SaveInfo`, oldest first (guarded by ``lock``)."""
 
     def __init__(self, *, writer, job, remote: bool, executor: str, max_pending: int, report: Callable,
-                 on_busy: str = "wait", raise_errors: bool = True, nice: int = 0) -> None:
+                 on_busy: str = "wait", raise_errors: bool = True, nice: int = 0, duty: float | None = None) -> None:
         self.executor = executor
         #: how much the worker thread lowers its priority (the nice increment; 0: not at all; Linux only)
         self.nice = nice if sys.platform.startswith("linux") else 0
+        #: the worker thread's CPU at most this share of its wall time (:mod:`ckptstore._pace`; None: unpaced)
+        self.duty = duty
+        self._last_submit: float | None = None  # when the previous save was queued (monotonic)
+        self._last_busy_s = 0.0  # how long the previous save ran, without its pauses (seconds)
+        #: set: the running save pauses no more (hurry(), or a save queued behind it; cleared when the next starts)
+        self._hurry = threading.Event()
         self.on_busy = on_busy
         self.raise_errors_later = raise_errors
         self._writer, self._job, self._remote, self._report = writer, job, remote, report
@@ -120,11 +133,19 @@ class SaveQueue:
             t_stage = time.monotonic()
             staged = self._writer.stage(sd)
             extra["stage_s"] = time.monotonic() - t_stage
-            if urgent and self.nice:
+            if urgent and (self.nice or self.duty is not None):
                 self._full_priority(deadline)
             self._ensure_worker()
+            # a paced save pauses at most a quarter of the time since the previous save was queued, less
+            # what the previous save took without its pauses, so pacing never carries it into the next
+            # one's turn; the first (no cadence yet) is not paced
+            now = time.monotonic()
+            budget = 0.0 if self._last_submit is None else max(0.0, (now - self._last_submit) / 4 - self._last_busy_s)
+            self._last_submit = now
             try:  # blocks while max_pending saves wait (policy: wait)
-                self._queue.put((info, staged, t0), timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
+                self._queue.put((info, staged, t0, budget),
+                                timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
+                self._hurry.set()  # a save in progress ahead of this one pauses no more
             except queue.Full:
                 raise CkptStoreError("the saves in flight did not start within the grace period") from None
             info.blocked_s = time.monotonic() - t0
@@ -145,6 +166,10 @@ class SaveQueue:
         info.blocked_s = info.local_commit_s = time.monotonic() - t0
         self._track_remote(info, t0)
 
+    def hurry(self) -> None:
+        """The save running now (a paced one) pauses no more: its owner expects the next one soon."""
+        self._hurry.set()
+
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._run, name="ckptstore-manager", daemon=True)
@@ -152,8 +177,8 @@ class SaveQueue:
 
     def _full_priority(self, deadline: float | None) -> None:
         """Before an urgent save: once the saves queued before it are done (until ``deadline``,
-        monotonic, :class:`CkptStoreError` past it; None: no bound), end the lowered worker; the next
-        one starts at the priority of the thread calling this (the training thread's)."""
+        monotonic, :class:`CkptStoreError` past it; None: no bound), end the lowered (or paced) worker;
+        the next one starts at the priority of the thread calling this (the training thread's), unpaced."""
         q, w = self._queue, self._worker
         with q.all_tasks_done:
             while q.unfinished_tasks and w is not None and w.is_alive():  # a dead worker runs nothing
@@ -166,21 +191,41 @@ class SaveQueue:
             w.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._worker = None
         self.nice = 0
+        self.duty = None
 
     def _run(self) -> None:
         if self.nice:
             lower_priority(self.nice)
+        pacer = None
+        if self.duty is not None:
+            timeout = None if self._job.timeout is None else self._job.timeout.total_seconds()
+            # a save waiting behind this one: no more pauses (the next due save is never skipped for them)
+            pacer = _pace.Pacer(self.duty, _pace.budget_for(timeout), hurry=self._hurry)
+            _pace.install(pacer)
         while True:
             job = self._queue.get()
             try:
                 if job is None:
                     return
-                info, staged, t0 = job
+                info, staged, t0, budget = job
                 try:
                     self._job.check()  # the group may have broken since save() queued it: never run it
-                    dcp.save(staged, checkpoint_id=info.version, storage_writer=self._writer, process_group=self._job.pg)
+                    t_run = time.monotonic()
+                    self._hurry.clear()
+                    if self._queue.qsize():
+                        self._hurry.set()  # another save waits behind this one
+                    if pacer is not None:
+                        pacer.start(budget)
+                    try:
+                        dcp.save(staged, checkpoint_id=info.version, storage_writer=self._writer,
+                                 process_group=self._job.pg)
+                    finally:
+                        if pacer is not None:
+                            info.paused_s = pacer.slept
+                        self._last_busy_s = time.monotonic() - t_run - info.paused_s
                     del staged
                     info.local_commit_s = time.monotonic() - t0
+                    _pace.point()
                     self._track_remote(info, t0)
                 except BaseException as e:  # CheckpointException is a BaseException
                     staged = job = None  # noqa: F841 - the host copy goes back to the stager now

@@ -144,7 +144,7 @@ class EventSink:
             uploaded_bytes=(None if m is None else m.stored_bytes) if remote_ok else (0 if self.remote else None),
             durability="remote" if remote_ok else ("local" if info.local_commit_s is not None else None),
             outcome=outcome, error="; ".join(e for e in (info.error, info.replica_error) if e) or None,
-            replicas=info.replicas, nonfinite=None if m is None else m.nonfinite_count,
+            replicas=info.replicas, nonfinite=None if m is None else m.nonfinite_count, paused_s=info.paused_s,
         )
         for pruned in self._writer.pruned():
             self.emit("gc", source="retention", **pruned)

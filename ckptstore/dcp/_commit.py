@@ -15,7 +15,7 @@ import time
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .. import _faults
+from .. import _faults, _pace
 from ..codec import FrameCodec, xxh3
 from ..codec.crypto import FrameCipher
 from ..errors import (CkptStoreError, CommitRefusedError, FencedError, InvalidNameError, ManifestError, ObjectNotFoundError,
@@ -84,6 +84,7 @@ class Committer(OwnLock):
         write ``results``; returns the manifest, its bytes and the ranks' upload failures.
         ``timed(version, **seconds)`` records ``commit_s`` and ``replicate_s``."""
         t0 = time.monotonic()
+        _pace.point()  # a paced save thread pauses before the commit, never between its fence check and commit point
         reports, digests, tables, extras = collect(results)
         upload_failures = [x for x in extras if isinstance(x, UploadFailure)]
         roots = [x for x in extras if isinstance(x, RootReport)]
@@ -94,6 +95,7 @@ class Committer(OwnLock):
             self.guard.check_world(len(results), f"the commit of {s.version!r}")
             _check_same_values(digests)
             m, body = self.seal(s, metadata, tables, reports, world_size=len(results), placement=split, domains=doms)
+            _pace.point()
             self.check_committable(s, m, body)
             self.guard.check_trainer(f"the local commit of {s.version!r}")
             self.check_owner(s.version)

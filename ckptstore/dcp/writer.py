@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DCPStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .. import _pace
 from .._names import check_version
 from ..codec.crypto import key_or_file
 from ..codec.stages import env_threads
@@ -440,6 +441,7 @@ class StorageWriter(_DCPStorageWriter):
         return StorageMeta(checkpoint_id=s.version, save_id=s.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        _pace.point()  # a paced save thread's pieces end at each hook (ckptstore/_pace.py)
         s = self._cur(starting=True)
         self._planner.begin(s, is_coordinator, kwargs)
         self._follower.wait(self.upload_timeout)  # the previous save's copy into this root, if any
@@ -448,12 +450,17 @@ class StorageWriter(_DCPStorageWriter):
         self._planner.check_existing(s)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        _pace.point()
         return self._planner.local_plan(self._cur(), plan, want_base=self.incremental and self._inc.wants_base)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return self._planner.global_plan(self._cur(), plans)
+        _pace.point()
+        plans = self._planner.global_plan(self._cur(), plans)
+        _pace.point()
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        _pace.point()
         s = self._cur()
         staged: list[int] = []  # storage address of the first staged tensor: which host copy to free
         t0 = time.monotonic()
@@ -472,6 +479,7 @@ class StorageWriter(_DCPStorageWriter):
         self._guard.check_trainer(f"to report the write results of {s.version!r}")
         fut: Future = Future()
         fut.set_result(results)
+        _pace.point()
         return fut
 
     def _reclaim_failed(self, s: Save) -> None:
@@ -552,6 +560,7 @@ class StorageWriter(_DCPStorageWriter):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        _pace.point()
         s = self._cur()
         if s.attempt is None:  # a rank-less save (empty plans everywhere)
             raise CkptStoreError("finish() called before write_data(); this is a DCP protocol error")

@@ -110,6 +110,9 @@ log = logging.getLogger("ckptstore.integrations.torchft")
 #: the kill switch: ``CKPTSTORE_TORCHFT_DURABLE=0`` (or ``off``/``false``/``no``) turns the tier off
 ENV_DISABLE = "CKPTSTORE_TORCHFT_DURABLE"
 LoaderChoice = _st.LoaderChoice
+#: the share of its wall time a tier's save thread spends on CPU in a save's bookkeeping (``background_duty``
+#: of :class:`ckptstore.CheckpointManager`; docs/torchft.md, "The tier in the step-time tail")
+_DUTY = 0.02
 #: the most steps between two decisions of a group of several ranks (a positions save, or seeing
 #: that the previous one finished, waits at most this many steps beyond the positions interval)
 _MAX_DECISION_GAP = 64
@@ -354,6 +357,11 @@ class DurableTier:
             0 (or ``CKPTSTORE_BACKGROUND_NICE`` when set): the tier's saves never block a step (a due
             save while one runs is skipped), so a lowered save can only be skipped, never hold up
             training, and a due step's cost spreads over more steps (docs/torchft.md).
+            ``background_duty`` (the share of its wall time the save thread spends on a save's
+            bookkeeping, between pauses) defaults to 0.02 here, where :class:`ckptstore.CheckpointManager`
+            leaves it unpaced: a tier's save of a small state is all bookkeeping (10-16 ms of CPU per
+            rank), and paced it is spread over about a second of steps instead of lengthening the
+            next one or two (docs/torchft.md, "The tier in the step-time tail").
     """
 
     def __init__(self, root: str | os.PathLike, manager: Any, state: dict[str, Any], *, group: int,
@@ -401,6 +409,7 @@ class DurableTier:
         self._rewind = False
         self._last_step = manager.current_step()
         self._positions_saved: int | None = None  # the step of the newest positions save started
+        self._main_step: int | None = None  # the step of the newest main save started here
         self._positions_t = float("-inf")  # when it started (monotonic)
         self.positions_every_s = None if positions_every_s is None else float(positions_every_s)
         self._journal = None  # this rank's positions journal (a loader, the tier on)
@@ -437,8 +446,11 @@ class DurableTier:
 
         # a save here never blocks a step (on_busy="skip"): lowered, it can only be skipped
         nice = resolve_nice(writer_options.pop("background_nice", None), 19)
+        # and paced: its bookkeeping's CPU spread over many steps, never the next one or two (ckptstore/_pace.py)
+        duty = writer_options.pop("background_duty", _DUTY)
         common = dict(remote=remote, key=key, durability=durability, on_busy="skip", raise_errors=False,
-                      save_on_signal=None, group_timeout_s=self.timeout_s, save_rng=False, background_nice=nice)
+                      save_on_signal=None, group_timeout_s=self.timeout_s, save_rng=False, background_nice=nice,
+                      background_duty=duty)
         from .. import CheckpointManager
         from ..retention import KeepLast, RetentionPolicy
 
@@ -726,6 +738,7 @@ class DurableTier:
             dt = now - self._step_t
             self._step_s = dt if self._step_s is None else 0.8 * self._step_s + 0.2 * dt
         self._step_t = now
+        self._hurry_saves(step)
         agreed = self._agreed(step)
         if not self.enabled:  # the group lost a rank
             self._last_step = step
@@ -754,8 +767,18 @@ class DurableTier:
                 meta = _st.manifest_user(_ft.quorum_id(self.manager), self.group, _ft.replica_prefix(self.manager),
                                          self.manager.num_participants(), self.manager.state_dict())
                 self._guard("main", lambda: self._main.save(step, self._state, force=True, metadata=meta))
+                self._main_step = step
         self._post_agreement(step)
         return committed
+
+    def _hurry_saves(self, step: int) -> None:
+        """A save of the tier still paused a quarter of an interval after its step pauses no more
+        (ckptstore/_pace.py): pacing never carries it into the next due step, also when steps just
+        became much faster than the cadence it was paced for."""
+        quarter = max(1, self.interval_steps // 4)
+        for mgr, started in ((self._main, self._main_step), (self._positions, self._positions_saved)):
+            if started is not None and step - started >= quarter:
+                mgr._saves.hurry()
 
     def _lost_live_job(self, step: int) -> bool:
         """At the first committed step after this group joined a live job (at step N, the lighthouse
