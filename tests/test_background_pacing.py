@@ -101,7 +101,8 @@ def _saves(tmp_path, gap_s: float = 0.0, **kw) -> tuple[list, dict]:
             time.sleep(gap_s)
     finally:
         m.close()
-    lines = [json.loads(x) for x in open(tmp_path / "events.jsonl")] if (tmp_path / "events.jsonl").exists() else []
+    log = tmp_path / "events.jsonl"
+    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     return infos, {x["step"]: x for x in lines if x.get("kind") == "save"}
 
 

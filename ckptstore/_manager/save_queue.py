@@ -58,9 +58,9 @@ from typing import Callable
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from ..errors import CkptStoreError, JobBrokenError
 from .. import _pace
 from .. import errors as _errors
+from ..errors import CkptStoreError, JobBrokenError
 from .job import group_failure, short_cause
 
 log = logging.getLogger("ckptstore")
