@@ -20,7 +20,8 @@ several processes start at one step begin at different steps), so a save is neve
 group's collective timeout; the save queue also gives each save at most a quarter of the time since
 the previous one was queued, less what the previous one took without its pauses (the first save, with
 no cadence known, is not paced), and a save stops pausing once another is waiting behind it
-(``hurry``): pacing never makes a save late for the next one. Points sit outside locks and never between a commit's fence check and
+(``hurry``; also once its owner waits for it, closes, or must save after a preemption signal):
+pacing never makes a save late for the next one. Points sit outside locks and never between a commit's fence check and
 its commit point. The encoder and upload threads are never paced (a small save's few frames are
 encoded on the save thread, within a piece). Where no pacer is installed (every other thread)
 :func:`point` is one thread-local lookup.
@@ -28,6 +29,7 @@ encoded on the save thread, within a piece). Where no pacer is installed (every 
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -43,6 +45,10 @@ START_JITTER_S = 0.1
 MAX_BUDGET_S = 2.0
 
 _local = threading.local()
+#: the random first pauses draw from a generator of their own, seeded from the OS: never from the
+#: ``random`` module's, whose state a training loop may seed, save and restore (a paced save must not
+#: change what a resumed run draws), and never the same on ranks seeded alike
+_rng = random.Random(os.urandom(16))
 
 
 class Pacer:
@@ -67,7 +73,7 @@ class Pacer:
         pacer's budget; never more), and the first is a random one (up to :data:`START_JITTER_S`)."""
         self.slept = 0.0
         self.save_budget_s = self.budget_s if budget_s is None else min(self.budget_s, max(0.0, budget_s))
-        pause = min(random.uniform(0.0, START_JITTER_S), self.save_budget_s)
+        pause = min(_rng.uniform(0.0, START_JITTER_S), self.save_budget_s)
         if pause > 0 and not self.hurry.is_set():
             t0 = time.monotonic()
             self.hurry.wait(pause)

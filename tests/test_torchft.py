@@ -10,6 +10,7 @@ number of groups changed, whether a job is live) are pure functions, table-teste
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -498,7 +499,16 @@ def test_a_killed_group_continues_at_its_exact_position_from_its_journal(tmp_pat
     assert r["kind"] == "join" and r["loader"]["how"] == "peer" and r["loader"]["step"] == 7, r
     assert _launch_repeats(job, 1) == [0]
     _check_exact_samples(job, [0], {0: tg.shard_order(0)})
-    assert {"step-5", "step-15", "step-20"} <= {v.version for v in _versions(tmp_path / "root")}
+    lines = [json.loads(x) for x in (tmp_path / "root" / "events.jsonl").read_text().splitlines()]
+    saves = {x["version"]: x for x in lines if x.get("kind") == "save" and str(x.get("version")).startswith("step-")}
+    assert {"step-5", "step-10", "step-15"} <= {v.version for v in _versions(tmp_path / "root")}
+    # once group 1 is back the steps take milliseconds: the last due save may find step-15's still
+    # running and be skipped (reported, never waited for: docs/FORMAT.md, Save rule 9)
+    assert "step-20" in {v.version for v in _versions(tmp_path / "root")} or (
+        saves["step-20"]["outcome"] == "skipped" and "still running" in saves["step-20"]["error"]), saves.get("step-20")
+    # the tier's saves are paced (background_duty=0.02, ckptstore/_pace.py): step-10, seconds after step-5
+    # (group 1 was away), paused between the pieces of its bookkeeping; a manager's first save does not
+    assert saves["step-5"]["paused_s"] == 0.0 and saves["step-10"]["paused_s"] > 0, saves
     REPORT.append(f"journal: group 1 killed at step 8 continued at its position of step 7, 0 batches repeated "
                   f"({took:.0f} s)")
 
@@ -862,11 +872,6 @@ def test_hsdp_groups_of_two_ranks_save_every_shard_and_cold_restart_exactly(tmp_
         for r in range(2):
             (end,) = [x for x in job.lines(g, r) if "save_nice" in x and x["launch"] == "1"]
             assert end["save_nice"] == [min(19, end["main_nice"] + 19)] and end["main_nice"] < 19, end
-            # and paced (background_duty=0.02): every committed save after each manager's first (no cadence
-            # known yet) paused; positions were saved at the first step and at step 6
-            (final,) = [x for x in job.lines(g, r) if x.get("final") and x["launch"] == "1"]
-            p = final["paused"]
-            assert len(p["positions"]) >= 2 and all(p["positions"][1:]) and all(p["main"][1:]), final
     from ckptstore.manifest import catalogue
     from ckptstore.tiers.local import LocalTier
 

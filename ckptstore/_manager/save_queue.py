@@ -46,6 +46,7 @@ save paused. The last save after a preemption signal runs on a new, unpaced work
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -83,9 +84,12 @@ class SaveQueue:
         #: the worker thread's CPU at most this share of its wall time (:mod:`ckptstore._pace`; None: unpaced)
         self.duty = duty
         self._last_submit: float | None = None  # when the previous save was queued (monotonic)
-        self._last_busy_s = 0.0  # how long the previous save ran, without its pauses (seconds)
-        #: set: the running save pauses no more (hurry(), or a save queued behind it; cleared when the next starts)
+        self._last_busy_s = 0.0  # the CPU the previous save took on this thread (seconds)
+        #: set: the running save pauses no more (hurry(), a save queued behind it, or someone waiting
+        #: for the saves; cleared when the next starts unless one of the last two still holds)
         self._hurry = threading.Event()
+        self._waiters = 0  # callers waiting for the saves (wait, drain, stop, an urgent save)
+        self._waiters_lock = threading.Lock()
         self.on_busy = on_busy
         self.raise_errors_later = raise_errors
         self._writer, self._job, self._remote, self._report = writer, job, remote, report
@@ -137,8 +141,8 @@ class SaveQueue:
                 self._full_priority(deadline)
             self._ensure_worker()
             # a paced save pauses at most a quarter of the time since the previous save was queued, less
-            # what the previous save took without its pauses, so pacing never carries it into the next
-            # one's turn; the first (no cadence yet) is not paced
+            # the CPU the previous one took, so pacing never carries it into the next one's turn; the
+            # first (no cadence yet) is not paced
             now = time.monotonic()
             budget = 0.0 if self._last_submit is None else max(0.0, (now - self._last_submit) / 4 - self._last_busy_s)
             self._last_submit = now
@@ -167,7 +171,8 @@ class SaveQueue:
         self._track_remote(info, t0)
 
     def hurry(self) -> None:
-        """The save running now (a paced one) pauses no more: its owner expects the next one soon."""
+        """The save running now (a paced one) pauses no more: its owner expects the next one soon (a
+        call before the worker takes the save is cleared when it starts)."""
         self._hurry.set()
 
     def _ensure_worker(self) -> None:
@@ -179,6 +184,25 @@ class SaveQueue:
         """Before an urgent save: once the saves queued before it are done (until ``deadline``,
         monotonic, :class:`CkptStoreError` past it; None: no bound), end the lowered (or paced) worker;
         the next one starts at the priority of the thread calling this (the training thread's), unpaced."""
+        with self._hurrying():  # the saves ahead of it pause no more
+            self._wait_worker(deadline)
+        self._worker = None
+        self.nice = 0
+        self.duty = None
+
+    @contextlib.contextmanager
+    def _hurrying(self):
+        """While in it: the saves in flight and those that start pause no more (someone waits for them)."""
+        with self._waiters_lock:
+            self._waiters += 1
+        self._hurry.set()
+        try:
+            yield
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
+
+    def _wait_worker(self, deadline: float | None) -> None:
         q, w = self._queue, self._worker
         with q.all_tasks_done:
             while q.unfinished_tasks and w is not None and w.is_alive():  # a dead worker runs nothing
@@ -189,9 +213,6 @@ class SaveQueue:
         if w is not None and w.is_alive():
             q.put(None)  # the worker is idle in get(): it takes this and returns
             w.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._worker = None
-        self.nice = 0
-        self.duty = None
 
     def _run(self) -> None:
         if self.nice:
@@ -210,10 +231,10 @@ class SaveQueue:
                 info, staged, t0, budget = job
                 try:
                     self._job.check()  # the group may have broken since save() queued it: never run it
-                    t_run = time.monotonic()
+                    c_run = time.thread_time()
                     self._hurry.clear()
-                    if self._queue.qsize():
-                        self._hurry.set()  # another save waits behind this one
+                    if self._queue.qsize() or self._waiters:
+                        self._hurry.set()  # another save waits behind this one, or someone waits for it
                     if pacer is not None:
                         pacer.start(budget)
                     try:
@@ -222,10 +243,9 @@ class SaveQueue:
                     finally:
                         if pacer is not None:
                             info.paused_s = pacer.slept
-                        self._last_busy_s = time.monotonic() - t_run - info.paused_s
+                        self._last_busy_s = time.thread_time() - c_run  # its own CPU, not peers' pauses
                     del staged
                     info.local_commit_s = time.monotonic() - t0
-                    _pace.point()
                     self._track_remote(info, t0)
                 except BaseException as e:  # CheckpointException is a BaseException
                     staged = job = None  # noqa: F841 - the host copy goes back to the stager now
@@ -361,7 +381,8 @@ class SaveQueue:
             self.wait_process()
         else:
             if self._worker is not None:
-                self._queue.join()
+                with self._hurrying():  # a paced save someone waits for pauses no more
+                    self._queue.join()
             self._writer.wait_copies()  # committed "locally" includes this rank's root (node-local roots)
         self.raise_errors()
 
@@ -376,14 +397,19 @@ class SaveQueue:
         return up is not None and bool(up.in_flight())
 
     def stop(self) -> None:
-        """End the worker thread once the saves queued before have run."""
+        """End the worker thread once the saves queued before have run (unpaused from now)."""
         if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+            with self._hurrying():
+                self._queue.put(None)
+                self._worker.join()
 
     def drain(self, left: Callable[[], float | None]) -> list[str]:
         """Wait for the saves in flight at most ``left()`` seconds (None: no bound), end the worker;
         return what did not finish and the errors not raised yet (close after a preemption signal)."""
+        with self._hurrying():  # the saves in flight pause no more
+            return self._drain(left)
+
+    def _drain(self, left: Callable[[], float | None]) -> list[str]:
         problems = []
         if self.executor == "process":
             if not self.wait_process(left()):
