@@ -11,7 +11,7 @@ background worker, the way a checkpoint save is handed to its thread. Modes:
   under ``SCHED_IDLE``;
 * ``proc-nice19``, ``proc-idle``: a process of its own (no GIL shared with training), nice 19 / ``SCHED_IDLE``;
 * ``paced``: a nice-19 thread paced by ckptstore's own :class:`ckptstore._pace.Pacer` at ``--duty``
-  (default 0.05, the torchft tier's), the burst passing a pace point every 0.2 ms of its CPU.
+  (default 0.02, the torchft tier's), the burst passing a pace point every 0.2 ms of its CPU.
 
 Printed per run: step p50 and p99 (ms, steps after the first 100, every rank), p99 ÷ p50, and the
 excess of the 6 and of the 40 steps after each burst over the median (ms, rank 0); then per mode the
@@ -159,7 +159,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--burst-ms", type=float, default=15.0)
-    ap.add_argument("--duty", type=float, default=0.05)
+    ap.add_argument("--duty", type=float, default=0.02)
     ap.add_argument("--world", type=int, default=6)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--modes", default="none,thread-nice19,proc-nice19,paced")
