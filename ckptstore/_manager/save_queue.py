@@ -146,10 +146,12 @@ class SaveQueue:
             now = time.monotonic()
             budget = 0.0 if self._last_submit is None else max(0.0, (now - self._last_submit) / 4 - self._last_busy_s)
             self._last_submit = now
+            if self._queue.unfinished_tasks:
+                self._hurry.set()  # a save in flight ahead of this one pauses no more (set before the put:
+                # an idle worker that takes this save at once clears it for its own start)
             try:  # blocks while max_pending saves wait (policy: wait)
                 self._queue.put((info, staged, t0, budget),
                                 timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
-                self._hurry.set()  # a save in progress ahead of this one pauses no more
             except queue.Full:
                 raise CkptStoreError("the saves in flight did not start within the grace period") from None
             info.blocked_s = time.monotonic() - t0
