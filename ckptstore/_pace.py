@@ -18,11 +18,11 @@ of its wall time — at most :data:`MAX_SLEEP_S` at a time and at most ``budget_
 :meth:`Pacer.start`, whose first pause is a random one of up to :data:`START_JITTER_S`: saves that
 several processes start at one step begin at different steps), so a save is never held past its
 group's collective timeout; the save queue also gives each save at most a quarter of the time since
-the previous one was queued, less what the previous one took without its pauses (the first save, with
-no cadence known, is not paced), and a save stops pausing once another is waiting behind it
-(``hurry``; also once its owner waits for it, closes, or must save after a preemption signal):
-pacing never makes a save late for the next one. Points sit outside locks and never between a commit's fence check and
-its commit point. The encoder and upload threads are never paced (a small save's few frames are
+the previous one was queued, less the CPU the previous one took (the first save, with no cadence
+known, is not paced), and a save stops pausing once another is waiting behind it (``hurry``; also
+once its owner waits for it, closes, or must save after a preemption signal; the torchft tier hurries
+its saves a quarter of an interval after their step). Points sit outside locks and never between a
+commit's fence check and its commit point. The encoder and upload threads are never paced (a small save's few frames are
 encoded on the save thread, within a piece). Where no pacer is installed (every other thread)
 :func:`point` is one thread-local lookup.
 """
