@@ -21,8 +21,10 @@ group's collective timeout; the save queue also gives each save at most a quarte
 the previous one was queued, less the CPU the previous one took (the first save, with no cadence
 known, is not paced), and a save stops pausing once another is waiting behind it (``hurry``; also
 once its owner waits for it, closes, or must save after a preemption signal; the torchft tier hurries
-its saves a quarter of an interval after their step). Points sit outside locks and never between a
-commit's fence check and its commit point. The encoder and upload threads are never paced (a small save's few frames are
+its saves a quarter of an interval after their step). Points sit outside locks, never between a
+commit's fence check and its commit point, and never between retention's listing of the root and its
+deletions (that pass is one piece: a pause there would widen the time in which a version committed
+by another writer after the listing could reference objects about to be deleted). The encoder and upload threads are never paced (a small save's few frames are
 encoded on the save thread, within a piece). Where no pacer is installed (every other thread)
 :func:`point` is one thread-local lookup.
 """
@@ -73,11 +75,7 @@ class Pacer:
         pacer's budget; never more), and the first is a random one (up to :data:`START_JITTER_S`)."""
         self.slept = 0.0
         self.save_budget_s = self.budget_s if budget_s is None else min(self.budget_s, max(0.0, budget_s))
-        pause = min(_rng.uniform(0.0, START_JITTER_S), self.save_budget_s)
-        if pause > 0 and not self.hurry.is_set():
-            t0 = time.monotonic()
-            self.hurry.wait(pause)
-            self.slept = time.monotonic() - t0
+        self._pause(min(_rng.uniform(0.0, START_JITTER_S), self.save_budget_s))
         self.mark = time.thread_time()
 
     def point(self) -> None:
@@ -85,13 +83,16 @@ class Pacer:
         used = now - self.mark
         if used < QUANTUM_S:
             return
-        left = self.save_budget_s - self.slept
-        if left > 0 and not self.hurry.is_set():
-            pause = min(used * (1.0 / self.duty - 1.0), MAX_SLEEP_S, left)
-            t0 = time.monotonic()
-            self.hurry.wait(pause)
-            self.slept += min(pause, time.monotonic() - t0)
+        self._pause(min(used * (1.0 / self.duty - 1.0), MAX_SLEEP_S, self.save_budget_s - self.slept))
         self.mark = time.thread_time()
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds`` (none when not positive, or hurried: a ``hurry`` set meanwhile ends it),
+        counted in :attr:`slept`."""
+        if seconds > 0 and not self.hurry.is_set():
+            t0 = time.monotonic()
+            self.hurry.wait(seconds)
+            self.slept += min(seconds, time.monotonic() - t0)
 
 
 def install(pacer: Pacer | None) -> None:

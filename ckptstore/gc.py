@@ -614,9 +614,8 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     if not rules:
         return []
     try:
-        _pace.point()  # a paced save thread's pieces (ckptstore/_pace.py)
+        _pace.point()  # a paced save thread's piece ends here; the listing up to the deletions is one (ckptstore/_pace.py)
         entries = catalogue.scan(tier)
-        _pace.point()
         mine = order_key(committed.step, committed.seq, committed.created, committed.version)
         # the versions in the policy's scope only: the others are kept whatever it decides (a root
         # that several managers share: one save does not build records of every other series)
@@ -629,13 +628,11 @@ def apply_after_commit(tier: Tier, policy: RetentionPolicy | None, committed: Ma
     except Exception as e:  # noqa: BLE001 - the save is committed; retention is best effort
         log.warning("retention after committing %r in the %s tier failed: %s", committed.version, name, e)
         return []
-    _pace.point()
     gone = {d.version for d in decisions if not d.keep and d.version in entries}
     kept_refs = catalogue.referenced(entries, exclude=gone)
     for d in decisions:
         if d.keep or d.version not in entries:
             continue
-        _pace.point()
         try:
             remove_version(tier, d.version, entries[d.version].manifest, tier_name=name, reason="; ".join(d.reasons),
                            referenced=kept_refs)

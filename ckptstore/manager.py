@@ -162,8 +162,8 @@ class CheckpointManager:
             proportion to the CPU each used (at most 0.2 s at a time; per save at most 2 s, a quarter
             of ``group_timeout_s``, and a quarter of the time since the previous save was queued less
             the CPU that one took — the first save is not paced — and no pause once another save is
-            queued behind it or someone waits for the saves), so their CPU is spread over more training steps instead of
-            lengthening the next one or two (:mod:`ckptstore._pace`). The bytes (frame encoders,
+            queued behind it or someone waits for the saves), so their CPU is spread over more
+            training steps instead of lengthening the next one or two (:mod:`ckptstore._pace`). The bytes (frame encoders,
             uploads) are never paced. Default None (1): unpaced; the last save after a preemption
             signal is never paced. For loops whose cores the training keeps busy and whose saves are
             small or skipped when busy (the torchft tier sets 0.02). ``SaveInfo.paused_s``: how long

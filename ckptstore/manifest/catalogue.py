@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import _pace
 from .._names import decode_version
 from ..codec import xxh128
 from ..errors import (
@@ -316,8 +315,6 @@ def version_dirs(tier: Tier, *, held: bool = False) -> dict[str, VersionDir]:
         try:
             with os.scandir(root) as it:
                 for e in it:
-                    if len(found) & 31 == 31:
-                        _pace.point()  # a paced save thread's retention pass (ckptstore/_pace.py)
                     try:
                         if not e.is_dir():
                             continue
